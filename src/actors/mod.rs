@@ -1,0 +1,5 @@
+//! The actors: one file each, with its messages beside its handlers.
+
+pub(crate) mod run;
+pub(crate) mod store;
+pub(crate) mod supervisor;

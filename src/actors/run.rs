@@ -1,0 +1,492 @@
+//! `RunActor`: executes one run's loop, from the call that started or resumed it until that call
+//! returns. Every move goes to the `StoreActor` before and after each side effect.
+
+use std::{any::Any, collections::BTreeMap, panic::AssertUnwindSafe, sync::Arc};
+
+use actix::{Actor, ActorContext, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use futures_util::FutureExt;
+use serde_json::Value;
+use tracing::Instrument;
+
+use super::store::{ApplyMove, ReadState, StoreActor};
+use crate::{
+    agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
+    error::{Error, Result},
+    store::sql::{self, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState, ToolDecision},
+    types::{ApprovalReason, Message as ChatMessage, ModelResponse, Outcome, PendingCall, RunId, RunOutcome, RunState, ToolCall, ToolResult},
+};
+
+/// The registry a supervisor hands to its runs: agent name to agent.
+pub(crate) type Agents = Arc<BTreeMap<String, Arc<Agent>>>;
+
+/// Executes one run; stops when the call it serves returns.
+pub(crate) struct RunActor {
+    cancellation: Cancellation,
+}
+
+impl RunActor {
+    pub(crate) fn new(cancellation: Cancellation) -> Self {
+        RunActor { cancellation }
+    }
+}
+
+impl Actor for RunActor {
+    type Context = Context<Self>;
+}
+
+/// What the call asks of the run.
+pub(crate) enum Job {
+    /// Insert the run, then execute it.
+    Start { agent: String, input: Value },
+    /// Continue a run that waits for approval, or whose executor died.
+    Resume,
+}
+
+/// Execute the run; the reply is the call's outcome.
+#[derive(Message)]
+#[rtype(result = "Result<RunOutcome>")]
+pub(crate) struct Execute {
+    pub run_id: RunId,
+    pub job: Job,
+    pub agents: Agents,
+    pub store: Addr<StoreActor>,
+}
+
+impl Handler<Execute> for RunActor {
+    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+
+    fn handle(&mut self, msg: Execute, _: &mut Context<Self>) -> Self::Result {
+        let span = tracing::info_span!("run", run_id = %msg.run_id);
+        let cancellation = self.cancellation.clone();
+        let run_id = msg.run_id.clone();
+        let work = async move {
+            let outcome = RunLoop::prepare(msg, cancellation).await?;
+            Ok(RunOutcome { run_id, outcome })
+        };
+        Box::pin(work.instrument(span).into_actor(self).map(|result, _, ctx| {
+            ctx.stop();
+            result
+        }))
+    }
+}
+
+/// Where the loop goes next.
+enum Next {
+    Continue,
+    Return(Outcome),
+}
+
+/// The state of one run's loop, kept in step with what it has committed.
+struct RunLoop {
+    run_id: RunId,
+    agent: Arc<Agent>,
+    input: Value,
+    store: Addr<StoreActor>,
+    cancellation: Cancellation,
+    steps: Vec<StepRow>,
+    /// What the model sees: built from the finished steps, in order.
+    messages: Vec<ChatMessage>,
+}
+
+impl RunLoop {
+    /// Starts or resumes the run (the first move), then drives it.
+    async fn prepare(msg: Execute, cancellation: Cancellation) -> Result<Outcome> {
+        let Execute { run_id, job, agents, store } = msg;
+        let find = |name: &str| agents.get(name).cloned().ok_or_else(|| Error::UnknownAgent(name.to_owned()));
+        let mut run = match job {
+            Job::Start { agent, input } => {
+                let found = find(&agent)?;
+                let (id, name, value) = (run_id.clone(), agent.clone(), input.clone());
+                send(&store, ApplyMove::new("create_run", move |tx, now| sql::create_run(tx, now, &id, &name, &value))).await?;
+                tracing::info!(agent = %agent, "run started");
+                RunLoop::new(run_id, found, input, store, cancellation, Vec::new())
+            }
+            Job::Resume => {
+                let id = run_id.clone();
+                let snapshot = send(&store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
+                let agent = find(&snapshot.run.agent)?;
+                match snapshot.run.state {
+                    RunState::WaitingForApproval => {
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, store, cancellation);
+                        if let Some(outcome) = run.resume_waiting(&snapshot).await? {
+                            return Ok(outcome);
+                        }
+                        run
+                    }
+                    RunState::Running => {
+                        let id = run_id.clone();
+                        let interrupted = send(&store, ApplyMove::new("take_over", move |tx, now| sql::take_over(tx, now, &id))).await?;
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, store, cancellation);
+                        for step in &mut run.steps {
+                            if interrupted.contains(&step.step) {
+                                step.state = StepState::Interrupted;
+                            }
+                        }
+                        tracing::info!(interrupted = interrupted.len(), "run taken over");
+                        run
+                    }
+                    state => {
+                        return Err(Error::RunState { run_id, state, reason: "a finished run cannot be resumed".into() });
+                    }
+                }
+            }
+        };
+        match run.drive().await {
+            // An operator cancelled the run: the loop stops at its next write.
+            Err(Error::RunState { state: RunState::Cancelled, .. }) => run.cancelled().await,
+            other => other,
+        }
+    }
+
+    fn new(run_id: RunId, agent: Arc<Agent>, input: Value, store: Addr<StoreActor>, cancellation: Cancellation, steps: Vec<StepRow>) -> Self {
+        let mut run = RunLoop { run_id, agent, input, store, cancellation, steps: Vec::new(), messages: Vec::new() };
+        for step in steps {
+            run.push_step(step);
+        }
+        run
+    }
+
+    fn from_snapshot(snapshot: &RunSnapshot, agent: Arc<Agent>, store: Addr<StoreActor>, cancellation: Cancellation) -> Self {
+        let run = &snapshot.run;
+        RunLoop::new(run.id.clone(), agent, run.input.clone(), store, cancellation, snapshot.steps.clone())
+    }
+
+    /// Adds a step; a finished one joins the conversation.
+    fn push_step(&mut self, step: StepRow) {
+        self.steps.push(step);
+        self.on_finished(self.steps.len() - 1);
+    }
+
+    /// Brings the conversation up to date with step `index` if it is finished.
+    fn on_finished(&mut self, index: usize) {
+        let step = &self.steps[index];
+        if step.state != StepState::Finished {
+            return;
+        }
+        let message = match (step.kind, &step.call, &step.result) {
+            (StepKind::Model, _, Some(result)) => serde_json::from_value::<ModelResponse>(result.clone()).ok().map(ChatMessage::Assistant),
+            (StepKind::Tool, Some(call), Some(result)) => serde_json::from_value::<ToolResult>(result.clone())
+                .ok()
+                .map(|result| ChatMessage::Tool { call_id: call.id.clone(), name: call.name.clone(), result }),
+            _ => None,
+        };
+        self.messages.extend(message);
+    }
+
+    fn index_of(&self, step: u32) -> usize {
+        self.steps.iter().position(|s| s.step == step).expect("the loop knows its steps")
+    }
+
+    /// Sets a step's state (and attempt), folding a finished step into the conversation.
+    fn set_step(&mut self, step: u32, state: StepState, attempt: u32, result: Option<Value>) {
+        let index = self.index_of(step);
+        let row = &mut self.steps[index];
+        row.state = state;
+        row.attempt = attempt;
+        if result.is_some() {
+            row.result = result;
+        }
+        self.on_finished(index);
+    }
+
+    async fn apply<R: Send + 'static>(
+        &self,
+        name: &'static str,
+        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut crate::store::Now<'_>, &RunId) -> Result<R> + Send + 'static,
+    ) -> Result<R> {
+        let run_id = self.run_id.clone();
+        send(&self.store, ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id))).await
+    }
+
+    /// The outcome of a run an operator cancelled.
+    async fn cancelled(&self) -> Result<Outcome> {
+        let id = self.run_id.clone();
+        let run = send(&self.store, ReadState::new(move |conn| sql::run(conn, &id))).await?;
+        Ok(Outcome::Cancelled { reason: run.error.unwrap_or_default() })
+    }
+
+    /// Executes steps until the run pauses or finishes.
+    async fn drive(&mut self) -> Result<Outcome> {
+        loop {
+            let next = match self.steps.iter().find(|s| s.state != StepState::Finished).cloned() {
+                None => self.begin_model_step().await?,
+                Some(step) => match (step.kind, step.state) {
+                    (StepKind::Model, StepState::InFlight) => self.call_model(step.step, step.attempt).await?,
+                    (StepKind::Tool, StepState::Pending) => self.decide(&step).await?,
+                    (StepKind::Tool, StepState::InFlight) => self.call_tool(&step).await?,
+                    (_, StepState::Interrupted) => self.reconcile(&step).await?,
+                    (kind, state) => {
+                        return Err(Error::Corrupt(format!(
+                            "run {} is RUNNING with {kind:?} step {} {state:?}",
+                            self.run_id, step.step
+                        )));
+                    }
+                },
+            };
+            if let Next::Return(outcome) = next {
+                return Ok(outcome);
+            }
+        }
+    }
+
+    async fn begin_model_step(&mut self) -> Result<Next> {
+        let step = self.steps.len() as u32 + 1;
+        if step > self.agent.max_steps {
+            let error = format!("the run reached its limit of {} steps without a final answer", self.agent.max_steps);
+            let message = error.clone();
+            self.apply("fail_run", move |tx, now, id| sql::fail_run(tx, now, id, &message)).await?;
+            return Ok(Next::Return(Outcome::Failed { error }));
+        }
+        self.apply("begin_model_step", move |tx, now, id| sql::begin_model_step(tx, now, id, step)).await?;
+        self.push_step(StepRow { step, kind: StepKind::Model, state: StepState::InFlight, attempt: 1, call: None, result: None, waiting_for: None });
+        Ok(Next::Continue)
+    }
+
+    async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
+        let span = tracing::info_span!("model", step);
+        let request = ModelRequest { run_id: &self.run_id, step, input: &self.input, messages: &self.messages };
+        let answer = AssertUnwindSafe(self.agent.model.complete(request)).catch_unwind();
+        // A model call has no side effect: on cancel it is dropped, not awaited.
+        let answer = futures_util::select_biased! {
+            answer = answer.fuse() => answer,
+            _ = self.cancellation.cancelled().fuse() => return self.cancelled().await.map(Next::Return),
+        };
+        let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
+        drop(span);
+        match answer {
+            Ok(response) => {
+                let recorded = response.clone();
+                let created = self
+                    .apply("finish_model_step", move |tx, now, id| {
+                        sql::finish_model_step(tx, now, id, step, attempt, ModelOutcome::Answered(&recorded))
+                    })
+                    .await?;
+                // The stored response carries the call ids as made unique.
+                let stored = ModelResponse { text: response.text, tool_calls: created.iter().filter_map(|s| s.call.clone()).collect() };
+                let stored_json = serde_json::to_value(&stored).expect("a response serializes");
+                self.set_step(step, StepState::Finished, attempt, Some(stored_json));
+                if created.is_empty() {
+                    return Ok(Next::Return(Outcome::Succeeded { output: stored.text.unwrap_or_default() }));
+                }
+                for row in created {
+                    self.push_step(row);
+                }
+                Ok(Next::Continue)
+            }
+            Err(error) => {
+                let message = error.0.clone();
+                self.apply("finish_model_step", move |tx, now, id| {
+                    sql::finish_model_step(tx, now, id, step, attempt, ModelOutcome::Failed(&message))
+                })
+                .await?;
+                Ok(Next::Return(Outcome::Failed { error: format!("the model failed: {}", error.0) }))
+            }
+        }
+    }
+
+    /// The policy's decision on a pending call, or its rejection when it cannot run at all.
+    async fn decide(&mut self, step: &StepRow) -> Result<Next> {
+        let call = step.call.clone().expect("tool steps have a call");
+        let number = step.step;
+        let rejection = if !self.agent.tools.contains_key(&call.name) {
+            Some(format!("the agent has no tool named {:?}", call.name))
+        } else if !call.args.is_object() {
+            Some(format!("the arguments of a tool call must be a JSON object, not {}", call.args))
+        } else {
+            None
+        };
+        if let Some(error) = rejection {
+            let (c, e) = (call.clone(), error.clone());
+            self.apply("reject_tool", move |tx, now, id| sql::reject_tool(tx, now, id, number, &c, &e)).await?;
+            let result = serde_json::to_value(ToolResult::Error(error)).unwrap();
+            self.set_step(number, StepState::Finished, 0, Some(result));
+            return Ok(Next::Continue);
+        }
+        let policy = self.agent.policy.clone();
+        let decision = std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
+            .map_err(|panic| self.panicked(number, "the policy".into(), panic))?;
+        let decision = match decision {
+            Decision::Allow => ToolDecision::Allow { reason: None, by: None, note: None },
+            Decision::Deny(reason) => ToolDecision::Deny { reason, by: None, note: None },
+            Decision::RequireApproval(reason) => ToolDecision::RequireApproval { reason },
+        };
+        let (c, d) = (call.clone(), decision.clone());
+        self.apply("decide_tool", move |tx, now, id| sql::decide_tool(tx, now, id, number, &c, &d)).await?;
+        self.after_decision(number, 0, call, decision, ApprovalReason::Policy)
+    }
+
+    /// Brings the loop in step with a recorded decision.
+    fn after_decision(&mut self, step: u32, attempt: u32, call: ToolCall, decision: ToolDecision, reason: ApprovalReason) -> Result<Next> {
+        match decision {
+            ToolDecision::Allow { .. } => {
+                self.set_step(step, StepState::InFlight, attempt + 1, None);
+                Ok(Next::Continue)
+            }
+            ToolDecision::Deny { reason, .. } => {
+                let result = serde_json::to_value(ToolResult::Error(format!("the call was denied: {reason}"))).unwrap();
+                self.set_step(step, StepState::Finished, attempt, Some(result));
+                Ok(Next::Continue)
+            }
+            ToolDecision::RequireApproval { .. } => Ok(Next::Return(Outcome::WaitingForApproval {
+                pending: PendingCall { step, call_id: call.id, tool: call.name, args: call.args, reason },
+            })),
+        }
+    }
+
+    fn tool_context(&self, step: u32, call: &ToolCall, attempt: u32) -> ToolContext {
+        ToolContext {
+            run_id: self.run_id.clone(),
+            step,
+            call_id: call.id.clone(),
+            attempt,
+            idempotency_key: sql::idempotency_key(&self.run_id, step),
+            cancellation: self.cancellation.clone(),
+        }
+    }
+
+    /// Runs a started tool call and records its outcome.
+    async fn call_tool(&mut self, step: &StepRow) -> Result<Next> {
+        let call = step.call.clone().expect("tool steps have a call");
+        let (number, attempt) = (step.step, step.attempt);
+        let span = tracing::info_span!("tool", step = number, tool = %call.name, attempt);
+        let result = match self.agent.tools.get(&call.name).cloned() {
+            // The agent was registered again without this tool since the call started.
+            None => ToolResult::Error(format!("the agent has no tool named {:?}", call.name)),
+            Some(tool) => {
+                let ctx = self.tool_context(number, &call, attempt);
+                // Cancellation is the tool's to honour: its outcome is awaited and recorded.
+                let outcome = AssertUnwindSafe(tool.call(&ctx, &call.args)).catch_unwind().instrument(span).await;
+                match outcome.map_err(|panic| self.panicked(number, format!("tool {}", call.name), panic))? {
+                    Ok(output) => ToolResult::Ok(output),
+                    Err(error) => ToolResult::Error(error.0),
+                }
+            }
+        };
+        let (call_id, recorded) = (call.id.clone(), result.clone());
+        let late = self
+            .apply("finish_tool", move |tx, now, id| sql::finish_tool(tx, now, id, number, attempt, &call_id, &recorded))
+            .await?;
+        if late {
+            return self.cancelled().await.map(Next::Return);
+        }
+        self.set_step(number, StepState::Finished, attempt, Some(serde_json::to_value(result).unwrap()));
+        Ok(Next::Continue)
+    }
+
+    /// Reconciles an interrupted step, exactly once: the decision and what it leads to are one
+    /// move.
+    async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
+        let (number, attempt) = (step.step, step.attempt);
+        let Some(call) = step.call.clone() else {
+            self.apply("reconcile", move |tx, now, id| sql::reconcile(tx, now, id, number, attempt, None, &Resolution::Redispatch)).await?;
+            self.set_step(number, StepState::InFlight, attempt + 1, None);
+            return Ok(Next::Continue);
+        };
+        let tool = self.agent.tools.get(&call.name).cloned();
+        let answer = match &tool {
+            Some(tool) => {
+                let ctx = self.tool_context(number, &call, attempt);
+                AssertUnwindSafe(tool.reconcile(&ctx, &call.args))
+                    .catch_unwind()
+                    .await
+                    .map_err(|panic| self.panicked(number, format!("the reconcile hook of tool {}", call.name), panic))?
+            }
+            None => None,
+        };
+        let idempotent = tool.as_ref().is_some_and(|tool| tool.idempotent());
+        let unknown = |outcome| if idempotent { Resolution::Retry { outcome } } else { Resolution::AwaitApproval { outcome } };
+        let resolution = match answer {
+            Some(Reconciliation::Applied(output)) => Resolution::Applied(output),
+            Some(Reconciliation::NotApplied) => Resolution::Retry { outcome: "not_applied" },
+            Some(Reconciliation::Unknown) => unknown("unknown"),
+            None => unknown("no_hook"),
+        };
+        tracing::info!(step = number, ?resolution, "reconciling an interrupted step");
+        let (c, r) = (call.clone(), resolution.clone());
+        self.apply("reconcile", move |tx, now, id| sql::reconcile(tx, now, id, number, attempt, Some(&c), &r)).await?;
+        match resolution {
+            Resolution::Applied(output) => {
+                let result = serde_json::to_value(ToolResult::Ok(output)).unwrap();
+                self.set_step(number, StepState::Finished, attempt, Some(result));
+                Ok(Next::Continue)
+            }
+            Resolution::Retry { .. } | Resolution::Redispatch => {
+                self.set_step(number, StepState::InFlight, attempt + 1, None);
+                Ok(Next::Continue)
+            }
+            Resolution::AwaitApproval { .. } => {
+                let decision = ToolDecision::RequireApproval { reason: String::new() };
+                self.after_decision(number, attempt, call, decision, ApprovalReason::Reconcile)
+            }
+        }
+    }
+
+    /// Resumes a run that waits for an approval: the resume-time decision and what it leads to
+    /// are one move. `Some` when the run still waits (and nothing was changed).
+    async fn resume_waiting(&mut self, snapshot: &RunSnapshot) -> Result<Option<Outcome>> {
+        let waiting = snapshot
+            .steps
+            .iter()
+            .find(|s| s.state == StepState::Waiting)
+            .cloned()
+            .ok_or_else(|| Error::Corrupt(format!("run {} waits for approval with no waiting step", self.run_id)))?;
+        let call = waiting.call.clone().expect("only tool steps wait");
+        let reason = waiting.waiting_for.unwrap_or(ApprovalReason::Policy);
+        let from_approval = || match &snapshot.approval {
+            Some(a) if a.approved => Some(ToolDecision::Allow { reason: None, by: Some(a.by.clone()), note: a.note.clone() }),
+            Some(a) => Some(ToolDecision::Deny { reason: format!("denied by {}", a.by), by: Some(a.by.clone()), note: a.note.clone() }),
+            None => None,
+        };
+        // The policy is asked again (it may have changed); an approval settles what it leaves open.
+        let policy_decision = match reason {
+            ApprovalReason::Policy => {
+                let policy = self.agent.policy.clone();
+                Some(
+                    std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
+                        .map_err(|panic| self.panicked(waiting.step, "the policy".into(), panic))?,
+                )
+            }
+            ApprovalReason::Reconcile => None,
+        };
+        let (decision, source) = match policy_decision {
+            Some(Decision::Allow) => (Some(ToolDecision::Allow { reason: None, by: None, note: None }), "policy"),
+            Some(Decision::Deny(reason)) => (Some(ToolDecision::Deny { reason, by: None, note: None }), "policy"),
+            Some(Decision::RequireApproval(_)) | None => (from_approval(), "approval"),
+        };
+        let Some(decision) = decision else {
+            return Ok(Some(Outcome::WaitingForApproval {
+                pending: PendingCall { step: waiting.step, call_id: call.id, tool: call.name, args: call.args, reason },
+            }));
+        };
+        let (number, attempt) = (waiting.step, waiting.attempt);
+        let (c, d) = (call.clone(), decision.clone());
+        self.apply("resume_waiting", move |tx, now, id| sql::resume_waiting(tx, now, id, number, attempt, &c, reason, &d, source))
+            .await?;
+        tracing::info!(step = number, source, "waiting run resumed");
+        match self.after_decision(number, attempt, call, decision, reason)? {
+            Next::Continue => Ok(None),
+            Next::Return(outcome) => Ok(Some(outcome)),
+        }
+    }
+
+    /// A panic in the model, a tool or the policy: the step stays as it is for a resume.
+    fn panicked(&self, step: u32, what: String, panic: Box<dyn Any + Send>) -> Error {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic with no message".into());
+        tracing::error!(step, what, message, "panic in a run");
+        Error::Panicked { run_id: self.run_id.clone(), step, what, message }
+    }
+}
+
+/// Sends a message to the store actor, flattening its mailbox error into ours.
+async fn send<M, R>(store: &Addr<StoreActor>, msg: M) -> Result<R>
+where
+    M: Message<Result = Result<R>> + Send + 'static,
+    R: Send + 'static,
+    StoreActor: Handler<M>,
+{
+    store.send(msg).await?
+}

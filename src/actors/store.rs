@@ -1,0 +1,90 @@
+//! `StoreActor`: the only writer. A sync actor on its own thread that applies each move in one
+//! `BEGIN IMMEDIATE` transaction, so nothing blocking runs on the arbiters that host runs.
+
+use std::sync::Arc;
+
+use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
+use rusqlite::{Connection, Transaction};
+
+use crate::{
+    clock::Clock,
+    error::Result,
+    store::{Now, Store},
+};
+
+type ApplyFn<R> = Box<dyn FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send>;
+type ReadFn<R> = Box<dyn FnOnce(&Connection) -> Result<R> + Send>;
+
+/// Owns the write side of a [`Store`] for one supervisor.
+pub(crate) struct StoreActor {
+    store: Store,
+    clock: Arc<dyn Clock>,
+}
+
+impl StoreActor {
+    /// Starts the actor on a thread of its own.
+    pub(crate) fn start(store: Store, clock: Arc<dyn Clock>) -> Addr<StoreActor> {
+        // The factory runs again if the actor stops; it only clones handles, so a restart
+        // yields the same actor on the same connection.
+        SyncArbiter::start(1, move || StoreActor { store: store.clone(), clock: clock.clone() })
+    }
+}
+
+impl Actor for StoreActor {
+    type Context = SyncContext<Self>;
+}
+
+/// One state move: `apply` runs inside its own transaction, committed only if it succeeds.
+pub(crate) struct ApplyMove<R> {
+    name: &'static str,
+    apply: ApplyFn<R>,
+}
+
+impl<R> ApplyMove<R> {
+    /// A move named `name` (for traces) that `apply` carries out.
+    pub(crate) fn new(
+        name: &'static str,
+        apply: impl FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send + 'static,
+    ) -> Self {
+        ApplyMove { name, apply: Box::new(apply) }
+    }
+}
+
+impl<R: Send + 'static> Message for ApplyMove<R> {
+    type Result = Result<R>;
+}
+
+impl<R: Send + 'static> Handler<ApplyMove<R>> for StoreActor {
+    type Result = Result<R>;
+
+    fn handle(&mut self, msg: ApplyMove<R>, _: &mut SyncContext<Self>) -> Result<R> {
+        let result = self.store.transact(&*self.clock, msg.apply);
+        if let Err(err) = &result {
+            tracing::debug!(r#move = msg.name, %err, "move refused");
+        }
+        result
+    }
+}
+
+/// A read on the writer's connection, which sees every committed move.
+pub(crate) struct ReadState<R> {
+    read: ReadFn<R>,
+}
+
+impl<R> ReadState<R> {
+    pub(crate) fn new(read: impl FnOnce(&Connection) -> Result<R> + Send + 'static) -> Self {
+        ReadState { read: Box::new(read) }
+    }
+}
+
+impl<R: Send + 'static> Message for ReadState<R> {
+    type Result = Result<R>;
+}
+
+impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
+    type Result = Result<R>;
+
+    fn handle(&mut self, msg: ReadState<R>, _: &mut SyncContext<Self>) -> Result<R> {
+        self.store.read(msg.read)
+    }
+}

@@ -1,0 +1,281 @@
+//! `Supervisor`: the front door. Holds the agent registry and the runs this process executes,
+//! and spawns one `RunActor` per run.
+
+use std::{collections::{BTreeMap, HashMap}, sync::Arc};
+
+use actix::{Actor, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use serde_json::Value;
+
+use super::{
+    run::{Agents, Execute, Job, RunActor},
+    store::{ApplyMove, StoreActor},
+};
+use crate::{
+    agent::{Agent, Cancellation},
+    clock::{Clock, SystemClock},
+    error::{Error, Result},
+    store::{Store, sql},
+    types::{Approval, RunId, RunOutcome},
+};
+
+/// How a supervisor behaves.
+#[derive(Clone)]
+pub struct Config {
+    /// Stamps events and run rows; read once per committed move. Default: the system clock.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { clock: Arc::new(SystemClock) }
+    }
+}
+
+impl Config {
+    /// Uses `clock` to stamp events and runs.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config").finish_non_exhaustive()
+    }
+}
+
+/// The actor an application talks to: it starts, resumes and cancels runs, and records
+/// approvals.
+///
+/// Build it with [`Supervisor::builder`] inside a running actix system.
+pub struct Supervisor {
+    store: Store,
+    store_actor: Addr<StoreActor>,
+    agents: Agents,
+    /// The runs this supervisor executes now, each with the signal that cancels it and the
+    /// number of the call that executes it.
+    executing: HashMap<RunId, (u64, Cancellation)>,
+    calls: u64,
+}
+
+/// Assembles a [`Supervisor`].
+pub struct SupervisorBuilder {
+    store: Store,
+    config: Config,
+    agents: BTreeMap<String, Arc<Agent>>,
+}
+
+impl SupervisorBuilder {
+    /// Sets the configuration.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Registers `agent` under `name`: runs started with this name execute it.
+    pub fn agent(mut self, name: impl Into<String>, agent: Agent) -> Self {
+        self.agents.insert(name.into(), Arc::new(agent));
+        self
+    }
+
+    /// Starts the supervisor, and its store actor on a thread of its own. Must be called inside
+    /// a running actix system.
+    pub fn start(self) -> Addr<Supervisor> {
+        let store_actor = StoreActor::start(self.store.clone(), self.config.clock.clone());
+        Supervisor {
+            store: self.store,
+            store_actor,
+            agents: Arc::new(self.agents),
+            executing: HashMap::new(),
+            calls: 0,
+        }
+        .start()
+    }
+}
+
+impl Supervisor {
+    /// A builder for a supervisor over `store`.
+    pub fn builder(store: Store) -> SupervisorBuilder {
+        SupervisorBuilder { store, config: Config::default(), agents: BTreeMap::new() }
+    }
+
+    /// Spawns the run's actor and answers when the call it serves returns.
+    fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunOutcome>> {
+        if self.executing.contains_key(&run_id) {
+            return Box::pin(actix::fut::ready(Err(Error::RunBusy(run_id))));
+        }
+        self.calls += 1;
+        let call = self.calls;
+        let cancellation = Cancellation::new();
+        self.executing.insert(run_id.clone(), (call, cancellation.clone()));
+        let actor = RunActor::new(cancellation).start();
+        let msg = Execute { run_id: run_id.clone(), job, agents: self.agents.clone(), store: self.store_actor.clone() };
+        Box::pin(async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }.into_actor(self).map(
+            move |result, this: &mut Supervisor, _| {
+                if this.executing.get(&run_id).is_some_and(|(owner, _)| *owner == call) {
+                    this.executing.remove(&run_id);
+                }
+                result
+            },
+        ))
+    }
+}
+
+impl Actor for Supervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Many runs wait in the mailbox at once under load.
+        ctx.set_mailbox_capacity(usize::MAX);
+        tracing::debug!(store = ?self.store.path(), "supervisor started");
+    }
+}
+
+/// Starts a run of a registered agent and answers when the call returns: the run finished,
+/// paused for an approval, or was cancelled.
+///
+/// ```no_run
+/// # use agentrt::{StartRun, Supervisor};
+/// # async fn demo(supervisor: actix::Addr<Supervisor>) -> agentrt::Result<()> {
+/// let reply = supervisor
+///     .send(StartRun::new("support", serde_json::json!({"ticket": 42})).with_id("ticket-42"))
+///     .await
+///     .expect("supervisor is running")?;
+/// println!("{}: {:?}", reply.run_id, reply.outcome);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<RunOutcome>")]
+pub struct StartRun {
+    /// The registered agent's name.
+    pub agent: String,
+    /// The run's input.
+    pub input: Value,
+    /// The run's id; a random one when `None`. An id that exists is refused, so a retried
+    /// request cannot start a run twice.
+    pub run_id: Option<RunId>,
+}
+
+impl StartRun {
+    /// A run of `agent` with `input`.
+    pub fn new(agent: impl Into<String>, input: Value) -> Self {
+        StartRun { agent: agent.into(), input, run_id: None }
+    }
+
+    /// Uses `run_id` as the run's id.
+    pub fn with_id(mut self, run_id: impl Into<RunId>) -> Self {
+        self.run_id = Some(run_id.into());
+        self
+    }
+}
+
+impl Handler<StartRun> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+
+    fn handle(&mut self, msg: StartRun, _: &mut Context<Self>) -> Self::Result {
+        if !self.agents.contains_key(&msg.agent) {
+            return Box::pin(actix::fut::ready(Err(Error::UnknownAgent(msg.agent))));
+        }
+        let run_id = msg.run_id.unwrap_or_else(RunId::random);
+        self.execute(run_id, Job::Start { agent: msg.agent, input: msg.input })
+    }
+}
+
+/// Resumes a run: one waiting for approval (once its call is decided), or a `RUNNING` one
+/// whose executor died. Answers when the call returns, like [`StartRun`].
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<RunOutcome>")]
+pub struct ResumeRun {
+    /// The run.
+    pub run_id: RunId,
+}
+
+impl ResumeRun {
+    /// Resume `run_id`.
+    pub fn new(run_id: impl Into<RunId>) -> Self {
+        ResumeRun { run_id: run_id.into() }
+    }
+}
+
+impl Handler<ResumeRun> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+
+    fn handle(&mut self, msg: ResumeRun, _: &mut Context<Self>) -> Self::Result {
+        self.execute(msg.run_id, Job::Resume)
+    }
+}
+
+/// An operator cancels a run that is running or waiting. A tool running at that moment is told
+/// through its cancellation signal; its outcome is still recorded, marked late.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<()>")]
+pub struct CancelRun {
+    /// The run.
+    pub run_id: RunId,
+    /// Why, for the record.
+    pub reason: String,
+}
+
+impl CancelRun {
+    /// Cancel `run_id` for `reason`.
+    pub fn new(run_id: impl Into<RunId>, reason: impl Into<String>) -> Self {
+        CancelRun { run_id: run_id.into(), reason: reason.into() }
+    }
+}
+
+impl Handler<CancelRun> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<()>>;
+
+    fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
+        let CancelRun { run_id, reason } = msg;
+        let id = run_id.clone();
+        let cancel = self.store_actor.send(ApplyMove::new("cancel_run", move |tx, now| sql::cancel_run(tx, now, &id, &reason)));
+        Box::pin(async move { cancel.await? }.into_actor(self).map(move |result, this: &mut Supervisor, _| {
+            if result.is_ok() {
+                if let Some((_, cancellation)) = this.executing.get(&run_id) {
+                    cancellation.fire();
+                }
+                tracing::info!(%run_id, "run cancelled");
+            }
+            result
+        }))
+    }
+}
+
+/// Records an operator's approval or denial of a waiting tool call. Resume the run afterwards
+/// with [`ResumeRun`].
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<()>")]
+pub struct RecordApproval(pub Approval);
+
+impl Handler<RecordApproval> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<()>>;
+
+    fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
+        let approval = msg.0;
+        let record = self.store_actor.send(ApplyMove::new("record_approval", move |tx, now| sql::record_approval(tx, now, &approval)));
+        Box::pin(async move { record.await? }.into_actor(self))
+    }
+}
+
+/// Registers (or replaces) an agent on a running supervisor. Runs already executing keep the
+/// agent they started with.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RegisterAgent {
+    /// The name runs refer to it by.
+    pub name: String,
+    /// The agent.
+    pub agent: Agent,
+}
+
+impl Handler<RegisterAgent> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RegisterAgent, _: &mut Context<Self>) {
+        let mut agents = (*self.agents).clone();
+        agents.insert(msg.name, Arc::new(msg.agent));
+        self.agents = Arc::new(agents);
+    }
+}

@@ -1,0 +1,32 @@
+//! The injectable clock that stamps events and run rows.
+
+use std::time::SystemTime;
+
+/// The source of the times written to events and run rows.
+///
+/// agentrt reads it once per committed move (every event of one move carries the same time),
+/// and only then: the number and order of readings in an ordinary run is part of the contract,
+/// so a consumer's deterministic clock stamps the same times on every replay.
+pub trait Clock: Send + Sync + 'static {
+    /// The current time.
+    fn now(&self) -> SystemTime;
+}
+
+/// The system's wall clock: the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+}
+
+impl<F> Clock for F
+where
+    F: Fn() -> SystemTime + Send + Sync + 'static,
+{
+    fn now(&self) -> SystemTime {
+        self()
+    }
+}

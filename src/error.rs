@@ -1,0 +1,139 @@
+//! The one error type of the crate.
+
+use std::path::PathBuf;
+
+use crate::types::{RunId, RunState};
+
+/// `Result` with agentrt's [`Error`] as the default error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in agentrt.
+///
+/// Match on the predicates ([`Error::is_run_state`], [`Error::is_not_found`]) rather than on
+/// variants where you can: variants may be added.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No run with this id exists.
+    #[error("no run with id {0:?}; check the id, `Store::runs` lists the existing ones")]
+    RunNotFound(RunId),
+
+    /// The run exists but has no tool call with this id.
+    #[error("run {run_id} has no tool call with id {call_id:?}")]
+    CallNotFound {
+        /// The run that was asked.
+        run_id: RunId,
+        /// The call id that matched nothing.
+        call_id: String,
+    },
+
+    /// No agent of this name is registered on the supervisor.
+    #[error(
+        "no agent named {0:?} is registered on this supervisor; register it with \
+         `Supervisor::builder(..).agent(name, agent)` before starting or resuming its runs"
+    )]
+    UnknownAgent(String),
+
+    /// The run is not in a state that allows what was asked. Nothing was changed.
+    #[error("run {run_id} is {state}: {reason}")]
+    RunState {
+        /// The run that was asked.
+        run_id: RunId,
+        /// The state it was found in.
+        state: RunState,
+        /// What could not be done, and why.
+        reason: String,
+    },
+
+    /// A run id that already exists was given to `StartRun`. Nothing was written.
+    #[error("run {0} already exists; a run id can be started once (use ResumeRun to continue it)")]
+    RunExists(RunId),
+
+    /// The run is being executed by this supervisor in another call.
+    #[error("run {0} is already being executed by this supervisor in another call")]
+    RunBusy(RunId),
+
+    /// The input was not acceptable; nothing was written.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+
+    /// A tool or the model panicked. The step stays in flight: resuming the run reconciles it.
+    #[error(
+        "run {run_id}: {what} panicked at step {step}: {message}; the step stays in flight and \
+         a resume reconciles it"
+    )]
+    Panicked {
+        /// The run whose loop panicked.
+        run_id: RunId,
+        /// The step in flight.
+        step: u32,
+        /// "the model" or "tool NAME".
+        what: String,
+        /// The panic's message.
+        message: String,
+    },
+
+    /// The file exists but is not an SQLite database. It was not changed.
+    #[error("{} is not an SQLite database; it was left unchanged", path.display())]
+    NotADatabase {
+        /// The file that was opened.
+        path: PathBuf,
+    },
+
+    /// The database was written by a newer agentrt. It was not changed.
+    #[error(
+        "{} has schema version {found}, newer than the {supported} this agentrt knows; it was \
+         left unchanged: open it with a newer agentrt",
+        path.display()
+    )]
+    SchemaTooNew {
+        /// The file that was opened.
+        path: PathBuf,
+        /// The version found in the file.
+        found: u32,
+        /// The newest version this build knows.
+        supported: u32,
+    },
+
+    /// Applying the migrations failed; the migration's transaction was rolled back.
+    #[error("migrating the database failed: {0}")]
+    Migration(String),
+
+    /// A stored value could not be read back (a row written by something else than agentrt).
+    #[error("corrupt stored data: {0}")]
+    Corrupt(String),
+
+    /// The store actor is gone (its system stopped).
+    #[error("the store actor is not running (was its actix system stopped?)")]
+    StoreUnavailable,
+
+    /// An SQLite error.
+    #[error("database error: {0}")]
+    Database(#[source] rusqlite::Error),
+}
+
+impl Error {
+    /// True when the run exists but was not in a state that allowed what was asked (including a
+    /// start with an id that exists, and a run busy in another call). Nothing was changed.
+    pub fn is_run_state(&self) -> bool {
+        matches!(self, Error::RunState { .. } | Error::RunExists(_) | Error::RunBusy(_))
+    }
+
+    /// True when a run or a call named by the caller does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, Error::RunNotFound(_) | Error::CallNotFound { .. })
+    }
+}
+
+// The one place an SQLite error becomes ours.
+impl From<rusqlite::Error> for Error {
+    fn from(err: rusqlite::Error) -> Self {
+        Error::Database(err)
+    }
+}
+
+impl From<actix::MailboxError> for Error {
+    fn from(_: actix::MailboxError) -> Self {
+        Error::StoreUnavailable
+    }
+}

@@ -1,0 +1,27 @@
+#![doc = include_str!("../README.md")]
+#![warn(missing_docs)]
+
+mod actors;
+mod agent;
+mod clock;
+mod error;
+mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+mod types;
+
+pub use actors::supervisor::{
+    CancelRun, Config, RecordApproval, RegisterAgent, ResumeRun, StartRun, Supervisor, SupervisorBuilder,
+};
+pub use agent::{
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest, Policy,
+    Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+};
+pub use async_trait::async_trait;
+pub use clock::{Clock, SystemClock};
+pub use error::{Error, Result};
+pub use store::{SCHEMA_VERSION, Store, StoreConnection, StoreOptions, Synchronous};
+pub use types::{
+    Approval, ApprovalReason, Event, EventKind, Message, ModelResponse, Outcome, PendingCall, Run, RunId,
+    RunOutcome, RunState, ToolCall, ToolResult,
+};

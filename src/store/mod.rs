@@ -1,0 +1,387 @@
+//! The SQLite store: opening, pragmas, migrations, and read-only inspection.
+//!
+//! Every write goes through [`Store::transact`], one `BEGIN IMMEDIATE` transaction per move;
+//! in a supervisor only the `StoreActor` calls it. All SQL lives in [`sql`].
+
+pub(crate) mod sql;
+
+use std::{
+    ops::Deref,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, SystemTime},
+};
+
+use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior, config::DbConfig};
+use rusqlite_migration::{M, Migrations};
+
+use crate::{
+    clock::Clock,
+    error::{Error, Result},
+    types::{Event, PendingCall, Run, RunId, RunState},
+};
+
+include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+
+/// The schema version this build writes: the number of migrations in `migrations/`.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// The migrations, in order, as `rusqlite_migration` applies them.
+fn migrations() -> Migrations<'static> {
+    Migrations::new(MIGRATIONS.iter().map(|(_, sql)| M::up(sql)).collect())
+}
+
+/// SQLite's `synchronous` setting: how hard a commit waits for the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Synchronous {
+    /// A commit survives a crash of the process, not necessarily of the machine.
+    Normal,
+    /// A commit survives a power loss (the default).
+    #[default]
+    Full,
+    /// As `Full`, and the directory is synced too.
+    Extra,
+}
+
+impl Synchronous {
+    fn as_str(self) -> &'static str {
+        match self {
+            Synchronous::Normal => "NORMAL",
+            Synchronous::Full => "FULL",
+            Synchronous::Extra => "EXTRA",
+        }
+    }
+}
+
+/// How a store opens its database.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Durability of commits; default [`Synchronous::Full`].
+    pub synchronous: Synchronous,
+    /// How long a statement waits for another connection's lock before failing; default 5 s.
+    pub busy_timeout: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { synchronous: Synchronous::Full, busy_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// What a connection is for; decides which pragmas of [`pragmas`] it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// The one connection that writes (also the whole database, for `:memory:`).
+    Writer,
+    /// The connection for inspection and the consumer's own queries.
+    Reader,
+}
+
+/// The pragmas applied at every open, whatever the connection. Kept apart from migrations:
+/// they are per-connection settings, not schema.
+fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str, &'static str)> {
+    let mut pragmas = vec![
+        // A schema object (trigger, view, CHECK) cannot call functions with side effects.
+        ("trusted_schema", "OFF"),
+        ("foreign_keys", "ON"),
+    ];
+    if file && role == Role::Writer {
+        // Readers never block the writer, and the writer never blocks readers.
+        pragmas.push(("journal_mode", "WAL"));
+    }
+    if role == Role::Writer {
+        pragmas.push(("synchronous", options.synchronous.as_str()));
+    }
+    if role == Role::Reader {
+        // Inspection and the consumer's queries cannot write behind the StoreActor's back.
+        pragmas.push(("query_only", "ON"));
+    }
+    pragmas
+}
+
+/// Applies the hardening and the pragmas every connection gets.
+fn configure(conn: &Connection, options: &StoreOptions, file: bool, role: Role) -> Result<()> {
+    conn.busy_timeout(options.busy_timeout)?;
+    // Defensive mode: no writes to the schema table or other ways to corrupt the file from SQL.
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)?;
+    conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)?;
+    for (name, value) in pragmas(options, file, role) {
+        // journal_mode answers with a row; pragma_update_and_check reads it.
+        conn.pragma_update_and_check(None, name, value, |_| Ok(()))
+            .or_else(|err| match err {
+                rusqlite::Error::QueryReturnedNoRows => Ok(()),
+                err => Err(err),
+            })?;
+    }
+    Ok(())
+}
+
+struct Inner {
+    path: Option<PathBuf>,
+    /// The one connection that writes; for `:memory:` also the one that reads.
+    writer: Mutex<Connection>,
+    /// File stores: a connection for inspection and the consumer's own queries.
+    reader: Option<Mutex<Connection>>,
+}
+
+/// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
+///
+/// Inspection methods (`run`, `runs`, `events`, `pending_calls`) block on SQLite: call them
+/// from a thread that may block, not from an actix arbiter that hosts actors.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.inner.path).finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens (creating it if missing) the database file at `path`, with default options.
+    pub fn open(path: impl AsRef<Path>) -> Result<Store> {
+        Store::open_with(path, StoreOptions::default())
+    }
+
+    /// Opens (creating it if missing) the database file at `path`, applying the migrations it
+    /// lacks. A file that is not a database, or a database of a newer schema version, is
+    /// refused and left unchanged.
+    pub fn open_with(path: impl AsRef<Path>, options: StoreOptions) -> Result<Store> {
+        let path = path.as_ref().to_path_buf();
+        if path.exists() {
+            check_version(&path)?;
+        }
+        let mut writer = Connection::open(&path)?;
+        configure(&writer, &options, true, Role::Writer).map_err(|err| on_open(err, &path))?;
+        migrate(&mut writer, &path)?;
+        let reader = Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        configure(&reader, &options, true, Role::Reader)?;
+        Ok(Store {
+            inner: Arc::new(Inner {
+                path: Some(path),
+                writer: Mutex::new(writer),
+                reader: Some(Mutex::new(reader)),
+            }),
+        })
+    }
+
+    /// A new database in memory, gone with the last clone of this handle. It has one
+    /// connection, which is the whole database.
+    pub fn in_memory() -> Result<Store> {
+        Store::in_memory_with(StoreOptions::default())
+    }
+
+    /// [`Store::in_memory`] with options.
+    pub fn in_memory_with(options: StoreOptions) -> Result<Store> {
+        let mut conn = Connection::open_in_memory()?;
+        configure(&conn, &options, false, Role::Writer)?;
+        migrate(&mut conn, Path::new(":memory:"))?;
+        Ok(Store {
+            inner: Arc::new(Inner { path: None, writer: Mutex::new(conn), reader: None }),
+        })
+    }
+
+    /// The database file, or `None` in memory.
+    pub fn path(&self) -> Option<&Path> {
+        self.inner.path.as_deref()
+    }
+
+    /// The schema version of this database.
+    pub fn schema_version(&self) -> Result<u32> {
+        Ok(self.connection().pragma_query_value(None, "user_version", |row| row.get(0))?)
+    }
+
+    /// A connection for your own queries (read-only on a file store).
+    ///
+    /// Hold it briefly: the inspection methods of this store wait for it, and on `:memory:` it
+    /// is the writer's connection, so every move waits for it too.
+    pub fn connection(&self) -> StoreConnection<'_> {
+        let mutex = self.inner.reader.as_ref().unwrap_or(&self.inner.writer);
+        StoreConnection(lock(mutex))
+    }
+
+    /// A run.
+    pub fn run(&self, run_id: &RunId) -> Result<Run> {
+        sql::run(&self.connection(), run_id)
+    }
+
+    /// The runs, oldest first; only those in `state` when given.
+    pub fn runs(&self, state: Option<RunState>) -> Result<Vec<Run>> {
+        sql::runs(&self.connection(), state)
+    }
+
+    /// A run's events, in order.
+    pub fn events(&self, run_id: &RunId) -> Result<Vec<Event>> {
+        sql::events(&self.connection(), run_id)
+    }
+
+    /// The tool calls of a run that wait for an approval not yet recorded.
+    pub fn pending_calls(&self, run_id: &RunId) -> Result<Vec<PendingCall>> {
+        sql::pending_calls(&self.connection(), run_id)
+    }
+
+    /// Runs `f` as one `BEGIN IMMEDIATE` transaction on the writer connection: committed when
+    /// it returns `Ok`, rolled back otherwise. The clock is read at most once, when `f` first
+    /// asks for the time, so a move refused by its guard reads no time.
+    pub(crate) fn transact<R>(
+        &self,
+        clock: &dyn Clock,
+        f: impl FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let mut conn = lock(&self.inner.writer);
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut now = Now { clock, read: None };
+        let value = f(&tx, &mut now)?;
+        tx.commit()?;
+        Ok(value)
+    }
+
+    /// Runs a read on the writer connection, which sees every committed move.
+    pub(crate) fn read<R>(&self, f: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
+        f(&lock(&self.inner.writer))
+    }
+}
+
+/// The time of one move, read from the clock on first use only.
+pub(crate) struct Now<'a> {
+    clock: &'a dyn Clock,
+    read: Option<i64>,
+}
+
+impl Now<'_> {
+    /// Milliseconds since the Unix epoch.
+    pub(crate) fn millis(&mut self) -> i64 {
+        *self.read.get_or_insert_with(|| to_millis(self.clock.now()))
+    }
+}
+
+pub(crate) fn to_millis(time: SystemTime) -> i64 {
+    match time.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(after) => after.as_millis() as i64,
+        Err(before) => -(before.duration().as_millis() as i64),
+    }
+}
+
+pub(crate) fn from_millis(millis: i64) -> SystemTime {
+    let magnitude = Duration::from_millis(millis.unsigned_abs());
+    if millis >= 0 {
+        SystemTime::UNIX_EPOCH + magnitude
+    } else {
+        SystemTime::UNIX_EPOCH - magnitude
+    }
+}
+
+/// A connection handed to the consumer; see [`Store::connection`].
+pub struct StoreConnection<'a>(MutexGuard<'a, Connection>);
+
+impl Deref for StoreConnection<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        &self.0
+    }
+}
+
+/// A panic while a connection was held cannot leave a transaction open (rusqlite rolls back on
+/// drop), so a poisoned lock still guards a usable connection.
+fn lock(mutex: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Refuses, before anything writes to it, a file that is not a database or whose schema is
+/// newer than this build's. Read-only, so the file stays byte-identical.
+fn check_version(path: &Path) -> Result<()> {
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .map_err(|err| on_open(err.into(), path))?;
+    let found: i64 = conn
+        .pragma_query_value(None, "user_version", |row| row.get(0))
+        .map_err(|err| on_open(err.into(), path))?;
+    if found > i64::from(SCHEMA_VERSION) {
+        return Err(Error::SchemaTooNew {
+            path: path.to_path_buf(),
+            found: found as u32,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    Ok(())
+}
+
+fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
+    // Two processes opening a new file at once: the second waits on the write lock instead of
+    // failing to upgrade a read transaction.
+    conn.set_transaction_behavior(TransactionBehavior::Immediate);
+    let result = migrations().to_latest(conn);
+    conn.set_transaction_behavior(TransactionBehavior::Deferred);
+    result.map_err(|err| match err {
+        rusqlite_migration::Error::RusqliteError { err, .. } => on_open(err.into(), path),
+        rusqlite_migration::Error::MigrationDefinition(
+            rusqlite_migration::MigrationDefinitionError::DatabaseTooFarAhead,
+        ) => Error::SchemaTooNew {
+            path: path.to_path_buf(),
+            found: 0,
+            supported: SCHEMA_VERSION,
+        },
+        other => Error::Migration(other.to_string()),
+    })
+}
+
+/// Names the file when SQLite says it is not a database.
+fn on_open(err: Error, path: &Path) -> Error {
+    match err {
+        Error::Database(rusqlite::Error::SqliteFailure(failure, _))
+            if failure.code == rusqlite::ErrorCode::NotADatabase =>
+        {
+            Error::NotADatabase { path: path.to_path_buf() }
+        }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_valid() {
+        migrations().validate().unwrap();
+        assert_eq!(SCHEMA_VERSION, 4);
+    }
+
+    #[test]
+    fn every_connection_is_hardened() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        for conn in [&*lock(&store.inner.writer), &*store.connection()] {
+            let trusted: i64 = conn.pragma_query_value(None, "trusted_schema", |r| r.get(0)).unwrap();
+            assert_eq!(trusted, 0);
+            assert!(conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).unwrap());
+            let fk: i64 = conn.pragma_query_value(None, "foreign_keys", |r| r.get(0)).unwrap();
+            assert_eq!(fk, 1);
+        }
+        let writer = lock(&store.inner.writer);
+        let mode: String = writer.pragma_query_value(None, "journal_mode", |r| r.get(0)).unwrap();
+        assert_eq!(mode, "wal");
+        let sync: i64 = writer.pragma_query_value(None, "synchronous", |r| r.get(0)).unwrap();
+        assert_eq!(sync, 2, "FULL by default");
+    }
+
+    #[test]
+    fn the_reader_cannot_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        let err = store.connection().execute("DELETE FROM runs", []).unwrap_err();
+        assert!(err.to_string().contains("readonly"), "{err}");
+    }
+
+    #[test]
+    fn millis_round_trip() {
+        for millis in [0, 1, -1, 1_700_000_000_123, -86_400_000] {
+            assert_eq!(to_millis(from_millis(millis)), millis);
+        }
+    }
+}

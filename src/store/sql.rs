@@ -1,0 +1,825 @@
+//! All of agentrt's SQL: the moves (each applied inside one transaction by `Store::transact`)
+//! and the reads. Every move's guard (state, step, attempt) sits in the statement that
+//! changes the row, so a move that lost a race changes nothing.
+
+use std::collections::HashSet;
+
+use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
+use serde_json::{Value, json};
+
+use super::{Now, from_millis};
+use crate::{
+    error::{Error, Result},
+    types::{
+        Approval, ApprovalReason, Event, EventKind, ModelResponse, PendingCall, Run, RunId,
+        RunState, ToolCall, ToolResult,
+    },
+};
+
+/// What a step is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepKind {
+    Model,
+    Tool,
+}
+
+/// Where a step is; see migrations/0002_steps.sql.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepState {
+    Pending,
+    Waiting,
+    InFlight,
+    Interrupted,
+    Finished,
+}
+
+impl StepState {
+    fn as_str(self) -> &'static str {
+        match self {
+            StepState::Pending => "pending",
+            StepState::Waiting => "waiting",
+            StepState::InFlight => "in_flight",
+            StepState::Interrupted => "interrupted",
+            StepState::Finished => "finished",
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "pending" => StepState::Pending,
+            "waiting" => StepState::Waiting,
+            "in_flight" => StepState::InFlight,
+            "interrupted" => StepState::Interrupted,
+            "finished" => StepState::Finished,
+            other => return Err(Error::Corrupt(format!("unknown step state {other:?}"))),
+        })
+    }
+}
+
+/// A step as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepRow {
+    pub step: u32,
+    pub kind: StepKind,
+    pub state: StepState,
+    pub attempt: u32,
+    /// Tool steps: the call.
+    pub call: Option<ToolCall>,
+    /// Model steps: the response; tool steps: a `ToolResult`.
+    pub result: Option<Value>,
+    pub waiting_for: Option<ApprovalReason>,
+}
+
+/// An operator's decision as the loop needs it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ApprovalRow {
+    pub approved: bool,
+    pub by: String,
+    pub note: Option<String>,
+}
+
+/// What a loop needs to execute a run: the run, its steps, and the decision recorded for the
+/// step that waits, if any.
+#[derive(Debug, Clone)]
+pub(crate) struct RunSnapshot {
+    pub run: Run,
+    pub steps: Vec<StepRow>,
+    pub approval: Option<ApprovalRow>,
+}
+
+/// The idempotency key of a tool call: stable across attempts, unique across calls.
+pub(crate) fn idempotency_key(run_id: &RunId, step: u32) -> String {
+    format!("{run_id}/{step}")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guards and the log
+
+/// Explains a guard that matched no row: the run does not exist, or is in another state.
+fn refused(conn: &Connection, run_id: &RunId, reason: &str) -> Error {
+    match run_state(conn, run_id) {
+        Ok(Some(state)) => Error::RunState { run_id: run_id.clone(), state, reason: reason.to_owned() },
+        Ok(None) => Error::RunNotFound(run_id.clone()),
+        Err(err) => err,
+    }
+}
+
+fn run_state(conn: &Connection, run_id: &RunId) -> Result<Option<RunState>> {
+    let state: Option<String> = conn
+        .prepare_cached("SELECT state FROM runs WHERE id = ?1")?
+        .query_row([run_id.as_str()], |row| row.get(0))
+        .optional()?;
+    state.map(|s| s.parse().map_err(Error::Corrupt)).transpose()
+}
+
+/// Stamps a RUNNING run as moved now; refuses a run in any other state.
+fn touch_running(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, what: &str) -> Result<()> {
+    let changed = tx
+        .prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING'")?
+        .execute(params![run_id.as_str(), now.millis()])?;
+    if changed == 1 { Ok(()) } else { Err(refused(tx, run_id, what)) }
+}
+
+/// Moves a run from `from` to `to`; refuses it in any other state.
+#[allow(clippy::too_many_arguments)]
+fn move_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    from: &[RunState],
+    to: RunState,
+    output: Option<&str>,
+    error: Option<&str>,
+    what: &str,
+) -> Result<()> {
+    let changed = tx
+        .prepare_cached(
+            "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5
+             WHERE id = ?1 AND state IN (?6, ?7)",
+        )?
+        .execute(params![
+            run_id.as_str(),
+            to.as_str(),
+            output,
+            error,
+            now.millis(),
+            from[0].as_str(),
+            from.get(1).unwrap_or(&from[0]).as_str(),
+        ])?;
+    if changed == 1 { Ok(()) } else { Err(refused(tx, run_id, what)) }
+}
+
+/// Moves one step out of the state (and attempt) its executor saw: `starts` adds an attempt.
+/// A step found elsewhere means another executor got there first, and nothing changes.
+#[allow(clippy::too_many_arguments)]
+fn move_step(
+    tx: &Transaction<'_>,
+    run_id: &RunId,
+    step: u32,
+    from: StepState,
+    attempt: u32,
+    to: StepState,
+    starts: bool,
+    result: Option<&Value>,
+    waiting_for: Option<ApprovalReason>,
+) -> Result<()> {
+    let changed = tx
+        .prepare_cached(
+            "UPDATE steps SET state = ?5, attempt = attempt + ?6, result = COALESCE(?7, result),
+                              waiting_for = ?8
+             WHERE run_id = ?1 AND step = ?2 AND state = ?3 AND attempt = ?4",
+        )?
+        .execute(params![
+            run_id.as_str(),
+            step,
+            from.as_str(),
+            attempt,
+            to.as_str(),
+            u32::from(starts),
+            result.map(Value::to_string),
+            waiting_for.map(ApprovalReason::as_str),
+        ])?;
+    if changed == 1 {
+        return Ok(());
+    }
+    let state = run_state(tx, run_id)?.ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
+    Err(Error::RunState {
+        run_id: run_id.clone(),
+        state,
+        reason: format!("step {step} is no longer {} at attempt {attempt}", from.as_str()),
+    })
+}
+
+/// Appends one event: its sequence number is the run's last plus one, inside the move's
+/// transaction, so the log has no gaps.
+fn append(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    kind: EventKind,
+    step: Option<u32>,
+    payload: Value,
+) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO events (run_id, seq, kind, at, step, payload)
+         SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM events WHERE run_id = ?1",
+    )?
+    .execute(params![run_id.as_str(), kind.as_str(), now.millis(), step, payload.to_string()])?;
+    Ok(())
+}
+
+fn tool_started(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32, call: &ToolCall, attempt: u32) -> Result<()> {
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ToolStarted,
+        Some(step),
+        json!({
+            "call_id": call.id,
+            "tool": call.name,
+            "args": call.args,
+            "attempt": attempt,
+            "idempotency_key": idempotency_key(run_id, step),
+        }),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Moves
+
+/// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
+pub(crate) fn create_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, agent: &str, input: &Value) -> Result<()> {
+    if run_state(tx, run_id)?.is_some() {
+        return Err(Error::RunExists(run_id.clone()));
+    }
+    let at = now.millis();
+    tx.prepare_cached(
+        "INSERT INTO runs (id, agent, input, state, created_at, updated_at)
+         VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4)",
+    )?
+    .execute(params![run_id.as_str(), agent, input.to_string(), at])?;
+    append(tx, now, run_id, EventKind::RunStarted, None, json!({ "agent": agent, "input": input }))
+}
+
+/// Reserves model step `step` before the request is dispatched.
+pub(crate) fn begin_model_step(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32) -> Result<()> {
+    touch_running(tx, now, run_id, "a model call cannot start")?;
+    tx.prepare_cached(
+        "INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)",
+    )?
+    .execute(params![run_id.as_str(), step])?;
+    append(tx, now, run_id, EventKind::ModelStarted, Some(step), json!({ "attempt": 1 }))
+}
+
+/// How a model step ended.
+pub(crate) enum ModelOutcome<'a> {
+    Answered(&'a ModelResponse),
+    Failed(&'a str),
+}
+
+/// Records the model's answer. Tool calls become pending steps (returned, numbered after this
+/// one); a final answer finishes the run; a model error fails it.
+pub(crate) fn finish_model_step(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    attempt: u32,
+    outcome: ModelOutcome<'_>,
+) -> Result<Vec<StepRow>> {
+    touch_running(tx, now, run_id, "the model's answer cannot be recorded")?;
+    let response = match outcome {
+        ModelOutcome::Failed(error) => {
+            move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, None, None)?;
+            append(tx, now, run_id, EventKind::ModelFinished, Some(step), json!({ "error": error }))?;
+            finish_run(tx, now, run_id, RunState::Failed, None, Some(&format!("the model failed: {error}")))?;
+            return Ok(Vec::new());
+        }
+        ModelOutcome::Answered(response) => response,
+    };
+
+    // Call ids address approvals: keep them unique within the run.
+    let mut taken: HashSet<String> = HashSet::new();
+    {
+        let mut existing = tx.prepare_cached("SELECT call_id FROM steps WHERE run_id = ?1 AND call_id IS NOT NULL")?;
+        let mut rows = existing.query([run_id.as_str()])?;
+        while let Some(row) = rows.next()? {
+            taken.insert(row.get(0)?);
+        }
+    }
+    let mut recorded = response.clone();
+    let mut created = Vec::with_capacity(recorded.tool_calls.len());
+    for (offset, call) in recorded.tool_calls.iter_mut().enumerate() {
+        let tool_step = step + 1 + offset as u32;
+        if call.id.is_empty() || taken.contains(&call.id) {
+            call.id = format!("call-{tool_step}");
+        }
+        taken.insert(call.id.clone());
+        tx.prepare_cached(
+            "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
+             VALUES (?1, ?2, 'tool', 'pending', 0, ?3, ?4, ?5)",
+        )?
+        .execute(params![run_id.as_str(), tool_step, call.id, call.name, call.args.to_string()])?;
+        created.push(StepRow {
+            step: tool_step,
+            kind: StepKind::Tool,
+            state: StepState::Pending,
+            attempt: 0,
+            call: Some(call.clone()),
+            result: None,
+            waiting_for: None,
+        });
+    }
+    let recorded_json = serde_json::to_value(&recorded).expect("a response serializes");
+    move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, Some(&recorded_json), None)?;
+    append(tx, now, run_id, EventKind::ModelFinished, Some(step), recorded_json)?;
+    if recorded.tool_calls.is_empty() {
+        let output = recorded.text.clone().unwrap_or_default();
+        finish_run(tx, now, run_id, RunState::Succeeded, Some(&output), None)?;
+    }
+    Ok(created)
+}
+
+/// Moves a RUNNING run to a finished state and writes `run.finished`.
+fn finish_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    state: RunState,
+    output: Option<&str>,
+    error: Option<&str>,
+) -> Result<()> {
+    move_run(tx, now, run_id, &[RunState::Running], state, output, error, "it cannot finish")?;
+    let mut payload = json!({ "state": state.as_str() });
+    if let Some(output) = output {
+        payload["output"] = json!(output);
+    }
+    if let Some(error) = error {
+        payload["error"] = json!(error);
+    }
+    append(tx, now, run_id, EventKind::RunFinished, None, payload)
+}
+
+/// Fails a RUNNING run (e.g. it reached its step limit).
+pub(crate) fn fail_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, error: &str) -> Result<()> {
+    finish_run(tx, now, run_id, RunState::Failed, None, Some(error))
+}
+
+/// A decision on a tool call, as it is recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolDecision {
+    /// Run it: the step starts (its next attempt).
+    Allow { reason: Option<String>, by: Option<String>, note: Option<String> },
+    /// Do not run it; the model is told why.
+    Deny { reason: String, by: Option<String>, note: Option<String> },
+    /// Wait for an approval.
+    RequireApproval { reason: String },
+}
+
+impl ToolDecision {
+    fn payload(&self, call: &ToolCall, source: &str) -> Value {
+        let (decision, reason, by, note) = match self {
+            ToolDecision::Allow { reason, by, note } => ("allow", reason.as_deref(), by, note),
+            ToolDecision::Deny { reason, by, note } => ("deny", Some(reason.as_str()), by, note),
+            ToolDecision::RequireApproval { reason } => ("require_approval", Some(reason.as_str()), &None, &None),
+        };
+        let mut payload = json!({
+            "call_id": call.id,
+            "tool": call.name,
+            "decision": decision,
+            "source": source,
+        });
+        if let Some(reason) = reason {
+            payload["reason"] = json!(reason);
+        }
+        if let Some(by) = by {
+            payload["decided_by"] = json!(by);
+        }
+        if let Some(note) = note {
+            payload["note"] = json!(note);
+        }
+        payload
+    }
+}
+
+/// Records the policy's decision on a pending tool call and acts on it in the same
+/// transaction: starts the tool, records the denial, or pauses the run.
+pub(crate) fn decide_tool(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    call: &ToolCall,
+    decision: &ToolDecision,
+) -> Result<()> {
+    match decision {
+        ToolDecision::RequireApproval { .. } => {
+            move_run(tx, now, run_id, &[RunState::Running], RunState::WaitingForApproval, None, None, "it cannot pause")?;
+        }
+        _ => touch_running(tx, now, run_id, "a tool call cannot be decided")?,
+    }
+    append(tx, now, run_id, EventKind::PolicyDecided, Some(step), decision.payload(call, "policy"))?;
+    apply_decision(tx, now, run_id, step, StepState::Pending, 0, call, decision, ApprovalReason::Policy)
+}
+
+/// The step's side of a decision: start it, close it with the denial, or make it wait.
+#[allow(clippy::too_many_arguments)]
+fn apply_decision(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    from: StepState,
+    attempt: u32,
+    call: &ToolCall,
+    decision: &ToolDecision,
+    reason: ApprovalReason,
+) -> Result<()> {
+    match decision {
+        ToolDecision::Allow { .. } => {
+            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
+            tool_started(tx, now, run_id, step, call, attempt + 1)
+        }
+        ToolDecision::Deny { reason: why, .. } => {
+            let result = serde_json::to_value(ToolResult::Error(format!("the call was denied: {why}"))).unwrap();
+            move_step(tx, run_id, step, from, attempt, StepState::Finished, false, Some(&result), None)?;
+            if attempt > 0 {
+                // An attempt ran before (and was interrupted): close the step in the log too.
+                append(
+                    tx,
+                    now,
+                    run_id,
+                    EventKind::ToolFinished,
+                    Some(step),
+                    json!({ "call_id": call.id, "attempt": attempt, "error": format!("the call was denied: {why}"), "denied": true }),
+                )?;
+            }
+            Ok(())
+        }
+        ToolDecision::RequireApproval { .. } => {
+            move_step(tx, run_id, step, from, attempt, StepState::Waiting, false, None, Some(reason))?;
+            append(
+                tx,
+                now,
+                run_id,
+                EventKind::RunWaiting,
+                Some(step),
+                json!({ "call_id": call.id, "tool": call.name, "reason": reason.as_str() }),
+            )
+        }
+    }
+}
+
+/// Closes a pending call the loop cannot execute (unknown tool, arguments not an object): the
+/// model is told why; nothing ran.
+pub(crate) fn reject_tool(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32, call: &ToolCall, error: &str) -> Result<()> {
+    touch_running(tx, now, run_id, "a tool call cannot be rejected")?;
+    let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
+    move_step(tx, run_id, step, StepState::Pending, 0, StepState::Finished, false, Some(&result), None)?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ToolFinished,
+        Some(step),
+        json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true }),
+    )
+}
+
+/// Records a tool's outcome. On a RUNNING run it is an ordinary step; on a run an operator
+/// cancelled meanwhile it is recorded as late (the run stays cancelled). Returns whether late.
+pub(crate) fn finish_tool(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    attempt: u32,
+    call_id: &str,
+    result: &ToolResult,
+) -> Result<bool> {
+    let late = match touch_running(tx, now, run_id, "the tool's outcome cannot be recorded") {
+        Ok(()) => false,
+        Err(Error::RunState { state: RunState::Cancelled, .. }) => true,
+        Err(err) => return Err(err),
+    };
+    let result_json = serde_json::to_value(result).unwrap();
+    move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, Some(&result_json), None)?;
+    let mut payload = json!({ "call_id": call_id, "attempt": attempt });
+    match result {
+        ToolResult::Ok(output) => payload["output"] = output.clone(),
+        ToolResult::Error(error) => payload["error"] = json!(error),
+    }
+    if late {
+        payload["late"] = json!(true);
+    }
+    append(tx, now, run_id, EventKind::ToolFinished, Some(step), payload)?;
+    Ok(late)
+}
+
+/// Resumes a waiting run: back to RUNNING, the resume-time decision recorded and acted on, in
+/// one compare-and-set on the run's state, so of two resumers one wins.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn resume_waiting(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    attempt: u32,
+    call: &ToolCall,
+    reason: ApprovalReason,
+    decision: &ToolDecision,
+    source: &str,
+) -> Result<()> {
+    move_run(tx, now, run_id, &[RunState::WaitingForApproval], RunState::Running, None, None, "only a run waiting for approval can be resumed this way")?;
+    append(tx, now, run_id, EventKind::RunResumed, None, json!({ "from": RunState::WaitingForApproval.as_str() }))?;
+    append(tx, now, run_id, EventKind::PolicyDecided, Some(step), decision.payload(call, source))?;
+    apply_decision(tx, now, run_id, step, StepState::Waiting, attempt, call, decision, reason)
+}
+
+/// Takes over a RUNNING run whose executor is gone: every step in flight is marked
+/// interrupted, in one transaction with `run.resumed`. Returns the steps marked.
+pub(crate) fn take_over(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId) -> Result<Vec<u32>> {
+    touch_running(tx, now, run_id, "only a RUNNING run can be taken over")?;
+    append(tx, now, run_id, EventKind::RunResumed, None, json!({ "from": RunState::Running.as_str() }))?;
+    let interrupted: Vec<(u32, String, u32)> = tx
+        .prepare_cached(
+            "UPDATE steps SET state = 'interrupted' WHERE run_id = ?1 AND state = 'in_flight'
+             RETURNING step, kind, attempt",
+        )?
+        .query_map([run_id.as_str()], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let mut steps = Vec::with_capacity(interrupted.len());
+    for (step, kind, attempt) in interrupted {
+        append(tx, now, run_id, EventKind::StepInterrupted, Some(step), json!({ "kind": kind, "attempt": attempt }))?;
+        steps.push(step);
+    }
+    steps.sort_unstable();
+    Ok(steps)
+}
+
+/// What reconciling an interrupted step decided.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Resolution {
+    /// A model step: dispatch it again.
+    Redispatch,
+    /// A tool step that took effect: this is its output.
+    Applied(Value),
+    /// Run the tool again; `outcome` says what the hook answered ("not_applied", "unknown",
+    /// "no_hook").
+    Retry { outcome: &'static str },
+    /// Ask a person; `outcome` as for `Retry`.
+    AwaitApproval { outcome: &'static str },
+}
+
+/// Records the one reconciliation of an interrupted step together with what it leads to.
+pub(crate) fn reconcile(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    attempt: u32,
+    call: Option<&ToolCall>,
+    resolution: &Resolution,
+) -> Result<()> {
+    if let Resolution::AwaitApproval { .. } = resolution {
+        move_run(tx, now, run_id, &[RunState::Running], RunState::WaitingForApproval, None, None, "it cannot pause")?;
+    } else {
+        touch_running(tx, now, run_id, "an interrupted step cannot be reconciled")?;
+    }
+    let from = StepState::Interrupted;
+    let (outcome, action) = match resolution {
+        Resolution::Redispatch => ("model_call", "dispatch_again"),
+        Resolution::Applied(_) => ("applied", "record_output"),
+        Resolution::Retry { outcome } => (*outcome, "run_again"),
+        Resolution::AwaitApproval { outcome } => (*outcome, "await_approval"),
+    };
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::StepReconciled,
+        Some(step),
+        json!({ "attempt": attempt, "outcome": outcome, "action": action }),
+    )?;
+    match (resolution, call) {
+        (Resolution::Redispatch, _) => {
+            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
+            append(tx, now, run_id, EventKind::ModelStarted, Some(step), json!({ "attempt": attempt + 1 }))
+        }
+        (Resolution::Applied(output), Some(call)) => {
+            let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
+            move_step(tx, run_id, step, from, attempt, StepState::Finished, false, Some(&result), None)?;
+            append(
+                tx,
+                now,
+                run_id,
+                EventKind::ToolFinished,
+                Some(step),
+                json!({ "call_id": call.id, "attempt": attempt, "output": output, "reconciled": true }),
+            )
+        }
+        (Resolution::Retry { .. }, Some(call)) => {
+            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
+            tool_started(tx, now, run_id, step, call, attempt + 1)
+        }
+        (Resolution::AwaitApproval { .. }, Some(call)) => {
+            let decision = ToolDecision::RequireApproval { reason: String::new() };
+            apply_decision(tx, now, run_id, step, from, attempt, call, &decision, ApprovalReason::Reconcile)
+        }
+        (_, None) => Err(Error::Corrupt(format!("tool step {step} of run {run_id} has no call"))),
+    }
+}
+
+/// Records an operator's decision on a call that waits for one. A call that does not wait, or
+/// whose decision is already recorded, is refused unchanged.
+pub(crate) fn record_approval(tx: &Transaction<'_>, now: &mut Now<'_>, approval: &Approval) -> Result<()> {
+    let run_id = &approval.run_id;
+    let found: Option<(u32, String, u32)> = tx
+        .prepare_cached("SELECT step, state, attempt FROM steps WHERE run_id = ?1 AND call_id = ?2")?
+        .query_row(params![run_id.as_str(), approval.call_id], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+        .optional()?;
+    let Some((step, state, attempt)) = found else {
+        return Err(match run_state(tx, run_id)? {
+            None => Error::RunNotFound(run_id.clone()),
+            Some(_) => Error::CallNotFound { run_id: run_id.clone(), call_id: approval.call_id.clone() },
+        });
+    };
+    let not_pending = |reason: String| -> Error {
+        match run_state(tx, run_id) {
+            Ok(Some(state)) => Error::RunState { run_id: run_id.clone(), state, reason },
+            Ok(None) => Error::RunNotFound(run_id.clone()),
+            Err(err) => err,
+        }
+    };
+    if StepState::parse(&state)? != StepState::Waiting {
+        return Err(not_pending(format!("call {:?} is not waiting for an approval", approval.call_id)));
+    }
+    let changed = tx
+        .prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'")?
+        .execute(params![run_id.as_str(), now.millis()])?;
+    if changed != 1 {
+        return Err(not_pending(format!("call {:?} cannot be decided: the run is not waiting", approval.call_id)));
+    }
+    let inserted = tx
+        .prepare_cached(
+            "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, note, at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+        )?
+        .execute(params![run_id.as_str(), step, attempt + 1, approval.approved, approval.by, approval.note, now.millis()])?;
+    if inserted != 1 {
+        return Err(not_pending(format!("call {:?} is already decided", approval.call_id)));
+    }
+    let mut payload = json!({ "call_id": approval.call_id, "approved": approval.approved, "decided_by": approval.by });
+    if let Some(note) = &approval.note {
+        payload["note"] = json!(note);
+    }
+    append(tx, now, run_id, EventKind::ApprovalRecorded, Some(step), payload)
+}
+
+/// An operator's cancel: no executor needed; the run moves to CANCELLED from RUNNING or
+/// WAITING_FOR_APPROVAL.
+pub(crate) fn cancel_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, reason: &str) -> Result<()> {
+    move_run(
+        tx,
+        now,
+        run_id,
+        &[RunState::Running, RunState::WaitingForApproval],
+        RunState::Cancelled,
+        None,
+        Some(reason),
+        "a finished run cannot be cancelled",
+    )?;
+    append(tx, now, run_id, EventKind::RunFinished, None, json!({ "state": "CANCELLED", "reason": reason }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reads
+
+const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
+
+fn parse_json(text: String, what: &str) -> rusqlite::Result<Value> {
+    serde_json::from_str(&text).map_err(|err| {
+        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, format!("{what}: {err}").into())
+    })
+}
+
+fn run_from_row(row: &Row<'_>) -> rusqlite::Result<Run> {
+    let state: String = row.get(3)?;
+    Ok(Run {
+        id: RunId::from(row.get::<_, String>(0)?),
+        agent: row.get(1)?,
+        input: parse_json(row.get(2)?, "run input")?,
+        state: state.parse().map_err(|err: String| {
+            rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, err.into())
+        })?,
+        output: row.get(4)?,
+        error: row.get(5)?,
+        created_at: from_millis(row.get(6)?),
+        updated_at: from_millis(row.get(7)?),
+    })
+}
+
+pub(crate) fn run(conn: &Connection, run_id: &RunId) -> Result<Run> {
+    conn.prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"))?
+        .query_row([run_id.as_str()], run_from_row)
+        .optional()?
+        .ok_or_else(|| Error::RunNotFound(run_id.clone()))
+}
+
+pub(crate) fn runs(conn: &Connection, state: Option<RunState>) -> Result<Vec<Run>> {
+    let runs = match state {
+        Some(state) => conn
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE state = ?1 ORDER BY created_at, id"))?
+            .query_map([state.as_str()], run_from_row)?
+            .collect::<rusqlite::Result<_>>()?,
+        None => conn
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"))?
+            .query_map([], run_from_row)?
+            .collect::<rusqlite::Result<_>>()?,
+    };
+    Ok(runs)
+}
+
+pub(crate) fn events(conn: &Connection, run_id: &RunId) -> Result<Vec<Event>> {
+    let events: Vec<Event> = conn
+        .prepare_cached("SELECT seq, kind, at, step, payload FROM events WHERE run_id = ?1 ORDER BY seq")?
+        .query_map([run_id.as_str()], |row| {
+            let kind: String = row.get(1)?;
+            Ok(Event {
+                run_id: run_id.clone(),
+                seq: row.get::<_, i64>(0)? as u64,
+                kind: kind.parse().map_err(|err: String| {
+                    rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, err.into())
+                })?,
+                at: from_millis(row.get(2)?),
+                step: row.get(3)?,
+                payload: parse_json(row.get(4)?, "event payload")?,
+            })
+        })?
+        .collect::<rusqlite::Result<_>>()?;
+    if events.is_empty() {
+        // Every run has run.started: no events means no run.
+        run(conn, run_id)?;
+    }
+    Ok(events)
+}
+
+fn steps(conn: &Connection, run_id: &RunId) -> Result<Vec<StepRow>> {
+    let rows = conn
+        .prepare_cached(
+            "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
+             FROM steps WHERE run_id = ?1 ORDER BY step",
+        )?
+        .query_map([run_id.as_str()], |row| {
+            let kind: String = row.get(1)?;
+            let state: String = row.get(2)?;
+            let call_id: Option<String> = row.get(4)?;
+            let call = match call_id {
+                Some(id) => Some(ToolCall {
+                    id,
+                    name: row.get::<_, Option<String>>(5)?.unwrap_or_default(),
+                    args: parse_json(row.get::<_, Option<String>>(6)?.unwrap_or_else(|| "null".into()), "tool args")?,
+                }),
+                None => None,
+            };
+            let result: Option<String> = row.get(7)?;
+            let waiting_for: Option<String> = row.get(8)?;
+            Ok((row.get::<_, u32>(0)?, kind, state, row.get::<_, u32>(3)?, call, result, waiting_for))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    rows.into_iter()
+        .map(|(step, kind, state, attempt, call, result, waiting_for)| {
+            Ok(StepRow {
+                step,
+                kind: if kind == "model" { StepKind::Model } else { StepKind::Tool },
+                state: StepState::parse(&state)?,
+                attempt,
+                call,
+                result: result.map(|text| serde_json::from_str(&text)).transpose().map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
+                waiting_for: match waiting_for.as_deref() {
+                    Some("policy") => Some(ApprovalReason::Policy),
+                    Some("reconcile") => Some(ApprovalReason::Reconcile),
+                    _ => None,
+                },
+            })
+        })
+        .collect()
+}
+
+/// The run, its steps, and the decision recorded for its waiting step.
+pub(crate) fn load(conn: &Connection, run_id: &RunId) -> Result<RunSnapshot> {
+    let run = run(conn, run_id)?;
+    let steps = steps(conn, run_id)?;
+    let approval = match steps.iter().find(|s| s.state == StepState::Waiting) {
+        Some(waiting) => conn
+            .prepare_cached(
+                "SELECT approved, decided_by, note FROM approvals WHERE run_id = ?1 AND step = ?2 AND attempt = ?3",
+            )?
+            .query_row(params![run_id.as_str(), waiting.step, waiting.attempt + 1], |row| {
+                Ok(ApprovalRow { approved: row.get(0)?, by: row.get(1)?, note: row.get(2)? })
+            })
+            .optional()?,
+        None => None,
+    };
+    Ok(RunSnapshot { run, steps, approval })
+}
+
+pub(crate) fn pending_calls(conn: &Connection, run_id: &RunId) -> Result<Vec<PendingCall>> {
+    let snapshot = load(conn, run_id)?;
+    Ok(snapshot
+        .steps
+        .iter()
+        .filter(|step| step.state == StepState::Waiting && snapshot.approval.is_none())
+        .filter_map(|step| {
+            let call = step.call.clone()?;
+            Some(PendingCall {
+                step: step.step,
+                call_id: call.id,
+                tool: call.name,
+                args: call.args,
+                reason: step.waiting_for.unwrap_or(ApprovalReason::Policy),
+            })
+        })
+        .collect())
+}

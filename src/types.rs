@@ -1,0 +1,388 @@
+//! The data agentrt stores and hands back: runs, events, outcomes, and the messages a model sees.
+
+use std::{fmt, str::FromStr, time::SystemTime};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The id of a run: chosen by the caller of `StartRun`, or a random UUID.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RunId(String);
+
+impl RunId {
+    /// A new random id (a UUID v4).
+    pub fn random() -> Self {
+        RunId(uuid::Uuid::new_v4().to_string())
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&str> for RunId {
+    fn from(id: &str) -> Self {
+        RunId(id.to_owned())
+    }
+}
+
+impl From<String> for RunId {
+    fn from(id: String) -> Self {
+        RunId(id)
+    }
+}
+
+/// Where a run is in its life. See `docs/runs.md` for the moves between states.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum RunState {
+    /// Being executed, or its executor died and it waits to be resumed.
+    Running,
+    /// Paused until an operator decides a tool call; resumed with `ResumeRun`.
+    WaitingForApproval,
+    /// Finished with a final answer.
+    Succeeded,
+    /// Finished with an error (the model failed, or the step limit was reached).
+    Failed,
+    /// Cancelled by an operator.
+    Cancelled,
+}
+
+impl RunState {
+    /// The name stored in the database and shown to people.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Running => "RUNNING",
+            RunState::WaitingForApproval => "WAITING_FOR_APPROVAL",
+            RunState::Succeeded => "SUCCEEDED",
+            RunState::Failed => "FAILED",
+            RunState::Cancelled => "CANCELLED",
+        }
+    }
+
+    /// True for the states a run never leaves.
+    pub fn is_finished(self) -> bool {
+        matches!(self, RunState::Succeeded | RunState::Failed | RunState::Cancelled)
+    }
+}
+
+impl fmt::Display for RunState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RunState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "RUNNING" => RunState::Running,
+            "WAITING_FOR_APPROVAL" => RunState::WaitingForApproval,
+            "SUCCEEDED" => RunState::Succeeded,
+            "FAILED" => RunState::Failed,
+            "CANCELLED" => RunState::Cancelled,
+            other => return Err(format!("unknown run state {other:?}")),
+        })
+    }
+}
+
+/// A run as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Run {
+    /// Its id.
+    pub id: RunId,
+    /// The name of the agent that executes it.
+    pub agent: String,
+    /// The input it was started with.
+    pub input: Value,
+    /// Its state.
+    pub state: RunState,
+    /// The final answer, once succeeded.
+    pub output: Option<String>,
+    /// Why it failed or was cancelled.
+    pub error: Option<String>,
+    /// When it was started, by `Config::clock`.
+    pub created_at: SystemTime,
+    /// When it last moved, by `Config::clock`.
+    pub updated_at: SystemTime,
+}
+
+/// The kinds of event in the log. `docs/events.md` describes each one and its payload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// `run.started`
+    RunStarted,
+    /// `step.model_started`: a model call is reserved, before it is dispatched.
+    ModelStarted,
+    /// `step.model_finished`
+    ModelFinished,
+    /// `policy.decided`
+    PolicyDecided,
+    /// `run.waiting`
+    RunWaiting,
+    /// `approval.recorded`
+    ApprovalRecorded,
+    /// `run.resumed`
+    RunResumed,
+    /// `step.tool_started`: written before the tool is called.
+    ToolStarted,
+    /// `step.tool_finished`
+    ToolFinished,
+    /// `step.interrupted`
+    StepInterrupted,
+    /// `step.reconciled`
+    StepReconciled,
+    /// `run.finished`
+    RunFinished,
+}
+
+impl EventKind {
+    /// Every kind, in the order of `docs/events.md`.
+    pub const ALL: [EventKind; 12] = [
+        EventKind::RunStarted,
+        EventKind::ModelStarted,
+        EventKind::ModelFinished,
+        EventKind::PolicyDecided,
+        EventKind::RunWaiting,
+        EventKind::ApprovalRecorded,
+        EventKind::RunResumed,
+        EventKind::ToolStarted,
+        EventKind::ToolFinished,
+        EventKind::StepInterrupted,
+        EventKind::StepReconciled,
+        EventKind::RunFinished,
+    ];
+
+    /// The name stored in the log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::RunStarted => "run.started",
+            EventKind::ModelStarted => "step.model_started",
+            EventKind::ModelFinished => "step.model_finished",
+            EventKind::PolicyDecided => "policy.decided",
+            EventKind::RunWaiting => "run.waiting",
+            EventKind::ApprovalRecorded => "approval.recorded",
+            EventKind::RunResumed => "run.resumed",
+            EventKind::ToolStarted => "step.tool_started",
+            EventKind::ToolFinished => "step.tool_finished",
+            EventKind::StepInterrupted => "step.interrupted",
+            EventKind::StepReconciled => "step.reconciled",
+            EventKind::RunFinished => "run.finished",
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for EventKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        EventKind::ALL
+            .into_iter()
+            .find(|kind| kind.as_str() == s)
+            .ok_or_else(|| format!("unknown event kind {s:?}"))
+    }
+}
+
+/// One entry of a run's event log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// The run it belongs to.
+    pub run_id: RunId,
+    /// Its place in the run's log: 1, 2, 3, ... without gaps.
+    pub seq: u64,
+    /// What happened.
+    pub kind: EventKind,
+    /// When, by `Config::clock`.
+    pub at: SystemTime,
+    /// The step it concerns, if any.
+    pub step: Option<u32>,
+    /// The details; `docs/events.md` lists the fields of each kind.
+    pub payload: Value,
+}
+
+/// A tool call the model asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id. agentrt keeps ids unique within a run: an empty or repeated id is
+    /// replaced by `call-STEP`.
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// The arguments: must be a JSON object, or the model is told the call was rejected.
+    pub args: Value,
+}
+
+impl ToolCall {
+    /// A call of tool `name` with `args`.
+    pub fn new(id: impl Into<String>, name: impl Into<String>, args: Value) -> Self {
+        ToolCall { id: id.into(), name: name.into(), args }
+    }
+}
+
+/// What the model answered: text, tool calls, or both. No tool calls means a final answer.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelResponse {
+    /// The text of the answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// The tools to call, in order.
+    #[serde(default)]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+impl ModelResponse {
+    /// A final answer.
+    pub fn answer(text: impl Into<String>) -> Self {
+        ModelResponse { text: Some(text.into()), tool_calls: Vec::new() }
+    }
+
+    /// A response that asks for tool calls.
+    pub fn calls(tool_calls: Vec<ToolCall>) -> Self {
+        ModelResponse { text: None, tool_calls }
+    }
+}
+
+/// The outcome of a tool call as the model sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolResult {
+    /// The tool's output.
+    Ok(Value),
+    /// Why there is no output: the tool failed, or the call was denied or rejected.
+    Error(String),
+}
+
+/// One entry of the conversation given to the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    /// An earlier response of the model.
+    Assistant(ModelResponse),
+    /// The result of one tool call.
+    Tool {
+        /// The call's id.
+        call_id: String,
+        /// The tool's name.
+        name: String,
+        /// What came of it.
+        result: ToolResult,
+    },
+}
+
+/// Why a tool call waits for a person.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalReason {
+    /// The policy requires an approval for this call.
+    Policy,
+    /// An attempt of this call was interrupted, and whether it took effect is unknown: a person
+    /// decides whether to run it again.
+    Reconcile,
+}
+
+impl ApprovalReason {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            ApprovalReason::Policy => "policy",
+            ApprovalReason::Reconcile => "reconcile",
+        }
+    }
+}
+
+/// A tool call waiting for an approval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingCall {
+    /// The step of the call.
+    pub step: u32,
+    /// The id to approve or deny.
+    pub call_id: String,
+    /// The tool.
+    pub tool: String,
+    /// Its arguments.
+    pub args: Value,
+    /// Why it waits.
+    pub reason: ApprovalReason,
+}
+
+/// How a call to `StartRun` or `ResumeRun` ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The run finished with this final answer.
+    Succeeded {
+        /// The model's final text.
+        output: String,
+    },
+    /// The run finished with an error.
+    Failed {
+        /// What went wrong.
+        error: String,
+    },
+    /// The run is paused until this call is approved or denied.
+    WaitingForApproval {
+        /// The call that waits.
+        pending: PendingCall,
+    },
+    /// An operator cancelled the run.
+    Cancelled {
+        /// The operator's reason.
+        reason: String,
+    },
+}
+
+/// The reply to `StartRun` and `ResumeRun`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunOutcome {
+    /// The run.
+    pub run_id: RunId,
+    /// How the call ended.
+    pub outcome: Outcome,
+}
+
+/// An operator's decision on a waiting tool call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approval {
+    /// The run.
+    pub run_id: RunId,
+    /// The call, as named in [`PendingCall::call_id`].
+    pub call_id: String,
+    /// Approve (true) or deny (false).
+    pub approved: bool,
+    /// Who decided.
+    pub by: String,
+    /// Why, optionally.
+    pub note: Option<String>,
+}
+
+impl Approval {
+    /// `by` approves the call.
+    pub fn approve(run_id: impl Into<RunId>, call_id: impl Into<String>, by: impl Into<String>) -> Self {
+        Approval { run_id: run_id.into(), call_id: call_id.into(), approved: true, by: by.into(), note: None }
+    }
+
+    /// `by` denies the call.
+    pub fn deny(run_id: impl Into<RunId>, call_id: impl Into<String>, by: impl Into<String>) -> Self {
+        Approval { approved: false, ..Approval::approve(run_id, call_id, by) }
+    }
+
+    /// Adds a note saying why.
+    pub fn note(mut self, note: impl Into<String>) -> Self {
+        self.note = Some(note.into());
+        self
+    }
+}

@@ -1,0 +1,414 @@
+//! Helpers for testing agents built on agentrt (cargo feature `testkit`): a scripted model, a
+//! recording tool, deterministic clocks, temporary stores, and an actix system whose end is a
+//! crash.
+//!
+//! ```
+//! use agentrt::{Agent, Outcome, StartRun, Supervisor, ToolCall, ModelResponse};
+//! use agentrt::testkit::{with_system, RecordingTool, ScriptedModel, TempStore};
+//! use serde_json::json;
+//!
+//! let db = TempStore::new();
+//! let lookup = RecordingTool::new("lookup");
+//! let model = ScriptedModel::new(vec![
+//!     ModelResponse::calls(vec![ToolCall::new("c1", "lookup", json!({"q": "x"}))]),
+//!     ModelResponse::answer("done"),
+//! ]);
+//! let agent = Agent::new(model).tool(lookup.clone());
+//! let reply = with_system(|| async move {
+//!     let supervisor = Supervisor::builder(db.open()).agent("demo", agent).start();
+//!     supervisor.send(StartRun::new("demo", json!({}))).await.unwrap()
+//! });
+//! assert!(matches!(reply.unwrap().outcome, Outcome::Succeeded { .. }));
+//! assert_eq!(lookup.executions().len(), 1);
+//! ```
+
+use std::{
+    future::Future,
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    },
+    time::{Duration, SystemTime},
+};
+
+use serde_json::{Value, json};
+use tokio::sync::{Semaphore, watch};
+
+use crate::{
+    Clock, Model, ModelError, ModelRequest, ModelResponse, Reconciliation, Store, Tool, ToolContext,
+    ToolError, async_trait, types::Message,
+};
+
+/// Runs `f` in a fresh actix system and tears the system down when its future completes.
+///
+/// Whatever is still executing then (a run blocked in a tool, say) is dropped where it stands,
+/// with no further write: this is how a test crashes a supervisor. The store it used stays on
+/// disk for the next system to resume.
+pub fn with_system<F, Fut, R>(f: F) -> R
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = R>,
+{
+    let system = actix::System::new();
+    let result = system.block_on(f());
+    drop(system);
+    result
+}
+
+/// A database file in a temporary directory, removed when dropped.
+pub struct TempStore {
+    dir: tempfile::TempDir,
+}
+
+impl TempStore {
+    /// A new temporary directory; the database is created at first [`TempStore::open`].
+    pub fn new() -> Self {
+        TempStore { dir: tempfile::tempdir().expect("a temporary directory") }
+    }
+
+    /// The database file's path.
+    pub fn path(&self) -> PathBuf {
+        self.dir.path().join("agentrt.db")
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Opens the database (each call is a new handle, as a new process would have).
+    pub fn open(&self) -> Store {
+        Store::open(self.path()).expect("the temporary store opens")
+    }
+}
+
+impl Default for TempStore {
+    fn default() -> Self {
+        TempStore::new()
+    }
+}
+
+/// A clock that always says the same time.
+#[derive(Debug, Clone, Copy)]
+pub struct FixedClock(pub SystemTime);
+
+impl Clock for FixedClock {
+    fn now(&self) -> SystemTime {
+        self.0
+    }
+}
+
+/// A clock that counts its readings, each one millisecond after the last. Clones share the
+/// count.
+#[derive(Debug, Clone)]
+pub struct CountingClock {
+    start: SystemTime,
+    reads: Arc<AtomicU64>,
+}
+
+impl CountingClock {
+    /// Starts at `start`.
+    pub fn starting_at(start: SystemTime) -> Self {
+        CountingClock { start, reads: Arc::new(AtomicU64::new(0)) }
+    }
+
+    /// How many times it was read.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::SeqCst)
+    }
+}
+
+impl Default for CountingClock {
+    fn default() -> Self {
+        CountingClock::starting_at(SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000))
+    }
+}
+
+impl Clock for CountingClock {
+    fn now(&self) -> SystemTime {
+        let read = self.reads.fetch_add(1, Ordering::SeqCst);
+        self.start + Duration::from_millis(read)
+    }
+}
+
+/// Counts entries into a call and holds them until released.
+#[derive(Debug)]
+struct Gate {
+    entered: watch::Sender<usize>,
+    released: Semaphore,
+}
+
+impl Gate {
+    fn new() -> Self {
+        Gate { entered: watch::Sender::new(0), released: Semaphore::new(0) }
+    }
+
+    fn enter(&self) {
+        self.entered.send_modify(|count| *count += 1);
+    }
+
+    async fn wait_entered(&self, count: usize) {
+        let mut rx = self.entered.subscribe();
+        rx.wait_for(|entered| *entered >= count).await.expect("the gate lives");
+    }
+
+    async fn hold(&self) {
+        self.released.acquire().await.expect("the gate lives").forget();
+    }
+}
+
+/// A model that answers from a script: its n-th response answers the n-th turn (the number of
+/// earlier responses in the conversation), so a call dispatched again gets the same answer.
+#[derive(Clone)]
+pub struct ScriptedModel {
+    inner: Arc<ModelInner>,
+}
+
+struct ModelInner {
+    script: Vec<Result<ModelResponse, ModelError>>,
+    block_turn: Mutex<Option<usize>>,
+    calls: AtomicUsize,
+    gate: Gate,
+}
+
+impl ScriptedModel {
+    /// Answers with `responses`, in order; a turn past the end is a model error.
+    pub fn new(responses: Vec<ModelResponse>) -> Self {
+        ScriptedModel::with_results(responses.into_iter().map(Ok).collect())
+    }
+
+    /// Answers with `results`, errors included.
+    pub fn with_results(script: Vec<Result<ModelResponse, ModelError>>) -> Self {
+        ScriptedModel {
+            inner: Arc::new(ModelInner {
+                script,
+                block_turn: Mutex::new(None),
+                calls: AtomicUsize::new(0),
+                gate: Gate::new(),
+            }),
+        }
+    }
+
+    /// Calls for turn `turn` (from 0) block until [`ScriptedModel::release`].
+    pub fn block_at_turn(self, turn: usize) -> Self {
+        *self.inner.block_turn.lock().unwrap() = Some(turn);
+        self
+    }
+
+    /// Lets one blocked call answer.
+    pub fn release(&self) {
+        self.inner.gate.released.add_permits(1);
+    }
+
+    /// Completes once `count` calls have been dispatched to this model.
+    pub async fn wait_calls(&self, count: usize) {
+        self.inner.gate.wait_entered(count).await
+    }
+
+    /// How many calls were dispatched.
+    pub fn calls(&self) -> usize {
+        self.inner.calls.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait(?Send)]
+impl Model for ScriptedModel {
+    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+        let turn = request.messages.iter().filter(|m| matches!(m, Message::Assistant(_))).count();
+        self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.gate.enter();
+        if *self.inner.block_turn.lock().unwrap() == Some(turn) {
+            self.inner.gate.hold().await;
+        }
+        self.inner
+            .script
+            .get(turn)
+            .cloned()
+            .unwrap_or_else(|| Err(ModelError::new(format!("the script has no response for turn {turn}"))))
+    }
+}
+
+/// What a [`RecordingTool`] does when called.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Behaviour {
+    /// Returns its output at once.
+    Succeed,
+    /// Waits until [`RecordingTool::release`], or until the run is cancelled (then fails).
+    Block,
+    /// Returns this error.
+    Fail(String),
+    /// Panics.
+    Panic,
+    /// Sleeps, then returns its output.
+    Sleep(Duration),
+}
+
+/// How a [`RecordingTool`] answers a reconcile question.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReconcileHook {
+    /// It has no hook.
+    None,
+    /// Always this answer.
+    Answer(Reconciliation),
+    /// Looks the idempotency key up in its own log: applied (with the output it returned) if an
+    /// execution with that key is recorded, not applied otherwise.
+    FromLog,
+}
+
+/// One execution of a [`RecordingTool`]: its side effect, as recorded when the call began.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Execution {
+    /// The run.
+    pub run_id: String,
+    /// The step.
+    pub step: u32,
+    /// The call id.
+    pub call_id: String,
+    /// The attempt.
+    pub attempt: u32,
+    /// The idempotency key.
+    pub idempotency_key: String,
+    /// The arguments.
+    pub args: Value,
+}
+
+/// A tool that records every execution (its side effect) and can block, fail, panic or sleep.
+/// Clones share the record.
+#[derive(Clone)]
+pub struct RecordingTool {
+    inner: Arc<ToolInner>,
+}
+
+struct ToolInner {
+    name: String,
+    idempotent: AtomicBool,
+    behaviour: Mutex<Behaviour>,
+    hook: Mutex<ReconcileHook>,
+    executions: Mutex<Vec<Execution>>,
+    reconciles: Mutex<Vec<Execution>>,
+    gate: Gate,
+}
+
+impl RecordingTool {
+    /// A tool named `name` that succeeds, is not idempotent, and has no reconcile hook.
+    pub fn new(name: impl Into<String>) -> Self {
+        RecordingTool {
+            inner: Arc::new(ToolInner {
+                name: name.into(),
+                idempotent: AtomicBool::new(false),
+                behaviour: Mutex::new(Behaviour::Succeed),
+                hook: Mutex::new(ReconcileHook::None),
+                executions: Mutex::new(Vec::new()),
+                reconciles: Mutex::new(Vec::new()),
+                gate: Gate::new(),
+            }),
+        }
+    }
+
+    /// Declares the tool idempotent (or not).
+    pub fn idempotent(self, idempotent: bool) -> Self {
+        self.inner.idempotent.store(idempotent, Ordering::SeqCst);
+        self
+    }
+
+    /// Sets what a call does.
+    pub fn behaviour(self, behaviour: Behaviour) -> Self {
+        self.set_behaviour(behaviour);
+        self
+    }
+
+    /// Changes what the next calls do.
+    pub fn set_behaviour(&self, behaviour: Behaviour) {
+        *self.inner.behaviour.lock().unwrap() = behaviour;
+    }
+
+    /// Sets the reconcile hook.
+    pub fn reconcile_hook(self, hook: ReconcileHook) -> Self {
+        *self.inner.hook.lock().unwrap() = hook;
+        self
+    }
+
+    /// The executions so far, in order.
+    pub fn executions(&self) -> Vec<Execution> {
+        self.inner.executions.lock().unwrap().clone()
+    }
+
+    /// The reconcile questions asked so far, in order.
+    pub fn reconciles(&self) -> Vec<Execution> {
+        self.inner.reconciles.lock().unwrap().clone()
+    }
+
+    /// Completes once `count` executions have begun.
+    pub async fn wait_executions(&self, count: usize) {
+        self.inner.gate.wait_entered(count).await
+    }
+
+    /// Lets one blocked call return.
+    pub fn release(&self) {
+        self.inner.gate.released.add_permits(1);
+    }
+
+    fn output(&self, ctx: &ToolContext) -> Value {
+        json!({ "tool": self.inner.name, "idempotency_key": ctx.idempotency_key })
+    }
+
+    fn record(ctx: &ToolContext, args: &Value) -> Execution {
+        Execution {
+            run_id: ctx.run_id.to_string(),
+            step: ctx.step,
+            call_id: ctx.call_id.clone(),
+            attempt: ctx.attempt,
+            idempotency_key: ctx.idempotency_key.clone(),
+            args: args.clone(),
+        }
+    }
+}
+
+#[async_trait(?Send)]
+impl Tool for RecordingTool {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn idempotent(&self) -> bool {
+        self.inner.idempotent.load(Ordering::SeqCst)
+    }
+
+    async fn call(&self, ctx: &ToolContext, args: &Value) -> Result<Value, ToolError> {
+        self.inner.executions.lock().unwrap().push(Self::record(ctx, args));
+        self.inner.gate.enter();
+        let behaviour = self.inner.behaviour.lock().unwrap().clone();
+        match behaviour {
+            Behaviour::Succeed => Ok(self.output(ctx)),
+            Behaviour::Block => {
+                tokio::select! {
+                    _ = self.inner.gate.hold() => Ok(self.output(ctx)),
+                    _ = ctx.cancellation.cancelled() => Err(ToolError::new("stopped: the run was cancelled")),
+                }
+            }
+            Behaviour::Fail(message) => Err(ToolError::new(message)),
+            Behaviour::Panic => panic!("{} panicked on purpose", self.inner.name),
+            Behaviour::Sleep(duration) => {
+                actix_rt::time::sleep(duration).await;
+                Ok(self.output(ctx))
+            }
+        }
+    }
+
+    async fn reconcile(&self, ctx: &ToolContext, args: &Value) -> Option<Reconciliation> {
+        let hook = self.inner.hook.lock().unwrap().clone();
+        if hook == ReconcileHook::None {
+            return None;
+        }
+        self.inner.reconciles.lock().unwrap().push(Self::record(ctx, args));
+        match hook {
+            ReconcileHook::None => None,
+            ReconcileHook::Answer(answer) => Some(answer),
+            ReconcileHook::FromLog => {
+                let applied = self.executions().iter().any(|e| e.idempotency_key == ctx.idempotency_key);
+                Some(if applied { Reconciliation::Applied(self.output(ctx)) } else { Reconciliation::NotApplied })
+            }
+        }
+    }
+}

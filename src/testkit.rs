@@ -169,6 +169,7 @@ struct ModelInner {
     script: Vec<Result<ModelResponse, ModelError>>,
     block_turn: Mutex<Option<usize>>,
     calls: AtomicUsize,
+    seen: Mutex<Vec<Vec<Message>>>,
     gate: Gate,
 }
 
@@ -185,6 +186,7 @@ impl ScriptedModel {
                 script,
                 block_turn: Mutex::new(None),
                 calls: AtomicUsize::new(0),
+                seen: Mutex::new(Vec::new()),
                 gate: Gate::new(),
             }),
         }
@@ -206,6 +208,11 @@ impl ScriptedModel {
         self.inner.gate.wait_entered(count).await
     }
 
+    /// The conversation each call was given, in the order of the calls.
+    pub fn seen(&self) -> Vec<Vec<Message>> {
+        self.inner.seen.lock().unwrap().clone()
+    }
+
     /// How many calls were dispatched.
     pub fn calls(&self) -> usize {
         self.inner.calls.load(Ordering::SeqCst)
@@ -217,6 +224,7 @@ impl Model for ScriptedModel {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
         let turn = request.messages.iter().filter(|m| matches!(m, Message::Assistant(_))).count();
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.seen.lock().unwrap().push(request.messages.to_vec());
         self.inner.gate.enter();
         if *self.inner.block_turn.lock().unwrap() == Some(turn) {
             self.inner.gate.hold().await;

@@ -807,6 +807,10 @@ pub(crate) fn load(conn: &Connection, run_id: &RunId) -> Result<RunSnapshot> {
 
 pub(crate) fn pending_calls(conn: &Connection, run_id: &RunId) -> Result<Vec<PendingCall>> {
     let snapshot = load(conn, run_id)?;
+    if snapshot.run.state != RunState::WaitingForApproval {
+        // A cancelled run keeps its waiting step as it was, but nothing waits any more.
+        return Ok(Vec::new());
+    }
     Ok(snapshot
         .steps
         .iter()

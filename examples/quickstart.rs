@@ -9,9 +9,9 @@
 //! ```
 
 use agentrt::{
-    Agent, Approval, Message, Model, ModelError, ModelRequest, ModelResponse, Outcome, RecordApproval,
-    RequireApprovalFor, ResumeRun, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError,
-    async_trait,
+    Agent, Approval, Message, Model, ModelError, ModelRequest, ModelResponse, Outcome,
+    RecordApproval, RequireApprovalFor, ResumeRun, StartRun, Store, Supervisor, Tool, ToolCall,
+    ToolContext, ToolError, async_trait,
 };
 use serde_json::{Value, json};
 
@@ -21,10 +21,18 @@ struct ScriptedSupportModel;
 #[async_trait(?Send)]
 impl Model for ScriptedSupportModel {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let turn = request.messages.iter().filter(|m| matches!(m, Message::Assistant(_))).count();
+        let turn = request
+            .messages
+            .iter()
+            .filter(|m| matches!(m, Message::Assistant(_)))
+            .count();
         let customer = request.input["customer"].as_str().unwrap_or("unknown");
         Ok(match turn {
-            0 => ModelResponse::calls(vec![ToolCall::new("lookup-1", "lookup_customer", json!({ "id": customer }))]),
+            0 => ModelResponse::calls(vec![ToolCall::new(
+                "lookup-1",
+                "lookup_customer",
+                json!({ "id": customer }),
+            )]),
             1 => ModelResponse::calls(vec![ToolCall::new(
                 "email-1",
                 "send_email",
@@ -64,7 +72,10 @@ impl Tool for SendEmail {
 
     async fn call(&self, ctx: &ToolContext, args: &Value) -> Result<Value, ToolError> {
         // A real tool passes ctx.idempotency_key to the email API, so a retry sends nothing twice.
-        println!("  (sending an email to {} with idempotency key {})", args["to"], ctx.idempotency_key);
+        println!(
+            "  (sending an email to {} with idempotency key {})",
+            args["to"], ctx.idempotency_key
+        );
         Ok(json!({ "sent": true }))
     }
 }
@@ -77,18 +88,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .tool(LookupCustomer)
         .tool(SendEmail)
         .policy(RequireApprovalFor::tools(["send_email"]));
-    let supervisor = Supervisor::builder(store.clone()).agent("support", agent).start();
+    let supervisor = Supervisor::builder(store.clone())
+        .agent("support", agent)
+        .start();
 
-    let reply = supervisor.send(StartRun::new("support", json!({ "customer": "ada" }))).await??;
+    let reply = supervisor
+        .send(StartRun::new("support", json!({ "customer": "ada" })))
+        .await??;
     let run_id = reply.run_id;
     println!("run {run_id} started");
     let Outcome::WaitingForApproval { pending } = reply.outcome else {
-        return Err(format!("expected the run to wait for an approval, got {:?}", reply.outcome).into());
+        return Err(format!(
+            "expected the run to wait for an approval, got {:?}",
+            reply.outcome
+        )
+        .into());
     };
-    println!("waiting for approval of {} ({}) with {}", pending.call_id, pending.tool, pending.args);
+    println!(
+        "waiting for approval of {} ({}) with {}",
+        pending.call_id, pending.tool, pending.args
+    );
 
     supervisor
-        .send(RecordApproval(Approval::approve(run_id.clone(), pending.call_id, "operator@example.com").note("refund ok")))
+        .send(RecordApproval(
+            Approval::approve(run_id.clone(), pending.call_id, "operator@example.com")
+                .note("refund ok"),
+        ))
         .await??;
     println!("approved; resuming");
     let reply = supervisor.send(ResumeRun::new(run_id.clone())).await??;
@@ -98,7 +123,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let events = actix_rt::task::spawn_blocking(move || store.events(&run_id)).await??;
     println!("\nevents:");
     for event in events {
-        println!("  {:>2} {:<20} step={:<4} {}", event.seq, event.kind, event.step.map(|s| s.to_string()).unwrap_or_default(), event.payload);
+        println!(
+            "  {:>2} {:<20} step={:<4} {}",
+            event.seq,
+            event.kind,
+            event.step.map(|s| s.to_string()).unwrap_or_default(),
+            event.payload
+        );
     }
     println!("\ndatabase: {}", path.display());
     match reply.outcome {

@@ -202,7 +202,7 @@ impl RequireApprovalFor {
 
 impl Policy for RequireApprovalFor {
     fn decide(&self, _: &RunId, call: &ToolCall) -> Decision {
-        if self.0.iter().any(|name| *name == call.name) {
+        if self.0.contains(&call.name) {
             Decision::RequireApproval(format!("{} requires an approval", call.name))
         } else {
             Decision::Allow

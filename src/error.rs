@@ -116,7 +116,10 @@ impl Error {
     /// True when the run exists but was not in a state that allowed what was asked (including a
     /// start with an id that exists, and a run busy in another call). Nothing was changed.
     pub fn is_run_state(&self) -> bool {
-        matches!(self, Error::RunState { .. } | Error::RunExists(_) | Error::RunBusy(_))
+        matches!(
+            self,
+            Error::RunState { .. } | Error::RunExists(_) | Error::RunBusy(_)
+        )
     }
 
     /// True when a run or a call named by the caller does not exist.

@@ -11,17 +11,18 @@ pub mod testkit;
 mod types;
 
 pub use actors::supervisor::{
-    CancelRun, Config, RecordApproval, RegisterAgent, ResumeRun, StartRun, Supervisor, SupervisorBuilder,
+    CancelRun, Config, RecordApproval, RegisterAgent, ResumeRun, StartRun, Supervisor,
+    SupervisorBuilder,
 };
 pub use agent::{
-    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest, Policy,
-    Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest,
+    Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
 };
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
 pub use error::{Error, Result};
 pub use store::{SCHEMA_VERSION, Store, StoreConnection, StoreOptions, Synchronous};
 pub use types::{
-    Approval, ApprovalReason, Event, EventKind, Message, ModelResponse, Outcome, PendingCall, Run, RunId,
-    RunOutcome, RunState, ToolCall, ToolResult,
+    Approval, ApprovalReason, Event, EventKind, Message, ModelResponse, Outcome, PendingCall, Run,
+    RunId, RunOutcome, RunState, ToolCall, ToolResult,
 };

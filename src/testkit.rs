@@ -36,8 +36,8 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, watch};
 
 use crate::{
-    Clock, Model, ModelError, ModelRequest, ModelResponse, Reconciliation, Store, Tool, ToolContext,
-    ToolError, async_trait, types::Message,
+    Clock, Model, ModelError, ModelRequest, ModelResponse, Reconciliation, Store, Tool,
+    ToolContext, ToolError, async_trait, types::Message,
 };
 
 /// Runs `f` in a fresh actix system and tears the system down when its future completes.
@@ -64,7 +64,9 @@ pub struct TempStore {
 impl TempStore {
     /// A new temporary directory; the database is created at first [`TempStore::open`].
     pub fn new() -> Self {
-        TempStore { dir: tempfile::tempdir().expect("a temporary directory") }
+        TempStore {
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        }
     }
 
     /// The database file's path.
@@ -110,7 +112,10 @@ pub struct CountingClock {
 impl CountingClock {
     /// Starts at `start`.
     pub fn starting_at(start: SystemTime) -> Self {
-        CountingClock { start, reads: Arc::new(AtomicU64::new(0)) }
+        CountingClock {
+            start,
+            reads: Arc::new(AtomicU64::new(0)),
+        }
     }
 
     /// How many times it was read.
@@ -141,7 +146,10 @@ struct Gate {
 
 impl Gate {
     fn new() -> Self {
-        Gate { entered: watch::Sender::new(0), released: Semaphore::new(0) }
+        Gate {
+            entered: watch::Sender::new(0),
+            released: Semaphore::new(0),
+        }
     }
 
     fn enter(&self) {
@@ -150,11 +158,17 @@ impl Gate {
 
     async fn wait_entered(&self, count: usize) {
         let mut rx = self.entered.subscribe();
-        rx.wait_for(|entered| *entered >= count).await.expect("the gate lives");
+        rx.wait_for(|entered| *entered >= count)
+            .await
+            .expect("the gate lives");
     }
 
     async fn hold(&self) {
-        self.released.acquire().await.expect("the gate lives").forget();
+        self.released
+            .acquire()
+            .await
+            .expect("the gate lives")
+            .forget();
     }
 }
 
@@ -222,18 +236,26 @@ impl ScriptedModel {
 #[async_trait(?Send)]
 impl Model for ScriptedModel {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let turn = request.messages.iter().filter(|m| matches!(m, Message::Assistant(_))).count();
+        let turn = request
+            .messages
+            .iter()
+            .filter(|m| matches!(m, Message::Assistant(_)))
+            .count();
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.seen.lock().unwrap().push(request.messages.to_vec());
+        self.inner
+            .seen
+            .lock()
+            .unwrap()
+            .push(request.messages.to_vec());
         self.inner.gate.enter();
         if *self.inner.block_turn.lock().unwrap() == Some(turn) {
             self.inner.gate.hold().await;
         }
-        self.inner
-            .script
-            .get(turn)
-            .cloned()
-            .unwrap_or_else(|| Err(ModelError::new(format!("the script has no response for turn {turn}"))))
+        self.inner.script.get(turn).cloned().unwrap_or_else(|| {
+            Err(ModelError::new(format!(
+                "the script has no response for turn {turn}"
+            )))
+        })
     }
 }
 
@@ -384,7 +406,11 @@ impl Tool for RecordingTool {
     }
 
     async fn call(&self, ctx: &ToolContext, args: &Value) -> Result<Value, ToolError> {
-        self.inner.executions.lock().unwrap().push(Self::record(ctx, args));
+        self.inner
+            .executions
+            .lock()
+            .unwrap()
+            .push(Self::record(ctx, args));
         self.inner.gate.enter();
         let behaviour = self.inner.behaviour.lock().unwrap().clone();
         match behaviour {
@@ -409,13 +435,24 @@ impl Tool for RecordingTool {
         if hook == ReconcileHook::None {
             return None;
         }
-        self.inner.reconciles.lock().unwrap().push(Self::record(ctx, args));
+        self.inner
+            .reconciles
+            .lock()
+            .unwrap()
+            .push(Self::record(ctx, args));
         match hook {
             ReconcileHook::None => None,
             ReconcileHook::Answer(answer) => Some(answer),
             ReconcileHook::FromLog => {
-                let applied = self.executions().iter().any(|e| e.idempotency_key == ctx.idempotency_key);
-                Some(if applied { Reconciliation::Applied(self.output(ctx)) } else { Reconciliation::NotApplied })
+                let applied = self
+                    .executions()
+                    .iter()
+                    .any(|e| e.idempotency_key == ctx.idempotency_key);
+                Some(if applied {
+                    Reconciliation::Applied(self.output(ctx))
+                } else {
+                    Reconciliation::NotApplied
+                })
             }
         }
     }

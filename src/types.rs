@@ -70,7 +70,10 @@ impl RunState {
 
     /// True for the states a run never leaves.
     pub fn is_finished(self) -> bool {
-        matches!(self, RunState::Succeeded | RunState::Failed | RunState::Cancelled)
+        matches!(
+            self,
+            RunState::Succeeded | RunState::Failed | RunState::Cancelled
+        )
     }
 }
 
@@ -231,7 +234,11 @@ pub struct ToolCall {
 impl ToolCall {
     /// A call of tool `name` with `args`.
     pub fn new(id: impl Into<String>, name: impl Into<String>, args: Value) -> Self {
-        ToolCall { id: id.into(), name: name.into(), args }
+        ToolCall {
+            id: id.into(),
+            name: name.into(),
+            args,
+        }
     }
 }
 
@@ -249,12 +256,18 @@ pub struct ModelResponse {
 impl ModelResponse {
     /// A final answer.
     pub fn answer(text: impl Into<String>) -> Self {
-        ModelResponse { text: Some(text.into()), tool_calls: Vec::new() }
+        ModelResponse {
+            text: Some(text.into()),
+            tool_calls: Vec::new(),
+        }
     }
 
     /// A response that asks for tool calls.
     pub fn calls(tool_calls: Vec<ToolCall>) -> Self {
-        ModelResponse { text: None, tool_calls }
+        ModelResponse {
+            text: None,
+            tool_calls,
+        }
     }
 }
 
@@ -371,13 +384,30 @@ pub struct Approval {
 
 impl Approval {
     /// `by` approves the call.
-    pub fn approve(run_id: impl Into<RunId>, call_id: impl Into<String>, by: impl Into<String>) -> Self {
-        Approval { run_id: run_id.into(), call_id: call_id.into(), approved: true, by: by.into(), note: None }
+    pub fn approve(
+        run_id: impl Into<RunId>,
+        call_id: impl Into<String>,
+        by: impl Into<String>,
+    ) -> Self {
+        Approval {
+            run_id: run_id.into(),
+            call_id: call_id.into(),
+            approved: true,
+            by: by.into(),
+            note: None,
+        }
     }
 
     /// `by` denies the call.
-    pub fn deny(run_id: impl Into<RunId>, call_id: impl Into<String>, by: impl Into<String>) -> Self {
-        Approval { approved: false, ..Approval::approve(run_id, call_id, by) }
+    pub fn deny(
+        run_id: impl Into<RunId>,
+        call_id: impl Into<String>,
+        by: impl Into<String>,
+    ) -> Self {
+        Approval {
+            approved: false,
+            ..Approval::approve(run_id, call_id, by)
+        }
     }
 
     /// Adds a note saying why.

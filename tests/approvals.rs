@@ -15,13 +15,22 @@ use serde_json::json;
 
 fn transfer_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("pay-1", "transfer", json!({"amount": 100}))]),
+        ModelResponse::calls(vec![ToolCall::new(
+            "pay-1",
+            "transfer",
+            json!({"amount": 100}),
+        )]),
         ModelResponse::answer("finished"),
     ])
 }
 
 fn kinds(store: &Store, run_id: &RunId) -> Vec<EventKind> {
-    store.events(run_id).unwrap().iter().map(|e| e.kind).collect()
+    store
+        .events(run_id)
+        .unwrap()
+        .iter()
+        .map(|e| e.kind)
+        .collect()
 }
 
 /// The tool result the model saw for its call, on its last turn.
@@ -44,23 +53,42 @@ fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
     let db = TempStore::new();
     let transfer = RecordingTool::new("transfer");
     let model = transfer_then_answer();
-    let agent = Agent::new(model.clone())
-        .tool(transfer.clone())
-        .policy(|_: &RunId, call: &ToolCall| Decision::Deny(format!("{} is not allowed", call.name)));
+    let agent =
+        Agent::new(model.clone())
+            .tool(transfer.clone())
+            .policy(|_: &RunId, call: &ToolCall| {
+                Decision::Deny(format!("{} is not allowed", call.name))
+            });
     let store = db.open();
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("a", agent).start();
-        supervisor.send(StartRun::new("a", json!({}))).await.unwrap()
+        supervisor
+            .send(StartRun::new("a", json!({})))
+            .await
+            .unwrap()
     })
     .unwrap();
 
-    assert_eq!(reply.outcome, Outcome::Succeeded { output: "finished".into() });
+    assert_eq!(
+        reply.outcome,
+        Outcome::Succeeded {
+            output: "finished".into()
+        }
+    );
     assert!(transfer.executions().is_empty());
-    let ToolResult::Error(error) = last_tool_result(&model) else { panic!("the model saw an output") };
-    assert!(error.contains("denied") && error.contains("transfer is not allowed"), "{error}");
+    let ToolResult::Error(error) = last_tool_result(&model) else {
+        panic!("the model saw an output")
+    };
+    assert!(
+        error.contains("denied") && error.contains("transfer is not allowed"),
+        "{error}"
+    );
     let store = db.open();
     let events = store.events(&reply.run_id).unwrap();
-    let decided = events.iter().find(|e| e.kind == EventKind::PolicyDecided).unwrap();
+    let decided = events
+        .iter()
+        .find(|e| e.kind == EventKind::PolicyDecided)
+        .unwrap();
     assert_eq!(decided.payload["decision"], json!("deny"));
     assert!(!kinds(&store, &reply.run_id).contains(&EventKind::ToolStarted));
 }
@@ -70,19 +98,29 @@ fn start_waiting(db: &TempStore, agent: Agent) -> RunId {
     let store = db.open();
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("a", agent).start();
-        supervisor.send(StartRun::new("a", json!({}))).await.unwrap()
+        supervisor
+            .send(StartRun::new("a", json!({})))
+            .await
+            .unwrap()
     })
     .unwrap();
-    let Outcome::WaitingForApproval { pending } = reply.outcome else { panic!("{:?}", reply.outcome) };
+    let Outcome::WaitingForApproval { pending } = reply.outcome else {
+        panic!("{:?}", reply.outcome)
+    };
     assert_eq!(pending.call_id, "pay-1");
     assert_eq!(pending.tool, "transfer");
     assert_eq!(pending.reason, ApprovalReason::Policy);
-    assert_eq!(db.open().run(&reply.run_id).unwrap().state, RunState::WaitingForApproval);
+    assert_eq!(
+        db.open().run(&reply.run_id).unwrap().state,
+        RunState::WaitingForApproval
+    );
     reply.run_id
 }
 
 fn approval_agent(model: &ScriptedModel, transfer: &RecordingTool) -> Agent {
-    Agent::new(model.clone()).tool(transfer.clone()).policy(RequireApprovalFor::tools(["transfer"]))
+    Agent::new(model.clone())
+        .tool(transfer.clone())
+        .policy(RequireApprovalFor::tools(["transfer"]))
 }
 
 #[test]
@@ -90,18 +128,30 @@ fn approve_then_resume_runs_the_call_once_and_succeeds() {
     let db = TempStore::new();
     let (model, transfer) = (transfer_then_answer(), RecordingTool::new("transfer"));
     let run_id = start_waiting(&db, approval_agent(&model, &transfer));
-    assert!(transfer.executions().is_empty(), "nothing runs before the approval");
+    assert!(
+        transfer.executions().is_empty(),
+        "nothing runs before the approval"
+    );
 
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("a", agent).start();
         let approval = Approval::approve(id.clone(), "pay-1", "alice").note("within budget");
-        supervisor.send(RecordApproval(approval)).await.unwrap().unwrap();
+        supervisor
+            .send(RecordApproval(approval))
+            .await
+            .unwrap()
+            .unwrap();
         supervisor.send(ResumeRun::new(id)).await.unwrap()
     })
     .unwrap();
 
-    assert_eq!(reply.outcome, Outcome::Succeeded { output: "finished".into() });
+    assert_eq!(
+        reply.outcome,
+        Outcome::Succeeded {
+            output: "finished".into()
+        }
+    );
     assert_eq!(transfer.executions().len(), 1);
     let store = db.open();
     let tail: Vec<EventKind> = kinds(&store, &run_id).into_iter().skip(4).collect();
@@ -120,7 +170,10 @@ fn approve_then_resume_runs_the_call_once_and_succeeds() {
         ]
     );
     let events = store.events(&run_id).unwrap();
-    let recorded = events.iter().find(|e| e.kind == EventKind::ApprovalRecorded).unwrap();
+    let recorded = events
+        .iter()
+        .find(|e| e.kind == EventKind::ApprovalRecorded)
+        .unwrap();
     assert_eq!(recorded.payload["decided_by"], json!("alice"));
     assert_eq!(recorded.payload["note"], json!("within budget"));
 }
@@ -134,14 +187,25 @@ fn deny_then_resume_tells_the_model_and_runs_nothing() {
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("a", agent).start();
-        supervisor.send(RecordApproval(Approval::deny(id.clone(), "pay-1", "bob"))).await.unwrap().unwrap();
+        supervisor
+            .send(RecordApproval(Approval::deny(id.clone(), "pay-1", "bob")))
+            .await
+            .unwrap()
+            .unwrap();
         supervisor.send(ResumeRun::new(id)).await.unwrap()
     })
     .unwrap();
 
-    assert_eq!(reply.outcome, Outcome::Succeeded { output: "finished".into() });
+    assert_eq!(
+        reply.outcome,
+        Outcome::Succeeded {
+            output: "finished".into()
+        }
+    );
     assert!(transfer.executions().is_empty());
-    let ToolResult::Error(error) = last_tool_result(&model) else { panic!("the model saw an output") };
+    let ToolResult::Error(error) = last_tool_result(&model) else {
+        panic!("the model saw an output")
+    };
     assert!(error.contains("denied by bob"), "{error}");
     assert!(!kinds(&db.open(), &run_id).contains(&EventKind::ToolStarted));
 }
@@ -161,7 +225,9 @@ fn resume_without_a_decision_still_waits_and_changes_nothing() {
     })
     .unwrap();
 
-    let Outcome::WaitingForApproval { pending } = reply.outcome else { panic!("{:?}", reply.outcome) };
+    let Outcome::WaitingForApproval { pending } = reply.outcome else {
+        panic!("{:?}", reply.outcome)
+    };
     assert_eq!(pending.call_id, "pay-1");
     assert_eq!(db.open().events(&run_id).unwrap(), before);
     assert_eq!(db.open().run(&run_id).unwrap().updated_at, updated);
@@ -177,29 +243,72 @@ fn an_approval_for_a_call_that_is_not_pending_is_refused() {
     let (store, id) = (db.open(), run_id.clone());
     let (unknown_call, twice, unknown_run) = with_system(|| async move {
         let supervisor = Supervisor::builder(store).start();
-        let unknown_call =
-            supervisor.send(RecordApproval(Approval::approve(id.clone(), "nope", "alice"))).await.unwrap();
-        supervisor.send(RecordApproval(Approval::approve(id.clone(), "pay-1", "alice"))).await.unwrap().unwrap();
-        let twice = supervisor.send(RecordApproval(Approval::deny(id.clone(), "pay-1", "mallory"))).await.unwrap();
-        let unknown_run =
-            supervisor.send(RecordApproval(Approval::approve("no-such-run", "pay-1", "alice"))).await.unwrap();
+        let unknown_call = supervisor
+            .send(RecordApproval(Approval::approve(
+                id.clone(),
+                "nope",
+                "alice",
+            )))
+            .await
+            .unwrap();
+        supervisor
+            .send(RecordApproval(Approval::approve(
+                id.clone(),
+                "pay-1",
+                "alice",
+            )))
+            .await
+            .unwrap()
+            .unwrap();
+        let twice = supervisor
+            .send(RecordApproval(Approval::deny(
+                id.clone(),
+                "pay-1",
+                "mallory",
+            )))
+            .await
+            .unwrap();
+        let unknown_run = supervisor
+            .send(RecordApproval(Approval::approve(
+                "no-such-run",
+                "pay-1",
+                "alice",
+            )))
+            .await
+            .unwrap();
         (unknown_call, twice, unknown_run)
     });
 
-    assert!(matches!(unknown_call, Err(Error::CallNotFound { .. })), "{unknown_call:?}");
+    assert!(
+        matches!(unknown_call, Err(Error::CallNotFound { .. })),
+        "{unknown_call:?}"
+    );
     let twice = twice.unwrap_err();
     assert!(twice.is_run_state(), "{twice}");
     assert!(twice.to_string().contains("already decided"), "{twice}");
-    assert!(matches!(unknown_run, Err(Error::RunNotFound(_))), "{unknown_run:?}");
-    let approvals = kinds(&db.open(), &run_id).iter().filter(|k| **k == EventKind::ApprovalRecorded).count();
+    assert!(
+        matches!(unknown_run, Err(Error::RunNotFound(_))),
+        "{unknown_run:?}"
+    );
+    let approvals = kinds(&db.open(), &run_id)
+        .iter()
+        .filter(|k| **k == EventKind::ApprovalRecorded)
+        .count();
     assert_eq!(approvals, 1, "the refused approvals wrote nothing");
 
     // Once the run has moved on, its call is no longer pending.
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let late = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("a", agent).start();
-        supervisor.send(ResumeRun::new(id.clone())).await.unwrap().unwrap();
-        supervisor.send(RecordApproval(Approval::approve(id, "pay-1", "alice"))).await.unwrap()
+        supervisor
+            .send(ResumeRun::new(id.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        supervisor
+            .send(RecordApproval(Approval::approve(id, "pay-1", "alice")))
+            .await
+            .unwrap()
     });
     let late = late.unwrap_err();
     assert!(late.is_run_state(), "{late}");
@@ -221,8 +330,9 @@ impl Rendezvous {
         *count += 1;
         all_here.notify_all();
         // Bounded: a resumer that never arrives fails the test instead of hanging it.
-        let (_count, timeout) =
-            all_here.wait_timeout_while(count, Duration::from_secs(20), |c| *c < self.1).unwrap();
+        let (_count, timeout) = all_here
+            .wait_timeout_while(count, Duration::from_secs(20), |c| *c < self.1)
+            .unwrap();
         assert!(!timeout.timed_out(), "the other resumer never arrived");
     }
 }
@@ -236,7 +346,11 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
         let (store, id) = (db.open(), run_id.clone());
         async move {
             let supervisor = Supervisor::builder(store).start();
-            supervisor.send(RecordApproval(Approval::approve(id, "pay-1", "alice"))).await.unwrap().unwrap();
+            supervisor
+                .send(RecordApproval(Approval::approve(id, "pay-1", "alice")))
+                .await
+                .unwrap()
+                .unwrap();
         }
     });
 
@@ -245,7 +359,8 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
     let resumers: Vec<_> = (0..2)
         .map(|_| {
             let (store, id) = (db.open(), run_id.clone());
-            let (model, transfer, rendezvous) = (model.clone(), transfer.clone(), rendezvous.clone());
+            let (model, transfer, rendezvous) =
+                (model.clone(), transfer.clone(), rendezvous.clone());
             std::thread::spawn(move || {
                 // The resume-time policy decision is taken after the run was read and before
                 // the move: both meet there, so both race on the compare-and-set.
@@ -270,6 +385,9 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
     assert_eq!(transfer.executions().len(), 1);
     let store = db.open();
     assert_eq!(store.run(&run_id).unwrap().state, RunState::Succeeded);
-    let resumed = kinds(&store, &run_id).iter().filter(|k| **k == EventKind::RunResumed).count();
+    let resumed = kinds(&store, &run_id)
+        .iter()
+        .filter(|k| **k == EventKind::RunResumed)
+        .count();
     assert_eq!(resumed, 1);
 }

@@ -2,8 +2,8 @@
 //! outcome recorded, late, after `run.finished`.
 
 use agentrt::{
-    Agent, CancelRun, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId, RunState,
-    StartRun, Supervisor, ToolCall,
+    Agent, CancelRun, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
+    RunState, StartRun, Supervisor, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
@@ -23,18 +23,36 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
     let db = TempStore::new();
     let model = deploy_then_answer();
     let deploy = RecordingTool::new("deploy").behaviour(Behaviour::Block);
-    let (store, agent, running) = (db.open(), Agent::new(model.clone()).tool(deploy.clone()), deploy.clone());
+    let (store, agent, running) = (
+        db.open(),
+        Agent::new(model.clone()).tool(deploy.clone()),
+        deploy.clone(),
+    );
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("ops", agent).start();
-        let call = actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
+        let call =
+            actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
         running.wait_executions(1).await;
-        supervisor.send(CancelRun::new("run-1", "change freeze")).await.unwrap().unwrap();
+        supervisor
+            .send(CancelRun::new("run-1", "change freeze"))
+            .await
+            .unwrap()
+            .unwrap();
         call.await.unwrap().unwrap()
     })
     .unwrap();
 
-    assert_eq!(reply.outcome, Outcome::Cancelled { reason: "change freeze".into() });
-    assert_eq!(deploy.executions().len(), 1, "the second deploy never started");
+    assert_eq!(
+        reply.outcome,
+        Outcome::Cancelled {
+            reason: "change freeze".into()
+        }
+    );
+    assert_eq!(
+        deploy.executions().len(),
+        1,
+        "the second deploy never started"
+    );
     let store = db.open();
     let run = store.run(&RunId::from("run-1")).unwrap();
     assert_eq!(run.state, RunState::Cancelled);
@@ -45,8 +63,17 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
     let late = events.last().unwrap();
     assert_eq!(late.payload["late"], json!(true));
     assert_eq!(late.payload["call_id"], json!("deploy-1"));
-    assert!(late.payload["error"].as_str().unwrap().contains("cancelled"), "the tool honoured the signal");
-    assert_eq!(events[events.len() - 2].payload["state"], json!("CANCELLED"));
+    assert!(
+        late.payload["error"]
+            .as_str()
+            .unwrap()
+            .contains("cancelled"),
+        "the tool honoured the signal"
+    );
+    assert_eq!(
+        events[events.len() - 2].payload["state"],
+        json!("CANCELLED")
+    );
     assert_eq!(model.calls(), 1);
 }
 
@@ -54,23 +81,41 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
 fn cancel_of_a_waiting_run_needs_no_executor() {
     let db = TempStore::new();
     let deploy = RecordingTool::new("deploy");
-    let agent = Agent::new(deploy_then_answer()).tool(deploy.clone()).policy(RequireApprovalFor::tools(["deploy"]));
+    let agent = Agent::new(deploy_then_answer())
+        .tool(deploy.clone())
+        .policy(RequireApprovalFor::tools(["deploy"]));
     let (store, operator_store) = (db.open(), db.open());
     let (waiting, cancelled, again) = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("ops", agent).start();
-        let waiting = supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")).await.unwrap().unwrap();
+        let waiting = supervisor
+            .send(StartRun::new("ops", json!({})).with_id("run-1"))
+            .await
+            .unwrap()
+            .unwrap();
         // Another supervisor, executing nothing, cancels it.
         let operator = Supervisor::builder(operator_store).start();
-        let cancelled = operator.send(CancelRun::new("run-1", "not needed")).await.unwrap();
-        let again = operator.send(CancelRun::new("run-1", "twice")).await.unwrap();
+        let cancelled = operator
+            .send(CancelRun::new("run-1", "not needed"))
+            .await
+            .unwrap();
+        let again = operator
+            .send(CancelRun::new("run-1", "twice"))
+            .await
+            .unwrap();
         (waiting, cancelled, again)
     });
-    assert!(matches!(waiting.outcome, Outcome::WaitingForApproval { .. }));
+    assert!(matches!(
+        waiting.outcome,
+        Outcome::WaitingForApproval { .. }
+    ));
     cancelled.unwrap();
     let again = again.unwrap_err();
     assert!(again.is_run_state(), "{again}");
     let store = db.open();
-    assert_eq!(store.run(&waiting.run_id).unwrap().state, RunState::Cancelled);
+    assert_eq!(
+        store.run(&waiting.run_id).unwrap().state,
+        RunState::Cancelled
+    );
     assert!(store.pending_calls(&waiting.run_id).unwrap().is_empty());
     assert!(deploy.executions().is_empty());
 }
@@ -81,7 +126,10 @@ fn cancel_of_an_unknown_run_is_not_found() {
     let store = db.open();
     let err = with_system(|| async move {
         let supervisor = Supervisor::builder(store).start();
-        supervisor.send(CancelRun::new("missing", "why not")).await.unwrap()
+        supervisor
+            .send(CancelRun::new("missing", "why not"))
+            .await
+            .unwrap()
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunNotFound(_)), "{err}");

@@ -10,7 +10,11 @@ use serde_json::json;
 
 fn charge_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("charge-1", "charge", json!({"cents": 500}))]),
+        ModelResponse::calls(vec![ToolCall::new(
+            "charge-1",
+            "charge",
+            json!({"cents": 500}),
+        )]),
         ModelResponse::answer("charged"),
     ])
 }
@@ -29,7 +33,11 @@ fn crash_mid_tool(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool)
     let run_id = RunId::from("run-1");
     let store = db.open();
     let events = store.events(&run_id).unwrap();
-    assert_eq!(events.last().unwrap().kind, EventKind::ToolStarted, "crashed mid-tool, no write after");
+    assert_eq!(
+        events.last().unwrap().kind,
+        EventKind::ToolStarted,
+        "crashed mid-tool, no write after"
+    );
     assert_eq!(store.run(&run_id).unwrap().state, RunState::Running);
     run_id
 }
@@ -39,7 +47,11 @@ fn resume(db: &TempStore, agent: Agent, run_id: &RunId, approval: Option<Approva
     with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("billing", agent).start();
         if let Some(approval) = approval {
-            supervisor.send(RecordApproval(approval)).await.unwrap().unwrap();
+            supervisor
+                .send(RecordApproval(approval))
+                .await
+                .unwrap()
+                .unwrap();
         }
         supervisor.send(ResumeRun::new(id)).await.unwrap()
     })
@@ -52,14 +64,25 @@ fn of_kind(events: &[Event], kind: EventKind) -> Vec<&Event> {
 }
 
 /// One interruption, one reconciliation, saying `outcome` and `action`.
-fn assert_reconciled_once(store: &Store, run_id: &RunId, outcome: &str, action: &str) -> Vec<Event> {
+fn assert_reconciled_once(
+    store: &Store,
+    run_id: &RunId,
+    outcome: &str,
+    action: &str,
+) -> Vec<Event> {
     let events = store.events(run_id).unwrap();
     assert_eq!(of_kind(&events, EventKind::StepInterrupted).len(), 1);
     let reconciled = of_kind(&events, EventKind::StepReconciled);
     assert_eq!(reconciled.len(), 1);
     assert_eq!(reconciled[0].payload["outcome"], json!(outcome));
     assert_eq!(reconciled[0].payload["action"], json!(action));
-    assert!(events.iter().enumerate().all(|(i, e)| e.seq == i as u64 + 1), "gapless");
+    assert!(
+        events
+            .iter()
+            .enumerate()
+            .all(|(i, e)| e.seq == i as u64 + 1),
+        "gapless"
+    );
     events
 }
 
@@ -71,12 +94,25 @@ fn interrupted_call_the_hook_says_was_applied_is_recorded_not_run_again() {
     let run_id = crash_mid_tool(&db, &model, &charge);
 
     charge.set_behaviour(Behaviour::Succeed);
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     assert_eq!(charge.executions().len(), 1, "the charge ran once");
     assert_eq!(charge.reconciles().len(), 1);
-    assert_eq!(charge.reconciles()[0].idempotency_key, charge.executions()[0].idempotency_key);
+    assert_eq!(
+        charge.reconciles()[0].idempotency_key,
+        charge.executions()[0].idempotency_key
+    );
     let events = assert_reconciled_once(&db.open(), &run_id, "applied", "record_output");
     let finished = of_kind(&events, EventKind::ToolFinished);
     assert_eq!(finished.len(), 1);
@@ -88,16 +124,30 @@ fn interrupted_call_the_hook_says_was_applied_is_recorded_not_run_again() {
 fn interrupted_call_the_hook_says_was_not_applied_runs_again_with_the_same_key() {
     let db = TempStore::new();
     let model = charge_then_answer();
-    let charge =
-        RecordingTool::new("charge").reconcile_hook(ReconcileHook::Answer(Reconciliation::NotApplied));
+    let charge = RecordingTool::new("charge")
+        .reconcile_hook(ReconcileHook::Answer(Reconciliation::NotApplied));
     let run_id = crash_mid_tool(&db, &model, &charge);
 
     charge.set_behaviour(Behaviour::Succeed);
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     let executions = charge.executions();
-    assert_eq!(executions.len(), 2, "the reconciliation chose to run it again");
+    assert_eq!(
+        executions.len(),
+        2,
+        "the reconciliation chose to run it again"
+    );
     assert_eq!((executions[0].attempt, executions[1].attempt), (1, 2));
     assert_eq!(executions[0].idempotency_key, executions[1].idempotency_key);
     assert_reconciled_once(&db.open(), &run_id, "not_applied", "run_again");
@@ -113,9 +163,19 @@ fn interrupted_idempotent_call_with_unknown_outcome_runs_again() {
     let run_id = crash_mid_tool(&db, &model, &charge);
 
     charge.set_behaviour(Behaviour::Succeed);
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     assert_eq!(charge.executions().len(), 2);
     assert_reconciled_once(&db.open(), &run_id, "unknown", "run_again");
 }
@@ -128,24 +188,52 @@ fn interrupted_idempotent_call_without_a_hook_runs_again() {
     let run_id = crash_mid_tool(&db, &model, &charge);
 
     charge.set_behaviour(Behaviour::Succeed);
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     assert_eq!(charge.executions().len(), 2);
     assert_reconciled_once(&db.open(), &run_id, "no_hook", "run_again");
 }
 
 /// Crashes mid-call of a non-idempotent tool whose outcome is unknown, resumes: the run waits
 /// for a person. Returns the run id.
-fn crash_into_reconcile_approval(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool) -> RunId {
+fn crash_into_reconcile_approval(
+    db: &TempStore,
+    model: &ScriptedModel,
+    charge: &RecordingTool,
+) -> RunId {
     let run_id = crash_mid_tool(db, model, charge);
     charge.set_behaviour(Behaviour::Succeed);
-    let outcome = resume(db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
-    let Outcome::WaitingForApproval { pending } = outcome else { panic!("{outcome:?}") };
+    let outcome = resume(
+        db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
+    let Outcome::WaitingForApproval { pending } = outcome else {
+        panic!("{outcome:?}")
+    };
     assert_eq!(pending.reason, ApprovalReason::Reconcile);
     assert_eq!(pending.call_id, "charge-1");
-    assert_eq!(charge.executions().len(), 1, "nothing ran again before a person decided");
-    assert_eq!(db.open().run(&run_id).unwrap().state, RunState::WaitingForApproval);
+    assert_eq!(
+        charge.executions().len(),
+        1,
+        "nothing ran again before a person decided"
+    );
+    assert_eq!(
+        db.open().run(&run_id).unwrap().state,
+        RunState::WaitingForApproval
+    );
     run_id
 }
 
@@ -157,10 +245,21 @@ fn interrupted_call_with_unknown_outcome_waits_for_a_person_who_approves_a_secon
         RecordingTool::new("charge").reconcile_hook(ReconcileHook::Answer(Reconciliation::Unknown));
     let run_id = crash_into_reconcile_approval(&db, &model, &charge);
 
-    let approval = Approval::approve(run_id.clone(), "charge-1", "ops").note("checked: not charged");
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, Some(approval));
+    let approval =
+        Approval::approve(run_id.clone(), "charge-1", "ops").note("checked: not charged");
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        Some(approval),
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     let executions = charge.executions();
     assert_eq!(executions.len(), 2);
     assert_eq!(executions[1].attempt, 2);
@@ -177,9 +276,19 @@ fn interrupted_call_without_a_hook_waits_for_a_person_who_denies_it() {
     let run_id = crash_into_reconcile_approval(&db, &model, &charge);
 
     let denial = Approval::deny(run_id.clone(), "charge-1", "ops").note("it went through");
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, Some(denial));
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        Some(denial),
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
     assert_eq!(charge.executions().len(), 1, "denied: not run again");
     let events = assert_reconciled_once(&db.open(), &run_id, "no_hook", "await_approval");
     let finished = of_kind(&events, EventKind::ToolFinished);
@@ -197,7 +306,11 @@ fn interrupted_model_call_is_dispatched_again() {
     let db = TempStore::new();
     let model = charge_then_answer().block_at_turn(0);
     let charge = RecordingTool::new("charge");
-    let (store, agent, blocked) = (db.open(), Agent::new(model.clone()).tool(charge.clone()), model.clone());
+    let (store, agent, blocked) = (
+        db.open(),
+        Agent::new(model.clone()).tool(charge.clone()),
+        model.clone(),
+    );
     with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("billing", agent).start();
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
@@ -208,10 +321,24 @@ fn interrupted_model_call_is_dispatched_again() {
     assert_eq!(before.last().unwrap().kind, EventKind::ModelStarted);
 
     model.release(); // the script's turn 0 answers at once from now on
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
 
-    assert_eq!(outcome, Outcome::Succeeded { output: "charged".into() });
-    assert_eq!(model.calls(), 3, "turn 0 twice (dispatched again), then turn 1");
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
+    assert_eq!(
+        model.calls(),
+        3,
+        "turn 0 twice (dispatched again), then turn 1"
+    );
     let events = assert_reconciled_once(&db.open(), &run_id, "model_call", "dispatch_again");
     let started = of_kind(&events, EventKind::ModelStarted);
     assert_eq!(started[1].step, Some(1));
@@ -228,12 +355,26 @@ fn a_recovered_run_once_finished_cannot_be_resumed_again() {
     charge.set_behaviour(Behaviour::Succeed);
     // The first resume reconciles (no hook, not idempotent) and waits; a denial closes it.
     let denial = Approval::deny(run_id.clone(), "charge-1", "ops");
-    resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, None);
-    let outcome = resume(&db, Agent::new(model.clone()).tool(charge.clone()), &run_id, Some(denial));
+    resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        None,
+    );
+    let outcome = resume(
+        &db,
+        Agent::new(model.clone()).tool(charge.clone()),
+        &run_id,
+        Some(denial),
+    );
     assert!(matches!(outcome, Outcome::Succeeded { .. }));
     // Resuming a finished run is refused and changes nothing.
     let before = db.open().events(&run_id).unwrap();
-    let (store, agent, id) = (db.open(), Agent::new(model.clone()).tool(charge.clone()), run_id.clone());
+    let (store, agent, id) = (
+        db.open(),
+        Agent::new(model.clone()).tool(charge.clone()),
+        run_id.clone(),
+    );
     let err = with_system(|| async move {
         let supervisor = Supervisor::builder(store).agent("billing", agent).start();
         supervisor.send(ResumeRun::new(id)).await.unwrap()

@@ -45,26 +45,44 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
         ]),
         ModelResponse::answer("done"),
     ]);
-    let agent = Agent::new(model.clone()).tool(lookup.clone()).tool(notify.clone());
+    let agent = Agent::new(model.clone())
+        .tool(lookup.clone())
+        .tool(notify.clone());
     let store = db.open();
     let config = Config::default().clock(clock.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).config(config).agent("golden", agent).start();
-        supervisor.send(StartRun::new("golden", json!({"q": 1})).with_id("run-1")).await.unwrap()
+        let supervisor = Supervisor::builder(store)
+            .config(config)
+            .agent("golden", agent)
+            .start();
+        supervisor
+            .send(StartRun::new("golden", json!({"q": 1})).with_id("run-1"))
+            .await
+            .unwrap()
     })
     .unwrap();
 
-    assert_eq!(reply.outcome, Outcome::Succeeded { output: "done".into() });
+    assert_eq!(
+        reply.outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
     let store = db.open();
     let events = store.events(&reply.run_id).unwrap();
-    let got: Vec<(u64, &str, Option<u32>)> =
-        events.iter().map(|e| (e.seq, e.kind.as_str(), e.step)).collect();
+    let got: Vec<(u64, &str, Option<u32>)> = events
+        .iter()
+        .map(|e| (e.seq, e.kind.as_str(), e.step))
+        .collect();
     assert_eq!(got, GOLDEN);
     assert_eq!(clock.reads(), CLOCK_READINGS);
 
     // Times come from the clock, one reading per move, never going back.
     assert!(events.windows(2).all(|w| w[0].at <= w[1].at));
-    let started = events.iter().find(|e| e.kind == EventKind::ToolStarted).unwrap();
+    let started = events
+        .iter()
+        .find(|e| e.kind == EventKind::ToolStarted)
+        .unwrap();
     assert_eq!(started.payload["idempotency_key"], json!("run-1/2"));
     assert_eq!(started.payload["attempt"], json!(1));
     let run = store.run(&reply.run_id).unwrap();
@@ -76,5 +94,9 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
     assert_eq!(lookup.executions().len(), 2);
     assert_eq!(notify.executions().len(), 1);
     let last_conversation = model.seen().pop().unwrap();
-    assert_eq!(last_conversation.len(), 5, "two responses and three tool results");
+    assert_eq!(
+        last_conversation.len(),
+        5,
+        "two responses and three tool results"
+    );
 }

@@ -3,7 +3,10 @@
 
 use std::{any::Any, collections::BTreeMap, panic::AssertUnwindSafe, sync::Arc};
 
-use actix::{Actor, ActorContext, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use actix::{
+    Actor, ActorContext, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture,
+    WrapFuture,
+};
 use futures_util::FutureExt;
 use serde_json::Value;
 use tracing::Instrument;
@@ -12,8 +15,13 @@ use super::store::{ApplyMove, ReadState, StoreActor};
 use crate::{
     agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
-    store::sql::{self, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState, ToolDecision},
-    types::{ApprovalReason, Message as ChatMessage, ModelResponse, Outcome, PendingCall, RunId, RunOutcome, RunState, ToolCall, ToolResult},
+    store::sql::{
+        self, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState, ToolDecision,
+    },
+    types::{
+        ApprovalReason, Message as ChatMessage, ModelResponse, Outcome, PendingCall, RunId,
+        RunOutcome, RunState, ToolCall, ToolResult,
+    },
 };
 
 /// The registry a supervisor hands to its runs: agent name to agent.
@@ -63,10 +71,14 @@ impl Handler<Execute> for RunActor {
             let outcome = RunLoop::prepare(msg, cancellation).await?;
             Ok(RunOutcome { run_id, outcome })
         };
-        Box::pin(work.instrument(span).into_actor(self).map(|result, _, ctx| {
-            ctx.stop();
-            result
-        }))
+        Box::pin(
+            work.instrument(span)
+                .into_actor(self)
+                .map(|result, _, ctx| {
+                    ctx.stop();
+                    result
+                }),
+        )
     }
 }
 
@@ -91,19 +103,36 @@ struct RunLoop {
 impl RunLoop {
     /// Starts or resumes the run (the first move), then drives it.
     async fn prepare(msg: Execute, cancellation: Cancellation) -> Result<Outcome> {
-        let Execute { run_id, job, agents, store } = msg;
-        let find = |name: &str| agents.get(name).cloned().ok_or_else(|| Error::UnknownAgent(name.to_owned()));
+        let Execute {
+            run_id,
+            job,
+            agents,
+            store,
+        } = msg;
+        let find = |name: &str| {
+            agents
+                .get(name)
+                .cloned()
+                .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
+        };
         let mut run = match job {
             Job::Start { agent, input } => {
                 let found = find(&agent)?;
                 let (id, name, value) = (run_id.clone(), agent.clone(), input.clone());
-                send(&store, ApplyMove::new("create_run", move |tx, now| sql::create_run(tx, now, &id, &name, &value))).await?;
+                send(
+                    &store,
+                    ApplyMove::new("create_run", move |tx, now| {
+                        sql::create_run(tx, now, &id, &name, &value)
+                    }),
+                )
+                .await?;
                 tracing::info!(agent = %agent, "run started");
                 RunLoop::new(run_id, found, input, store, cancellation, Vec::new())
             }
             Job::Resume => {
                 let id = run_id.clone();
-                let snapshot = send(&store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
+                let snapshot =
+                    send(&store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
                 let agent = find(&snapshot.run.agent)?;
                 match snapshot.run.state {
                     RunState::WaitingForApproval => {
@@ -115,7 +144,13 @@ impl RunLoop {
                     }
                     RunState::Running => {
                         let id = run_id.clone();
-                        let interrupted = send(&store, ApplyMove::new("take_over", move |tx, now| sql::take_over(tx, now, &id))).await?;
+                        let interrupted = send(
+                            &store,
+                            ApplyMove::new("take_over", move |tx, now| {
+                                sql::take_over(tx, now, &id)
+                            }),
+                        )
+                        .await?;
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, store, cancellation);
                         for step in &mut run.steps {
                             if interrupted.contains(&step.step) {
@@ -126,29 +161,63 @@ impl RunLoop {
                         run
                     }
                     state => {
-                        return Err(Error::RunState { run_id, state, reason: "a finished run cannot be resumed".into() });
+                        return Err(Error::RunState {
+                            run_id,
+                            state,
+                            reason: "a finished run cannot be resumed".into(),
+                        });
                     }
                 }
             }
         };
         match run.drive().await {
             // An operator cancelled the run: the loop stops at its next write.
-            Err(Error::RunState { state: RunState::Cancelled, .. }) => run.cancelled().await,
+            Err(Error::RunState {
+                state: RunState::Cancelled,
+                ..
+            }) => run.cancelled().await,
             other => other,
         }
     }
 
-    fn new(run_id: RunId, agent: Arc<Agent>, input: Value, store: Addr<StoreActor>, cancellation: Cancellation, steps: Vec<StepRow>) -> Self {
-        let mut run = RunLoop { run_id, agent, input, store, cancellation, steps: Vec::new(), messages: Vec::new() };
+    fn new(
+        run_id: RunId,
+        agent: Arc<Agent>,
+        input: Value,
+        store: Addr<StoreActor>,
+        cancellation: Cancellation,
+        steps: Vec<StepRow>,
+    ) -> Self {
+        let mut run = RunLoop {
+            run_id,
+            agent,
+            input,
+            store,
+            cancellation,
+            steps: Vec::new(),
+            messages: Vec::new(),
+        };
         for step in steps {
             run.push_step(step);
         }
         run
     }
 
-    fn from_snapshot(snapshot: &RunSnapshot, agent: Arc<Agent>, store: Addr<StoreActor>, cancellation: Cancellation) -> Self {
+    fn from_snapshot(
+        snapshot: &RunSnapshot,
+        agent: Arc<Agent>,
+        store: Addr<StoreActor>,
+        cancellation: Cancellation,
+    ) -> Self {
         let run = &snapshot.run;
-        RunLoop::new(run.id.clone(), agent, run.input.clone(), store, cancellation, snapshot.steps.clone())
+        RunLoop::new(
+            run.id.clone(),
+            agent,
+            run.input.clone(),
+            store,
+            cancellation,
+            snapshot.steps.clone(),
+        )
     }
 
     /// Adds a step; a finished one joins the conversation.
@@ -164,17 +233,30 @@ impl RunLoop {
             return;
         }
         let message = match (step.kind, &step.call, &step.result) {
-            (StepKind::Model, _, Some(result)) => serde_json::from_value::<ModelResponse>(result.clone()).ok().map(ChatMessage::Assistant),
-            (StepKind::Tool, Some(call), Some(result)) => serde_json::from_value::<ToolResult>(result.clone())
-                .ok()
-                .map(|result| ChatMessage::Tool { call_id: call.id.clone(), name: call.name.clone(), result }),
+            (StepKind::Model, _, Some(result)) => {
+                serde_json::from_value::<ModelResponse>(result.clone())
+                    .ok()
+                    .map(ChatMessage::Assistant)
+            }
+            (StepKind::Tool, Some(call), Some(result)) => {
+                serde_json::from_value::<ToolResult>(result.clone())
+                    .ok()
+                    .map(|result| ChatMessage::Tool {
+                        call_id: call.id.clone(),
+                        name: call.name.clone(),
+                        result,
+                    })
+            }
             _ => None,
         };
         self.messages.extend(message);
     }
 
     fn index_of(&self, step: u32) -> usize {
-        self.steps.iter().position(|s| s.step == step).expect("the loop knows its steps")
+        self.steps
+            .iter()
+            .position(|s| s.step == step)
+            .expect("the loop knows its steps")
     }
 
     /// Sets a step's state (and attempt), folding a finished step into the conversation.
@@ -192,26 +274,41 @@ impl RunLoop {
     async fn apply<R: Send + 'static>(
         &self,
         name: &'static str,
-        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut crate::store::Now<'_>, &RunId) -> Result<R> + Send + 'static,
+        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut crate::store::Now<'_>, &RunId) -> Result<R>
+        + Send
+        + 'static,
     ) -> Result<R> {
         let run_id = self.run_id.clone();
-        send(&self.store, ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id))).await
+        send(
+            &self.store,
+            ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id)),
+        )
+        .await
     }
 
     /// The outcome of a run an operator cancelled.
     async fn cancelled(&self) -> Result<Outcome> {
         let id = self.run_id.clone();
         let run = send(&self.store, ReadState::new(move |conn| sql::run(conn, &id))).await?;
-        Ok(Outcome::Cancelled { reason: run.error.unwrap_or_default() })
+        Ok(Outcome::Cancelled {
+            reason: run.error.unwrap_or_default(),
+        })
     }
 
     /// Executes steps until the run pauses or finishes.
     async fn drive(&mut self) -> Result<Outcome> {
         loop {
-            let next = match self.steps.iter().find(|s| s.state != StepState::Finished).cloned() {
+            let next = match self
+                .steps
+                .iter()
+                .find(|s| s.state != StepState::Finished)
+                .cloned()
+            {
                 None => self.begin_model_step().await?,
                 Some(step) => match (step.kind, step.state) {
-                    (StepKind::Model, StepState::InFlight) => self.call_model(step.step, step.attempt).await?,
+                    (StepKind::Model, StepState::InFlight) => {
+                        self.call_model(step.step, step.attempt).await?
+                    }
                     (StepKind::Tool, StepState::Pending) => self.decide(&step).await?,
                     (StepKind::Tool, StepState::InFlight) => self.call_tool(&step).await?,
                     (_, StepState::Interrupted) => self.reconcile(&step).await?,
@@ -232,19 +329,41 @@ impl RunLoop {
     async fn begin_model_step(&mut self) -> Result<Next> {
         let step = self.steps.len() as u32 + 1;
         if step > self.agent.max_steps {
-            let error = format!("the run reached its limit of {} steps without a final answer", self.agent.max_steps);
+            let error = format!(
+                "the run reached its limit of {} steps without a final answer",
+                self.agent.max_steps
+            );
             let message = error.clone();
-            self.apply("fail_run", move |tx, now, id| sql::fail_run(tx, now, id, &message)).await?;
+            self.apply("fail_run", move |tx, now, id| {
+                sql::fail_run(tx, now, id, &message)
+            })
+            .await?;
             return Ok(Next::Return(Outcome::Failed { error }));
         }
-        self.apply("begin_model_step", move |tx, now, id| sql::begin_model_step(tx, now, id, step)).await?;
-        self.push_step(StepRow { step, kind: StepKind::Model, state: StepState::InFlight, attempt: 1, call: None, result: None, waiting_for: None });
+        self.apply("begin_model_step", move |tx, now, id| {
+            sql::begin_model_step(tx, now, id, step)
+        })
+        .await?;
+        self.push_step(StepRow {
+            step,
+            kind: StepKind::Model,
+            state: StepState::InFlight,
+            attempt: 1,
+            call: None,
+            result: None,
+            waiting_for: None,
+        });
         Ok(Next::Continue)
     }
 
     async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
         let span = tracing::info_span!("model", step);
-        let request = ModelRequest { run_id: &self.run_id, step, input: &self.input, messages: &self.messages };
+        let request = ModelRequest {
+            run_id: &self.run_id,
+            step,
+            input: &self.input,
+            messages: &self.messages,
+        };
         let answer = AssertUnwindSafe(self.agent.model.complete(request)).catch_unwind();
         // A model call has no side effect: on cancel it is dropped, not awaited.
         let answer = futures_util::select_biased! {
@@ -258,15 +377,27 @@ impl RunLoop {
                 let recorded = response.clone();
                 let created = self
                     .apply("finish_model_step", move |tx, now, id| {
-                        sql::finish_model_step(tx, now, id, step, attempt, ModelOutcome::Answered(&recorded))
+                        sql::finish_model_step(
+                            tx,
+                            now,
+                            id,
+                            step,
+                            attempt,
+                            ModelOutcome::Answered(&recorded),
+                        )
                     })
                     .await?;
                 // The stored response carries the call ids as made unique.
-                let stored = ModelResponse { text: response.text, tool_calls: created.iter().filter_map(|s| s.call.clone()).collect() };
+                let stored = ModelResponse {
+                    text: response.text,
+                    tool_calls: created.iter().filter_map(|s| s.call.clone()).collect(),
+                };
                 let stored_json = serde_json::to_value(&stored).expect("a response serializes");
                 self.set_step(step, StepState::Finished, attempt, Some(stored_json));
                 if created.is_empty() {
-                    return Ok(Next::Return(Outcome::Succeeded { output: stored.text.unwrap_or_default() }));
+                    return Ok(Next::Return(Outcome::Succeeded {
+                        output: stored.text.unwrap_or_default(),
+                    }));
                 }
                 for row in created {
                     self.push_step(row);
@@ -276,10 +407,19 @@ impl RunLoop {
             Err(error) => {
                 let message = error.0.clone();
                 self.apply("finish_model_step", move |tx, now, id| {
-                    sql::finish_model_step(tx, now, id, step, attempt, ModelOutcome::Failed(&message))
+                    sql::finish_model_step(
+                        tx,
+                        now,
+                        id,
+                        step,
+                        attempt,
+                        ModelOutcome::Failed(&message),
+                    )
                 })
                 .await?;
-                Ok(Next::Return(Outcome::Failed { error: format!("the model failed: {}", error.0) }))
+                Ok(Next::Return(Outcome::Failed {
+                    error: format!("the model failed: {}", error.0),
+                }))
             }
         }
     }
@@ -291,44 +431,78 @@ impl RunLoop {
         let rejection = if !self.agent.tools.contains_key(&call.name) {
             Some(format!("the agent has no tool named {:?}", call.name))
         } else if !call.args.is_object() {
-            Some(format!("the arguments of a tool call must be a JSON object, not {}", call.args))
+            Some(format!(
+                "the arguments of a tool call must be a JSON object, not {}",
+                call.args
+            ))
         } else {
             None
         };
         if let Some(error) = rejection {
             let (c, e) = (call.clone(), error.clone());
-            self.apply("reject_tool", move |tx, now, id| sql::reject_tool(tx, now, id, number, &c, &e)).await?;
+            self.apply("reject_tool", move |tx, now, id| {
+                sql::reject_tool(tx, now, id, number, &c, &e)
+            })
+            .await?;
             let result = serde_json::to_value(ToolResult::Error(error)).unwrap();
             self.set_step(number, StepState::Finished, 0, Some(result));
             return Ok(Next::Continue);
         }
         let policy = self.agent.policy.clone();
-        let decision = std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
-            .map_err(|panic| self.panicked(number, "the policy".into(), panic))?;
+        let decision =
+            std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
+                .map_err(|panic| self.panicked(number, "the policy".into(), panic))?;
         let decision = match decision {
-            Decision::Allow => ToolDecision::Allow { reason: None, by: None, note: None },
-            Decision::Deny(reason) => ToolDecision::Deny { reason, by: None, note: None },
+            Decision::Allow => ToolDecision::Allow {
+                reason: None,
+                by: None,
+                note: None,
+            },
+            Decision::Deny(reason) => ToolDecision::Deny {
+                reason,
+                by: None,
+                note: None,
+            },
             Decision::RequireApproval(reason) => ToolDecision::RequireApproval { reason },
         };
         let (c, d) = (call.clone(), decision.clone());
-        self.apply("decide_tool", move |tx, now, id| sql::decide_tool(tx, now, id, number, &c, &d)).await?;
+        self.apply("decide_tool", move |tx, now, id| {
+            sql::decide_tool(tx, now, id, number, &c, &d)
+        })
+        .await?;
         self.after_decision(number, 0, call, decision, ApprovalReason::Policy)
     }
 
     /// Brings the loop in step with a recorded decision.
-    fn after_decision(&mut self, step: u32, attempt: u32, call: ToolCall, decision: ToolDecision, reason: ApprovalReason) -> Result<Next> {
+    fn after_decision(
+        &mut self,
+        step: u32,
+        attempt: u32,
+        call: ToolCall,
+        decision: ToolDecision,
+        reason: ApprovalReason,
+    ) -> Result<Next> {
         match decision {
             ToolDecision::Allow { .. } => {
                 self.set_step(step, StepState::InFlight, attempt + 1, None);
                 Ok(Next::Continue)
             }
             ToolDecision::Deny { reason, .. } => {
-                let result = serde_json::to_value(ToolResult::Error(format!("the call was denied: {reason}"))).unwrap();
+                let result = serde_json::to_value(ToolResult::Error(format!(
+                    "the call was denied: {reason}"
+                )))
+                .unwrap();
                 self.set_step(step, StepState::Finished, attempt, Some(result));
                 Ok(Next::Continue)
             }
             ToolDecision::RequireApproval { .. } => Ok(Next::Return(Outcome::WaitingForApproval {
-                pending: PendingCall { step, call_id: call.id, tool: call.name, args: call.args, reason },
+                pending: PendingCall {
+                    step,
+                    call_id: call.id,
+                    tool: call.name,
+                    args: call.args,
+                    reason,
+                },
             })),
         }
     }
@@ -355,8 +529,13 @@ impl RunLoop {
             Some(tool) => {
                 let ctx = self.tool_context(number, &call, attempt);
                 // Cancellation is the tool's to honour: its outcome is awaited and recorded.
-                let outcome = AssertUnwindSafe(tool.call(&ctx, &call.args)).catch_unwind().instrument(span).await;
-                match outcome.map_err(|panic| self.panicked(number, format!("tool {}", call.name), panic))? {
+                let outcome = AssertUnwindSafe(tool.call(&ctx, &call.args))
+                    .catch_unwind()
+                    .instrument(span)
+                    .await;
+                match outcome
+                    .map_err(|panic| self.panicked(number, format!("tool {}", call.name), panic))?
+                {
                     Ok(output) => ToolResult::Ok(output),
                     Err(error) => ToolResult::Error(error.0),
                 }
@@ -364,12 +543,19 @@ impl RunLoop {
         };
         let (call_id, recorded) = (call.id.clone(), result.clone());
         let late = self
-            .apply("finish_tool", move |tx, now, id| sql::finish_tool(tx, now, id, number, attempt, &call_id, &recorded))
+            .apply("finish_tool", move |tx, now, id| {
+                sql::finish_tool(tx, now, id, number, attempt, &call_id, &recorded)
+            })
             .await?;
         if late {
             return self.cancelled().await.map(Next::Return);
         }
-        self.set_step(number, StepState::Finished, attempt, Some(serde_json::to_value(result).unwrap()));
+        self.set_step(
+            number,
+            StepState::Finished,
+            attempt,
+            Some(serde_json::to_value(result).unwrap()),
+        );
         Ok(Next::Continue)
     }
 
@@ -378,7 +564,10 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.apply("reconcile", move |tx, now, id| sql::reconcile(tx, now, id, number, attempt, None, &Resolution::Redispatch)).await?;
+            self.apply("reconcile", move |tx, now, id| {
+                sql::reconcile(tx, now, id, number, attempt, None, &Resolution::Redispatch)
+            })
+            .await?;
             self.set_step(number, StepState::InFlight, attempt + 1, None);
             return Ok(Next::Continue);
         };
@@ -389,21 +578,42 @@ impl RunLoop {
                 AssertUnwindSafe(tool.reconcile(&ctx, &call.args))
                     .catch_unwind()
                     .await
-                    .map_err(|panic| self.panicked(number, format!("the reconcile hook of tool {}", call.name), panic))?
+                    .map_err(|panic| {
+                        self.panicked(
+                            number,
+                            format!("the reconcile hook of tool {}", call.name),
+                            panic,
+                        )
+                    })?
             }
             None => None,
         };
         let idempotent = tool.as_ref().is_some_and(|tool| tool.idempotent());
-        let unknown = |outcome| if idempotent { Resolution::Retry { outcome } } else { Resolution::AwaitApproval { outcome } };
+        let unknown = |outcome| {
+            if idempotent {
+                Resolution::Retry { outcome }
+            } else {
+                Resolution::AwaitApproval { outcome }
+            }
+        };
         let resolution = match answer {
             Some(Reconciliation::Applied(output)) => Resolution::Applied(output),
-            Some(Reconciliation::NotApplied) => Resolution::Retry { outcome: "not_applied" },
+            Some(Reconciliation::NotApplied) => Resolution::Retry {
+                outcome: "not_applied",
+            },
             Some(Reconciliation::Unknown) => unknown("unknown"),
             None => unknown("no_hook"),
         };
-        tracing::info!(step = number, ?resolution, "reconciling an interrupted step");
+        tracing::info!(
+            step = number,
+            ?resolution,
+            "reconciling an interrupted step"
+        );
         let (c, r) = (call.clone(), resolution.clone());
-        self.apply("reconcile", move |tx, now, id| sql::reconcile(tx, now, id, number, attempt, Some(&c), &r)).await?;
+        self.apply("reconcile", move |tx, now, id| {
+            sql::reconcile(tx, now, id, number, attempt, Some(&c), &r)
+        })
+        .await?;
         match resolution {
             Resolution::Applied(output) => {
                 let result = serde_json::to_value(ToolResult::Ok(output)).unwrap();
@@ -415,7 +625,9 @@ impl RunLoop {
                 Ok(Next::Continue)
             }
             Resolution::AwaitApproval { .. } => {
-                let decision = ToolDecision::RequireApproval { reason: String::new() };
+                let decision = ToolDecision::RequireApproval {
+                    reason: String::new(),
+                };
                 self.after_decision(number, attempt, call, decision, ApprovalReason::Reconcile)
             }
         }
@@ -429,12 +641,25 @@ impl RunLoop {
             .iter()
             .find(|s| s.state == StepState::Waiting)
             .cloned()
-            .ok_or_else(|| Error::Corrupt(format!("run {} waits for approval with no waiting step", self.run_id)))?;
+            .ok_or_else(|| {
+                Error::Corrupt(format!(
+                    "run {} waits for approval with no waiting step",
+                    self.run_id
+                ))
+            })?;
         let call = waiting.call.clone().expect("only tool steps wait");
         let reason = waiting.waiting_for.unwrap_or(ApprovalReason::Policy);
         let from_approval = || match &snapshot.approval {
-            Some(a) if a.approved => Some(ToolDecision::Allow { reason: None, by: Some(a.by.clone()), note: a.note.clone() }),
-            Some(a) => Some(ToolDecision::Deny { reason: format!("denied by {}", a.by), by: Some(a.by.clone()), note: a.note.clone() }),
+            Some(a) if a.approved => Some(ToolDecision::Allow {
+                reason: None,
+                by: Some(a.by.clone()),
+                note: a.note.clone(),
+            }),
+            Some(a) => Some(ToolDecision::Deny {
+                reason: format!("denied by {}", a.by),
+                by: Some(a.by.clone()),
+                note: a.note.clone(),
+            }),
             None => None,
         };
         // The policy is asked again (it may have changed); an approval settles what it leaves open.
@@ -442,26 +667,50 @@ impl RunLoop {
             ApprovalReason::Policy => {
                 let policy = self.agent.policy.clone();
                 Some(
-                    std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
-                        .map_err(|panic| self.panicked(waiting.step, "the policy".into(), panic))?,
+                    std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        policy.decide(&self.run_id, &call)
+                    }))
+                    .map_err(|panic| self.panicked(waiting.step, "the policy".into(), panic))?,
                 )
             }
             ApprovalReason::Reconcile => None,
         };
         let (decision, source) = match policy_decision {
-            Some(Decision::Allow) => (Some(ToolDecision::Allow { reason: None, by: None, note: None }), "policy"),
-            Some(Decision::Deny(reason)) => (Some(ToolDecision::Deny { reason, by: None, note: None }), "policy"),
+            Some(Decision::Allow) => (
+                Some(ToolDecision::Allow {
+                    reason: None,
+                    by: None,
+                    note: None,
+                }),
+                "policy",
+            ),
+            Some(Decision::Deny(reason)) => (
+                Some(ToolDecision::Deny {
+                    reason,
+                    by: None,
+                    note: None,
+                }),
+                "policy",
+            ),
             Some(Decision::RequireApproval(_)) | None => (from_approval(), "approval"),
         };
         let Some(decision) = decision else {
             return Ok(Some(Outcome::WaitingForApproval {
-                pending: PendingCall { step: waiting.step, call_id: call.id, tool: call.name, args: call.args, reason },
+                pending: PendingCall {
+                    step: waiting.step,
+                    call_id: call.id,
+                    tool: call.name,
+                    args: call.args,
+                    reason,
+                },
             }));
         };
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
-        self.apply("resume_waiting", move |tx, now, id| sql::resume_waiting(tx, now, id, number, attempt, &c, reason, &d, source))
-            .await?;
+        self.apply("resume_waiting", move |tx, now, id| {
+            sql::resume_waiting(tx, now, id, number, attempt, &c, reason, &d, source)
+        })
+        .await?;
         tracing::info!(step = number, source, "waiting run resumed");
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),
@@ -477,7 +726,12 @@ impl RunLoop {
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "a panic with no message".into());
         tracing::error!(step, what, message, "panic in a run");
-        Error::Panicked { run_id: self.run_id.clone(), step, what, message }
+        Error::Panicked {
+            run_id: self.run_id.clone(),
+            step,
+            what,
+            message,
+        }
     }
 }
 

@@ -26,7 +26,10 @@ impl StoreActor {
     pub(crate) fn start(store: Store, clock: Arc<dyn Clock>) -> Addr<StoreActor> {
         // The factory runs again if the actor stops; it only clones handles, so a restart
         // yields the same actor on the same connection.
-        SyncArbiter::start(1, move || StoreActor { store: store.clone(), clock: clock.clone() })
+        SyncArbiter::start(1, move || StoreActor {
+            store: store.clone(),
+            clock: clock.clone(),
+        })
     }
 }
 
@@ -46,7 +49,10 @@ impl<R> ApplyMove<R> {
         name: &'static str,
         apply: impl FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send + 'static,
     ) -> Self {
-        ApplyMove { name, apply: Box::new(apply) }
+        ApplyMove {
+            name,
+            apply: Box::new(apply),
+        }
     }
 }
 
@@ -73,7 +79,9 @@ pub(crate) struct ReadState<R> {
 
 impl<R> ReadState<R> {
     pub(crate) fn new(read: impl FnOnce(&Connection) -> Result<R> + Send + 'static) -> Self {
-        ReadState { read: Box::new(read) }
+        ReadState {
+            read: Box::new(read),
+        }
     }
 }
 

@@ -1,9 +1,14 @@
 //! `Supervisor`: the front door. Holds the agent registry and the runs this process executes,
 //! and spawns one `RunActor` per run.
 
-use std::{collections::{BTreeMap, HashMap}, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
 
-use actix::{Actor, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture};
+use actix::{
+    Actor, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture,
+};
 use serde_json::Value;
 
 use super::{
@@ -27,7 +32,9 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { clock: Arc::new(SystemClock) }
+        Config {
+            clock: Arc::new(SystemClock),
+        }
     }
 }
 
@@ -97,7 +104,11 @@ impl SupervisorBuilder {
 impl Supervisor {
     /// A builder for a supervisor over `store`.
     pub fn builder(store: Store) -> SupervisorBuilder {
-        SupervisorBuilder { store, config: Config::default(), agents: BTreeMap::new() }
+        SupervisorBuilder {
+            store,
+            config: Config::default(),
+            agents: BTreeMap::new(),
+        }
     }
 
     /// Spawns the run's actor and answers when the call it serves returns.
@@ -108,17 +119,29 @@ impl Supervisor {
         self.calls += 1;
         let call = self.calls;
         let cancellation = Cancellation::new();
-        self.executing.insert(run_id.clone(), (call, cancellation.clone()));
+        self.executing
+            .insert(run_id.clone(), (call, cancellation.clone()));
         let actor = RunActor::new(cancellation).start();
-        let msg = Execute { run_id: run_id.clone(), job, agents: self.agents.clone(), store: self.store_actor.clone() };
-        Box::pin(async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }.into_actor(self).map(
-            move |result, this: &mut Supervisor, _| {
-                if this.executing.get(&run_id).is_some_and(|(owner, _)| *owner == call) {
-                    this.executing.remove(&run_id);
-                }
-                result
-            },
-        ))
+        let msg = Execute {
+            run_id: run_id.clone(),
+            job,
+            agents: self.agents.clone(),
+            store: self.store_actor.clone(),
+        };
+        Box::pin(
+            async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }
+                .into_actor(self)
+                .map(move |result, this: &mut Supervisor, _| {
+                    if this
+                        .executing
+                        .get(&run_id)
+                        .is_some_and(|(owner, _)| *owner == call)
+                    {
+                        this.executing.remove(&run_id);
+                    }
+                    result
+                }),
+        )
     }
 }
 
@@ -160,7 +183,11 @@ pub struct StartRun {
 impl StartRun {
     /// A run of `agent` with `input`.
     pub fn new(agent: impl Into<String>, input: Value) -> Self {
-        StartRun { agent: agent.into(), input, run_id: None }
+        StartRun {
+            agent: agent.into(),
+            input,
+            run_id: None,
+        }
     }
 
     /// Uses `run_id` as the run's id.
@@ -178,7 +205,13 @@ impl Handler<StartRun> for Supervisor {
             return Box::pin(actix::fut::ready(Err(Error::UnknownAgent(msg.agent))));
         }
         let run_id = msg.run_id.unwrap_or_else(RunId::random);
-        self.execute(run_id, Job::Start { agent: msg.agent, input: msg.input })
+        self.execute(
+            run_id,
+            Job::Start {
+                agent: msg.agent,
+                input: msg.input,
+            },
+        )
     }
 }
 
@@ -194,7 +227,9 @@ pub struct ResumeRun {
 impl ResumeRun {
     /// Resume `run_id`.
     pub fn new(run_id: impl Into<RunId>) -> Self {
-        ResumeRun { run_id: run_id.into() }
+        ResumeRun {
+            run_id: run_id.into(),
+        }
     }
 }
 
@@ -220,7 +255,10 @@ pub struct CancelRun {
 impl CancelRun {
     /// Cancel `run_id` for `reason`.
     pub fn new(run_id: impl Into<RunId>, reason: impl Into<String>) -> Self {
-        CancelRun { run_id: run_id.into(), reason: reason.into() }
+        CancelRun {
+            run_id: run_id.into(),
+            reason: reason.into(),
+        }
     }
 }
 
@@ -230,16 +268,22 @@ impl Handler<CancelRun> for Supervisor {
     fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
         let CancelRun { run_id, reason } = msg;
         let id = run_id.clone();
-        let cancel = self.store_actor.send(ApplyMove::new("cancel_run", move |tx, now| sql::cancel_run(tx, now, &id, &reason)));
-        Box::pin(async move { cancel.await? }.into_actor(self).map(move |result, this: &mut Supervisor, _| {
-            if result.is_ok() {
-                if let Some((_, cancellation)) = this.executing.get(&run_id) {
-                    cancellation.fire();
+        let cancel = self
+            .store_actor
+            .send(ApplyMove::new("cancel_run", move |tx, now| {
+                sql::cancel_run(tx, now, &id, &reason)
+            }));
+        Box::pin(async move { cancel.await? }.into_actor(self).map(
+            move |result, this: &mut Supervisor, _| {
+                if result.is_ok() {
+                    if let Some((_, cancellation)) = this.executing.get(&run_id) {
+                        cancellation.fire();
+                    }
+                    tracing::info!(%run_id, "run cancelled");
                 }
-                tracing::info!(%run_id, "run cancelled");
-            }
-            result
-        }))
+                result
+            },
+        ))
     }
 }
 
@@ -254,7 +298,11 @@ impl Handler<RecordApproval> for Supervisor {
 
     fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
-        let record = self.store_actor.send(ApplyMove::new("record_approval", move |tx, now| sql::record_approval(tx, now, &approval)));
+        let record = self
+            .store_actor
+            .send(ApplyMove::new("record_approval", move |tx, now| {
+                sql::record_approval(tx, now, &approval)
+            }));
         Box::pin(async move { record.await? }.into_actor(self))
     }
 }

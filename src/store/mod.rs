@@ -64,7 +64,10 @@ pub struct StoreOptions {
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { synchronous: Synchronous::Full, busy_timeout: Duration::from_secs(5) }
+        StoreOptions {
+            synchronous: Synchronous::Full,
+            busy_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -135,7 +138,9 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("path", &self.inner.path).finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
     }
 }
 
@@ -182,7 +187,11 @@ impl Store {
         configure(&conn, &options, false, Role::Writer)?;
         migrate(&mut conn, Path::new(":memory:"))?;
         Ok(Store {
-            inner: Arc::new(Inner { path: None, writer: Mutex::new(conn), reader: None }),
+            inner: Arc::new(Inner {
+                path: None,
+                writer: Mutex::new(conn),
+                reader: None,
+            }),
         })
     }
 
@@ -193,7 +202,9 @@ impl Store {
 
     /// The schema version of this database.
     pub fn schema_version(&self) -> Result<u32> {
-        Ok(self.connection().pragma_query_value(None, "user_version", |row| row.get(0))?)
+        Ok(self
+            .connection()
+            .pragma_query_value(None, "user_version", |row| row.get(0))?)
     }
 
     /// A connection for your own queries (read-only on a file store).
@@ -290,7 +301,9 @@ impl Deref for StoreConnection<'_> {
 /// A panic while a connection was held cannot leave a transaction open (rusqlite rolls back on
 /// drop), so a poisoned lock still guards a usable connection.
 fn lock(mutex: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
-    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Refuses, before anything writes to it, a file that is not a database or whose schema is
@@ -336,7 +349,9 @@ fn on_open(err: Error, path: &Path) -> Error {
         Error::Database(rusqlite::Error::SqliteFailure(failure, _))
             if failure.code == rusqlite::ErrorCode::NotADatabase =>
         {
-            Error::NotADatabase { path: path.to_path_buf() }
+            Error::NotADatabase {
+                path: path.to_path_buf(),
+            }
         }
         other => other,
     }
@@ -357,16 +372,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("db.sqlite")).unwrap();
         for conn in [&*lock(&store.inner.writer), &*store.connection()] {
-            let trusted: i64 = conn.pragma_query_value(None, "trusted_schema", |r| r.get(0)).unwrap();
+            let trusted: i64 = conn
+                .pragma_query_value(None, "trusted_schema", |r| r.get(0))
+                .unwrap();
             assert_eq!(trusted, 0);
             assert!(conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).unwrap());
-            let fk: i64 = conn.pragma_query_value(None, "foreign_keys", |r| r.get(0)).unwrap();
+            let fk: i64 = conn
+                .pragma_query_value(None, "foreign_keys", |r| r.get(0))
+                .unwrap();
             assert_eq!(fk, 1);
         }
         let writer = lock(&store.inner.writer);
-        let mode: String = writer.pragma_query_value(None, "journal_mode", |r| r.get(0)).unwrap();
+        let mode: String = writer
+            .pragma_query_value(None, "journal_mode", |r| r.get(0))
+            .unwrap();
         assert_eq!(mode, "wal");
-        let sync: i64 = writer.pragma_query_value(None, "synchronous", |r| r.get(0)).unwrap();
+        let sync: i64 = writer
+            .pragma_query_value(None, "synchronous", |r| r.get(0))
+            .unwrap();
         assert_eq!(sync, 2, "FULL by default");
     }
 
@@ -374,7 +397,10 @@ mod tests {
     fn the_reader_cannot_write() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("db.sqlite")).unwrap();
-        let err = store.connection().execute("DELETE FROM runs", []).unwrap_err();
+        let err = store
+            .connection()
+            .execute("DELETE FROM runs", [])
+            .unwrap_err();
         assert!(err.to_string().contains("readonly"), "{err}");
     }
 

@@ -98,7 +98,11 @@ pub(crate) fn idempotency_key(run_id: &RunId, step: u32) -> String {
 /// Explains a guard that matched no row: the run does not exist, or is in another state.
 fn refused(conn: &Connection, run_id: &RunId, reason: &str) -> Error {
     match run_state(conn, run_id) {
-        Ok(Some(state)) => Error::RunState { run_id: run_id.clone(), state, reason: reason.to_owned() },
+        Ok(Some(state)) => Error::RunState {
+            run_id: run_id.clone(),
+            state,
+            reason: reason.to_owned(),
+        },
         Ok(None) => Error::RunNotFound(run_id.clone()),
         Err(err) => err,
     }
@@ -113,11 +117,20 @@ fn run_state(conn: &Connection, run_id: &RunId) -> Result<Option<RunState>> {
 }
 
 /// Stamps a RUNNING run as moved now; refuses a run in any other state.
-fn touch_running(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, what: &str) -> Result<()> {
+fn touch_running(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    what: &str,
+) -> Result<()> {
     let changed = tx
         .prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING'")?
         .execute(params![run_id.as_str(), now.millis()])?;
-    if changed == 1 { Ok(()) } else { Err(refused(tx, run_id, what)) }
+    if changed == 1 {
+        Ok(())
+    } else {
+        Err(refused(tx, run_id, what))
+    }
 }
 
 /// Moves a run from `from` to `to`; refuses it in any other state.
@@ -146,7 +159,11 @@ fn move_run(
             from[0].as_str(),
             from.get(1).unwrap_or(&from[0]).as_str(),
         ])?;
-    if changed == 1 { Ok(()) } else { Err(refused(tx, run_id, what)) }
+    if changed == 1 {
+        Ok(())
+    } else {
+        Err(refused(tx, run_id, what))
+    }
 }
 
 /// Moves one step out of the state (and attempt) its executor saw: `starts` adds an attempt.
@@ -186,7 +203,10 @@ fn move_step(
     Err(Error::RunState {
         run_id: run_id.clone(),
         state,
-        reason: format!("step {step} is no longer {} at attempt {attempt}", from.as_str()),
+        reason: format!(
+            "step {step} is no longer {} at attempt {attempt}",
+            from.as_str()
+        ),
     })
 }
 
@@ -204,11 +224,24 @@ fn append(
         "INSERT INTO events (run_id, seq, kind, at, step, payload)
          SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM events WHERE run_id = ?1",
     )?
-    .execute(params![run_id.as_str(), kind.as_str(), now.millis(), step, payload.to_string()])?;
+    .execute(params![
+        run_id.as_str(),
+        kind.as_str(),
+        now.millis(),
+        step,
+        payload.to_string()
+    ])?;
     Ok(())
 }
 
-fn tool_started(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32, call: &ToolCall, attempt: u32) -> Result<()> {
+fn tool_started(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    call: &ToolCall,
+    attempt: u32,
+) -> Result<()> {
     append(
         tx,
         now,
@@ -229,7 +262,13 @@ fn tool_started(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u
 // Moves
 
 /// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
-pub(crate) fn create_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, agent: &str, input: &Value) -> Result<()> {
+pub(crate) fn create_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    agent: &str,
+    input: &Value,
+) -> Result<()> {
     if run_state(tx, run_id)?.is_some() {
         return Err(Error::RunExists(run_id.clone()));
     }
@@ -239,17 +278,36 @@ pub(crate) fn create_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId
          VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4)",
     )?
     .execute(params![run_id.as_str(), agent, input.to_string(), at])?;
-    append(tx, now, run_id, EventKind::RunStarted, None, json!({ "agent": agent, "input": input }))
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::RunStarted,
+        None,
+        json!({ "agent": agent, "input": input }),
+    )
 }
 
 /// Reserves model step `step` before the request is dispatched.
-pub(crate) fn begin_model_step(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32) -> Result<()> {
+pub(crate) fn begin_model_step(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+) -> Result<()> {
     touch_running(tx, now, run_id, "a model call cannot start")?;
     tx.prepare_cached(
         "INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)",
     )?
     .execute(params![run_id.as_str(), step])?;
-    append(tx, now, run_id, EventKind::ModelStarted, Some(step), json!({ "attempt": 1 }))
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ModelStarted,
+        Some(step),
+        json!({ "attempt": 1 }),
+    )
 }
 
 /// How a model step ended.
@@ -271,9 +329,33 @@ pub(crate) fn finish_model_step(
     touch_running(tx, now, run_id, "the model's answer cannot be recorded")?;
     let response = match outcome {
         ModelOutcome::Failed(error) => {
-            move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, None, None)?;
-            append(tx, now, run_id, EventKind::ModelFinished, Some(step), json!({ "error": error }))?;
-            finish_run(tx, now, run_id, RunState::Failed, None, Some(&format!("the model failed: {error}")))?;
+            move_step(
+                tx,
+                run_id,
+                step,
+                StepState::InFlight,
+                attempt,
+                StepState::Finished,
+                false,
+                None,
+                None,
+            )?;
+            append(
+                tx,
+                now,
+                run_id,
+                EventKind::ModelFinished,
+                Some(step),
+                json!({ "error": error }),
+            )?;
+            finish_run(
+                tx,
+                now,
+                run_id,
+                RunState::Failed,
+                None,
+                Some(&format!("the model failed: {error}")),
+            )?;
             return Ok(Vec::new());
         }
         ModelOutcome::Answered(response) => response,
@@ -282,7 +364,9 @@ pub(crate) fn finish_model_step(
     // Call ids address approvals: keep them unique within the run.
     let mut taken: HashSet<String> = HashSet::new();
     {
-        let mut existing = tx.prepare_cached("SELECT call_id FROM steps WHERE run_id = ?1 AND call_id IS NOT NULL")?;
+        let mut existing = tx.prepare_cached(
+            "SELECT call_id FROM steps WHERE run_id = ?1 AND call_id IS NOT NULL",
+        )?;
         let mut rows = existing.query([run_id.as_str()])?;
         while let Some(row) = rows.next()? {
             taken.insert(row.get(0)?);
@@ -300,7 +384,13 @@ pub(crate) fn finish_model_step(
             "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
              VALUES (?1, ?2, 'tool', 'pending', 0, ?3, ?4, ?5)",
         )?
-        .execute(params![run_id.as_str(), tool_step, call.id, call.name, call.args.to_string()])?;
+        .execute(params![
+            run_id.as_str(),
+            tool_step,
+            call.id,
+            call.name,
+            call.args.to_string()
+        ])?;
         created.push(StepRow {
             step: tool_step,
             kind: StepKind::Tool,
@@ -312,8 +402,25 @@ pub(crate) fn finish_model_step(
         });
     }
     let recorded_json = serde_json::to_value(&recorded).expect("a response serializes");
-    move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, Some(&recorded_json), None)?;
-    append(tx, now, run_id, EventKind::ModelFinished, Some(step), recorded_json)?;
+    move_step(
+        tx,
+        run_id,
+        step,
+        StepState::InFlight,
+        attempt,
+        StepState::Finished,
+        false,
+        Some(&recorded_json),
+        None,
+    )?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ModelFinished,
+        Some(step),
+        recorded_json,
+    )?;
     if recorded.tool_calls.is_empty() {
         let output = recorded.text.clone().unwrap_or_default();
         finish_run(tx, now, run_id, RunState::Succeeded, Some(&output), None)?;
@@ -330,7 +437,16 @@ fn finish_run(
     output: Option<&str>,
     error: Option<&str>,
 ) -> Result<()> {
-    move_run(tx, now, run_id, &[RunState::Running], state, output, error, "it cannot finish")?;
+    move_run(
+        tx,
+        now,
+        run_id,
+        &[RunState::Running],
+        state,
+        output,
+        error,
+        "it cannot finish",
+    )?;
     let mut payload = json!({ "state": state.as_str() });
     if let Some(output) = output {
         payload["output"] = json!(output);
@@ -342,7 +458,12 @@ fn finish_run(
 }
 
 /// Fails a RUNNING run (e.g. it reached its step limit).
-pub(crate) fn fail_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, error: &str) -> Result<()> {
+pub(crate) fn fail_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    error: &str,
+) -> Result<()> {
     finish_run(tx, now, run_id, RunState::Failed, None, Some(error))
 }
 
@@ -350,9 +471,17 @@ pub(crate) fn fail_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum ToolDecision {
     /// Run it: the step starts (its next attempt).
-    Allow { reason: Option<String>, by: Option<String>, note: Option<String> },
+    Allow {
+        reason: Option<String>,
+        by: Option<String>,
+        note: Option<String>,
+    },
     /// Do not run it; the model is told why.
-    Deny { reason: String, by: Option<String>, note: Option<String> },
+    Deny {
+        reason: String,
+        by: Option<String>,
+        note: Option<String>,
+    },
     /// Wait for an approval.
     RequireApproval { reason: String },
 }
@@ -362,7 +491,9 @@ impl ToolDecision {
         let (decision, reason, by, note) = match self {
             ToolDecision::Allow { reason, by, note } => ("allow", reason.as_deref(), by, note),
             ToolDecision::Deny { reason, by, note } => ("deny", Some(reason.as_str()), by, note),
-            ToolDecision::RequireApproval { reason } => ("require_approval", Some(reason.as_str()), &None, &None),
+            ToolDecision::RequireApproval { reason } => {
+                ("require_approval", Some(reason.as_str()), &None, &None)
+            }
         };
         let mut payload = json!({
             "call_id": call.id,
@@ -395,12 +526,38 @@ pub(crate) fn decide_tool(
 ) -> Result<()> {
     match decision {
         ToolDecision::RequireApproval { .. } => {
-            move_run(tx, now, run_id, &[RunState::Running], RunState::WaitingForApproval, None, None, "it cannot pause")?;
+            move_run(
+                tx,
+                now,
+                run_id,
+                &[RunState::Running],
+                RunState::WaitingForApproval,
+                None,
+                None,
+                "it cannot pause",
+            )?;
         }
         _ => touch_running(tx, now, run_id, "a tool call cannot be decided")?,
     }
-    append(tx, now, run_id, EventKind::PolicyDecided, Some(step), decision.payload(call, "policy"))?;
-    apply_decision(tx, now, run_id, step, StepState::Pending, 0, call, decision, ApprovalReason::Policy)
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::PolicyDecided,
+        Some(step),
+        decision.payload(call, "policy"),
+    )?;
+    apply_decision(
+        tx,
+        now,
+        run_id,
+        step,
+        StepState::Pending,
+        0,
+        call,
+        decision,
+        ApprovalReason::Policy,
+    )
 }
 
 /// The step's side of a decision: start it, close it with the denial, or make it wait.
@@ -418,12 +575,34 @@ fn apply_decision(
 ) -> Result<()> {
     match decision {
         ToolDecision::Allow { .. } => {
-            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::InFlight,
+                true,
+                None,
+                None,
+            )?;
             tool_started(tx, now, run_id, step, call, attempt + 1)
         }
         ToolDecision::Deny { reason: why, .. } => {
-            let result = serde_json::to_value(ToolResult::Error(format!("the call was denied: {why}"))).unwrap();
-            move_step(tx, run_id, step, from, attempt, StepState::Finished, false, Some(&result), None)?;
+            let result =
+                serde_json::to_value(ToolResult::Error(format!("the call was denied: {why}")))
+                    .unwrap();
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::Finished,
+                false,
+                Some(&result),
+                None,
+            )?;
             if attempt > 0 {
                 // An attempt ran before (and was interrupted): close the step in the log too.
                 append(
@@ -438,7 +617,17 @@ fn apply_decision(
             Ok(())
         }
         ToolDecision::RequireApproval { .. } => {
-            move_step(tx, run_id, step, from, attempt, StepState::Waiting, false, None, Some(reason))?;
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::Waiting,
+                false,
+                None,
+                Some(reason),
+            )?;
             append(
                 tx,
                 now,
@@ -453,10 +642,27 @@ fn apply_decision(
 
 /// Closes a pending call the loop cannot execute (unknown tool, arguments not an object): the
 /// model is told why; nothing ran.
-pub(crate) fn reject_tool(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, step: u32, call: &ToolCall, error: &str) -> Result<()> {
+pub(crate) fn reject_tool(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    call: &ToolCall,
+    error: &str,
+) -> Result<()> {
     touch_running(tx, now, run_id, "a tool call cannot be rejected")?;
     let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
-    move_step(tx, run_id, step, StepState::Pending, 0, StepState::Finished, false, Some(&result), None)?;
+    move_step(
+        tx,
+        run_id,
+        step,
+        StepState::Pending,
+        0,
+        StepState::Finished,
+        false,
+        Some(&result),
+        None,
+    )?;
     append(
         tx,
         now,
@@ -480,11 +686,24 @@ pub(crate) fn finish_tool(
 ) -> Result<bool> {
     let late = match touch_running(tx, now, run_id, "the tool's outcome cannot be recorded") {
         Ok(()) => false,
-        Err(Error::RunState { state: RunState::Cancelled, .. }) => true,
+        Err(Error::RunState {
+            state: RunState::Cancelled,
+            ..
+        }) => true,
         Err(err) => return Err(err),
     };
     let result_json = serde_json::to_value(result).unwrap();
-    move_step(tx, run_id, step, StepState::InFlight, attempt, StepState::Finished, false, Some(&result_json), None)?;
+    move_step(
+        tx,
+        run_id,
+        step,
+        StepState::InFlight,
+        attempt,
+        StepState::Finished,
+        false,
+        Some(&result_json),
+        None,
+    )?;
     let mut payload = json!({ "call_id": call_id, "attempt": attempt });
     match result {
         ToolResult::Ok(output) => payload["output"] = output.clone(),
@@ -493,7 +712,14 @@ pub(crate) fn finish_tool(
     if late {
         payload["late"] = json!(true);
     }
-    append(tx, now, run_id, EventKind::ToolFinished, Some(step), payload)?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ToolFinished,
+        Some(step),
+        payload,
+    )?;
     Ok(late)
 }
 
@@ -511,27 +737,80 @@ pub(crate) fn resume_waiting(
     decision: &ToolDecision,
     source: &str,
 ) -> Result<()> {
-    move_run(tx, now, run_id, &[RunState::WaitingForApproval], RunState::Running, None, None, "only a run waiting for approval can be resumed this way")?;
-    append(tx, now, run_id, EventKind::RunResumed, None, json!({ "from": RunState::WaitingForApproval.as_str() }))?;
-    append(tx, now, run_id, EventKind::PolicyDecided, Some(step), decision.payload(call, source))?;
-    apply_decision(tx, now, run_id, step, StepState::Waiting, attempt, call, decision, reason)
+    move_run(
+        tx,
+        now,
+        run_id,
+        &[RunState::WaitingForApproval],
+        RunState::Running,
+        None,
+        None,
+        "only a run waiting for approval can be resumed this way",
+    )?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::RunResumed,
+        None,
+        json!({ "from": RunState::WaitingForApproval.as_str() }),
+    )?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::PolicyDecided,
+        Some(step),
+        decision.payload(call, source),
+    )?;
+    apply_decision(
+        tx,
+        now,
+        run_id,
+        step,
+        StepState::Waiting,
+        attempt,
+        call,
+        decision,
+        reason,
+    )
 }
 
 /// Takes over a RUNNING run whose executor is gone: every step in flight is marked
 /// interrupted, in one transaction with `run.resumed`. Returns the steps marked.
-pub(crate) fn take_over(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId) -> Result<Vec<u32>> {
+pub(crate) fn take_over(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+) -> Result<Vec<u32>> {
     touch_running(tx, now, run_id, "only a RUNNING run can be taken over")?;
-    append(tx, now, run_id, EventKind::RunResumed, None, json!({ "from": RunState::Running.as_str() }))?;
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::RunResumed,
+        None,
+        json!({ "from": RunState::Running.as_str() }),
+    )?;
     let interrupted: Vec<(u32, String, u32)> = tx
         .prepare_cached(
             "UPDATE steps SET state = 'interrupted' WHERE run_id = ?1 AND state = 'in_flight'
              RETURNING step, kind, attempt",
         )?
-        .query_map([run_id.as_str()], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+        .query_map([run_id.as_str()], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+        })?
         .collect::<rusqlite::Result<_>>()?;
     let mut steps = Vec::with_capacity(interrupted.len());
     for (step, kind, attempt) in interrupted {
-        append(tx, now, run_id, EventKind::StepInterrupted, Some(step), json!({ "kind": kind, "attempt": attempt }))?;
+        append(
+            tx,
+            now,
+            run_id,
+            EventKind::StepInterrupted,
+            Some(step),
+            json!({ "kind": kind, "attempt": attempt }),
+        )?;
         steps.push(step);
     }
     steps.sort_unstable();
@@ -563,7 +842,16 @@ pub(crate) fn reconcile(
     resolution: &Resolution,
 ) -> Result<()> {
     if let Resolution::AwaitApproval { .. } = resolution {
-        move_run(tx, now, run_id, &[RunState::Running], RunState::WaitingForApproval, None, None, "it cannot pause")?;
+        move_run(
+            tx,
+            now,
+            run_id,
+            &[RunState::Running],
+            RunState::WaitingForApproval,
+            None,
+            None,
+            "it cannot pause",
+        )?;
     } else {
         touch_running(tx, now, run_id, "an interrupted step cannot be reconciled")?;
     }
@@ -584,12 +872,39 @@ pub(crate) fn reconcile(
     )?;
     match (resolution, call) {
         (Resolution::Redispatch, _) => {
-            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
-            append(tx, now, run_id, EventKind::ModelStarted, Some(step), json!({ "attempt": attempt + 1 }))
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::InFlight,
+                true,
+                None,
+                None,
+            )?;
+            append(
+                tx,
+                now,
+                run_id,
+                EventKind::ModelStarted,
+                Some(step),
+                json!({ "attempt": attempt + 1 }),
+            )
         }
         (Resolution::Applied(output), Some(call)) => {
             let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
-            move_step(tx, run_id, step, from, attempt, StepState::Finished, false, Some(&result), None)?;
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::Finished,
+                false,
+                Some(&result),
+                None,
+            )?;
             append(
                 tx,
                 now,
@@ -600,66 +915,136 @@ pub(crate) fn reconcile(
             )
         }
         (Resolution::Retry { .. }, Some(call)) => {
-            move_step(tx, run_id, step, from, attempt, StepState::InFlight, true, None, None)?;
+            move_step(
+                tx,
+                run_id,
+                step,
+                from,
+                attempt,
+                StepState::InFlight,
+                true,
+                None,
+                None,
+            )?;
             tool_started(tx, now, run_id, step, call, attempt + 1)
         }
         (Resolution::AwaitApproval { .. }, Some(call)) => {
-            let decision = ToolDecision::RequireApproval { reason: String::new() };
-            apply_decision(tx, now, run_id, step, from, attempt, call, &decision, ApprovalReason::Reconcile)
+            let decision = ToolDecision::RequireApproval {
+                reason: String::new(),
+            };
+            apply_decision(
+                tx,
+                now,
+                run_id,
+                step,
+                from,
+                attempt,
+                call,
+                &decision,
+                ApprovalReason::Reconcile,
+            )
         }
-        (_, None) => Err(Error::Corrupt(format!("tool step {step} of run {run_id} has no call"))),
+        (_, None) => Err(Error::Corrupt(format!(
+            "tool step {step} of run {run_id} has no call"
+        ))),
     }
 }
 
 /// Records an operator's decision on a call that waits for one. A call that does not wait, or
 /// whose decision is already recorded, is refused unchanged.
-pub(crate) fn record_approval(tx: &Transaction<'_>, now: &mut Now<'_>, approval: &Approval) -> Result<()> {
+pub(crate) fn record_approval(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    approval: &Approval,
+) -> Result<()> {
     let run_id = &approval.run_id;
     let found: Option<(u32, String, u32)> = tx
-        .prepare_cached("SELECT step, state, attempt FROM steps WHERE run_id = ?1 AND call_id = ?2")?
-        .query_row(params![run_id.as_str(), approval.call_id], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+        .prepare_cached(
+            "SELECT step, state, attempt FROM steps WHERE run_id = ?1 AND call_id = ?2",
+        )?
+        .query_row(params![run_id.as_str(), approval.call_id], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+        })
         .optional()?;
     let Some((step, state, attempt)) = found else {
         return Err(match run_state(tx, run_id)? {
             None => Error::RunNotFound(run_id.clone()),
-            Some(_) => Error::CallNotFound { run_id: run_id.clone(), call_id: approval.call_id.clone() },
+            Some(_) => Error::CallNotFound {
+                run_id: run_id.clone(),
+                call_id: approval.call_id.clone(),
+            },
         });
     };
     let not_pending = |reason: String| -> Error {
         match run_state(tx, run_id) {
-            Ok(Some(state)) => Error::RunState { run_id: run_id.clone(), state, reason },
+            Ok(Some(state)) => Error::RunState {
+                run_id: run_id.clone(),
+                state,
+                reason,
+            },
             Ok(None) => Error::RunNotFound(run_id.clone()),
             Err(err) => err,
         }
     };
     if StepState::parse(&state)? != StepState::Waiting {
-        return Err(not_pending(format!("call {:?} is not waiting for an approval", approval.call_id)));
+        return Err(not_pending(format!(
+            "call {:?} is not waiting for an approval",
+            approval.call_id
+        )));
     }
     let changed = tx
-        .prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'")?
+        .prepare_cached(
+            "UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'",
+        )?
         .execute(params![run_id.as_str(), now.millis()])?;
     if changed != 1 {
-        return Err(not_pending(format!("call {:?} cannot be decided: the run is not waiting", approval.call_id)));
+        return Err(not_pending(format!(
+            "call {:?} cannot be decided: the run is not waiting",
+            approval.call_id
+        )));
     }
     let inserted = tx
         .prepare_cached(
             "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, note, at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
         )?
-        .execute(params![run_id.as_str(), step, attempt + 1, approval.approved, approval.by, approval.note, now.millis()])?;
+        .execute(params![
+            run_id.as_str(),
+            step,
+            attempt + 1,
+            approval.approved,
+            approval.by,
+            approval.note,
+            now.millis()
+        ])?;
     if inserted != 1 {
-        return Err(not_pending(format!("call {:?} is already decided", approval.call_id)));
+        return Err(not_pending(format!(
+            "call {:?} is already decided",
+            approval.call_id
+        )));
     }
     let mut payload = json!({ "call_id": approval.call_id, "approved": approval.approved, "decided_by": approval.by });
     if let Some(note) = &approval.note {
         payload["note"] = json!(note);
     }
-    append(tx, now, run_id, EventKind::ApprovalRecorded, Some(step), payload)
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::ApprovalRecorded,
+        Some(step),
+        payload,
+    )
 }
 
 /// An operator's cancel: no executor needed; the run moves to CANCELLED from RUNNING or
 /// WAITING_FOR_APPROVAL.
-pub(crate) fn cancel_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, reason: &str) -> Result<()> {
+pub(crate) fn cancel_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    reason: &str,
+) -> Result<()> {
     move_run(
         tx,
         now,
@@ -670,7 +1055,14 @@ pub(crate) fn cancel_run(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId
         Some(reason),
         "a finished run cannot be cancelled",
     )?;
-    append(tx, now, run_id, EventKind::RunFinished, None, json!({ "state": "CANCELLED", "reason": reason }))
+    append(
+        tx,
+        now,
+        run_id,
+        EventKind::RunFinished,
+        None,
+        json!({ "state": "CANCELLED", "reason": reason }),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -680,7 +1072,11 @@ const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, u
 
 fn parse_json(text: String, what: &str) -> rusqlite::Result<Value> {
     serde_json::from_str(&text).map_err(|err| {
-        rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Text, format!("{what}: {err}").into())
+        rusqlite::Error::FromSqlConversionFailure(
+            0,
+            rusqlite::types::Type::Text,
+            format!("{what}: {err}").into(),
+        )
     })
 }
 
@@ -710,11 +1106,15 @@ pub(crate) fn run(conn: &Connection, run_id: &RunId) -> Result<Run> {
 pub(crate) fn runs(conn: &Connection, state: Option<RunState>) -> Result<Vec<Run>> {
     let runs = match state {
         Some(state) => conn
-            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE state = ?1 ORDER BY created_at, id"))?
+            .prepare_cached(&format!(
+                "SELECT {RUN_COLUMNS} FROM runs WHERE state = ?1 ORDER BY created_at, id"
+            ))?
             .query_map([state.as_str()], run_from_row)?
             .collect::<rusqlite::Result<_>>()?,
         None => conn
-            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"))?
+            .prepare_cached(&format!(
+                "SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"
+            ))?
             .query_map([], run_from_row)?
             .collect::<rusqlite::Result<_>>()?,
     };
@@ -723,14 +1123,20 @@ pub(crate) fn runs(conn: &Connection, state: Option<RunState>) -> Result<Vec<Run
 
 pub(crate) fn events(conn: &Connection, run_id: &RunId) -> Result<Vec<Event>> {
     let events: Vec<Event> = conn
-        .prepare_cached("SELECT seq, kind, at, step, payload FROM events WHERE run_id = ?1 ORDER BY seq")?
+        .prepare_cached(
+            "SELECT seq, kind, at, step, payload FROM events WHERE run_id = ?1 ORDER BY seq",
+        )?
         .query_map([run_id.as_str()], |row| {
             let kind: String = row.get(1)?;
             Ok(Event {
                 run_id: run_id.clone(),
                 seq: row.get::<_, i64>(0)? as u64,
                 kind: kind.parse().map_err(|err: String| {
-                    rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, err.into())
+                    rusqlite::Error::FromSqlConversionFailure(
+                        1,
+                        rusqlite::types::Type::Text,
+                        err.into(),
+                    )
                 })?,
                 at: from_millis(row.get(2)?),
                 step: row.get(3)?,
@@ -759,24 +1165,43 @@ fn steps(conn: &Connection, run_id: &RunId) -> Result<Vec<StepRow>> {
                 Some(id) => Some(ToolCall {
                     id,
                     name: row.get::<_, Option<String>>(5)?.unwrap_or_default(),
-                    args: parse_json(row.get::<_, Option<String>>(6)?.unwrap_or_else(|| "null".into()), "tool args")?,
+                    args: parse_json(
+                        row.get::<_, Option<String>>(6)?
+                            .unwrap_or_else(|| "null".into()),
+                        "tool args",
+                    )?,
                 }),
                 None => None,
             };
             let result: Option<String> = row.get(7)?;
             let waiting_for: Option<String> = row.get(8)?;
-            Ok((row.get::<_, u32>(0)?, kind, state, row.get::<_, u32>(3)?, call, result, waiting_for))
+            Ok((
+                row.get::<_, u32>(0)?,
+                kind,
+                state,
+                row.get::<_, u32>(3)?,
+                call,
+                result,
+                waiting_for,
+            ))
         })?
         .collect::<rusqlite::Result<Vec<_>>>()?;
     rows.into_iter()
         .map(|(step, kind, state, attempt, call, result, waiting_for)| {
             Ok(StepRow {
                 step,
-                kind: if kind == "model" { StepKind::Model } else { StepKind::Tool },
+                kind: if kind == "model" {
+                    StepKind::Model
+                } else {
+                    StepKind::Tool
+                },
                 state: StepState::parse(&state)?,
                 attempt,
                 call,
-                result: result.map(|text| serde_json::from_str(&text)).transpose().map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
+                result: result
+                    .map(|text| serde_json::from_str(&text))
+                    .transpose()
+                    .map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
                 waiting_for: match waiting_for.as_deref() {
                     Some("policy") => Some(ApprovalReason::Policy),
                     Some("reconcile") => Some(ApprovalReason::Reconcile),
@@ -802,7 +1227,11 @@ pub(crate) fn load(conn: &Connection, run_id: &RunId) -> Result<RunSnapshot> {
             .optional()?,
         None => None,
     };
-    Ok(RunSnapshot { run, steps, approval })
+    Ok(RunSnapshot {
+        run,
+        steps,
+        approval,
+    })
 }
 
 pub(crate) fn pending_calls(conn: &Connection, run_id: &RunId) -> Result<Vec<PendingCall>> {

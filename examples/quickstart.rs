@@ -90,7 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .policy(RequireApprovalFor::tools(["send_email"]));
     let supervisor = Supervisor::builder(store.clone())
         .agent("support", agent)
-        .start();
+        .start()?;
 
     let reply = supervisor
         .send(StartRun::new("support", json!({ "customer": "ada" })))

@@ -1,8 +1,11 @@
 //! The one error type of the crate.
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::SystemTime};
 
-use crate::types::{RunId, RunState};
+use crate::{
+    store::to_millis,
+    types::{LeaseLostReason, RunId, RunState},
+};
 
 /// `Result` with agentrt's [`Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -49,9 +52,36 @@ pub enum Error {
     #[error("run {0} already exists; a run id can be started once (use ResumeRun to continue it)")]
     RunExists(RunId),
 
-    /// The run is being executed by this supervisor in another call.
-    #[error("run {0} is already being executed by this supervisor in another call")]
-    RunBusy(RunId),
+    /// The run is being executed under a live lease: by another process, by this supervisor
+    /// in another call, or by a process that died less than a TTL ago. Nothing was changed.
+    ///
+    /// Not a failure of the run: retry after `expires_at` (a live owner will have renewed by
+    /// then, and the error comes again), or report it. Do not cancel the run because of it.
+    #[error(
+        "run {run_id} is leased by {owner} until {} ms after the Unix epoch; it is being \
+         executed elsewhere (or its executor died less than a lease TTL ago): retry after that",
+        to_millis(*expires_at)
+    )]
+    RunLeased {
+        /// The run.
+        run_id: RunId,
+        /// The owner of the lease, as stored.
+        owner: String,
+        /// When the lease expires unless renewed.
+        expires_at: SystemTime,
+    },
+
+    /// The call's loop lost the run's lease, and stopped before its next side effect. The run
+    /// is the next owner's to resume (or was cancelled).
+    #[error(
+        "run {run_id}: this supervisor lost the run's lease ({reason}); it started nothing more"
+    )]
+    LeaseLost {
+        /// The run.
+        run_id: RunId,
+        /// Why.
+        reason: LeaseLostReason,
+    },
 
     /// The input was not acceptable; nothing was written.
     #[error("invalid input: {0}")]
@@ -114,11 +144,11 @@ pub enum Error {
 
 impl Error {
     /// True when the run exists but was not in a state that allowed what was asked (including a
-    /// start with an id that exists, and a run busy in another call). Nothing was changed.
+    /// start with an id that exists, and [`Error::RunLeased`]). Nothing was changed.
     pub fn is_run_state(&self) -> bool {
         matches!(
             self,
-            Error::RunState { .. } | Error::RunExists(_) | Error::RunBusy(_)
+            Error::RunState { .. } | Error::RunExists(_) | Error::RunLeased { .. }
         )
     }
 

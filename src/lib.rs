@@ -10,9 +10,12 @@ mod store;
 pub mod testkit;
 mod types;
 
-pub use actors::supervisor::{
-    CancelRun, Config, RecordApproval, RegisterAgent, ResumeRun, StartRun, Supervisor,
-    SupervisorBuilder,
+pub use actors::{
+    lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},
+    supervisor::{
+        CancelRun, Config, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent, ResumeRun, StartRun,
+        Supervisor, SupervisorBuilder,
+    },
 };
 pub use agent::{
     Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest,
@@ -23,6 +26,6 @@ pub use clock::{Clock, SystemClock};
 pub use error::{Error, Result};
 pub use store::{SCHEMA_VERSION, Store, StoreConnection, StoreOptions, Synchronous};
 pub use types::{
-    Approval, ApprovalReason, Event, EventKind, Message, ModelResponse, Outcome, PendingCall, Run,
-    RunId, RunOutcome, RunState, ToolCall, ToolResult,
+    Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
+    Outcome, PendingCall, Run, RunId, RunOutcome, RunState, ToolCall, ToolResult,
 };

@@ -15,7 +15,7 @@
 //! ]);
 //! let agent = Agent::new(model).tool(lookup.clone());
 //! let reply = with_system(|| async move {
-//!     let supervisor = Supervisor::builder(db.open()).agent("demo", agent).start();
+//!     let supervisor = Supervisor::builder(db.open()).agent("demo", agent).start().unwrap();
 //!     supervisor.send(StartRun::new("demo", json!({}))).await.unwrap()
 //! });
 //! assert!(matches!(reply.unwrap().outcome, Outcome::Succeeded { .. }));
@@ -36,8 +36,9 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, watch};
 
 use crate::{
-    Clock, Model, ModelError, ModelRequest, ModelResponse, Reconciliation, Store, Tool,
-    ToolContext, ToolError, async_trait, types::Message,
+    Clock, Error, LeaseLost, Model, ModelError, ModelRequest, ModelResponse, Reconciliation,
+    Result, ResumeRun, RunId, RunOutcome, Store, Supervisor, Tool, ToolContext, ToolError,
+    async_trait, types::Message,
 };
 
 /// Runs `f` in a fresh actix system and tears the system down when its future completes.
@@ -455,5 +456,95 @@ impl Tool for RecordingTool {
                 })
             }
         }
+    }
+}
+
+/// Resumes a run the way a consumer recovering after a crash should: while it is leased by
+/// another owner ([`Error::RunLeased`]), wait until that lease's expiry and ask again; give up
+/// with the last `RunLeased` once `patience` has passed.
+pub async fn resume_when_free(
+    supervisor: &actix::Addr<Supervisor>,
+    run_id: &RunId,
+    patience: Duration,
+) -> Result<RunOutcome> {
+    let deadline = SystemTime::now() + patience;
+    loop {
+        match supervisor
+            .send(ResumeRun::new(run_id.clone()))
+            .await
+            .map_err(|_| Error::StoreUnavailable)?
+        {
+            Err(Error::RunLeased { expires_at, .. }) if expires_at < deadline => {
+                // Lease times are wall-clock milliseconds: wake just after the expiry.
+                let wait = expires_at
+                    .duration_since(SystemTime::now())
+                    .unwrap_or_default();
+                actix_rt::time::sleep(wait + Duration::from_millis(2)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Panics unless no run of `store` holds a lease: after every call returned, or after a crash
+/// and the resumes that followed, nothing should be left leased.
+pub fn assert_no_run_leased(store: &Store) {
+    let leased: Vec<(RunId, crate::Lease)> = store
+        .runs(None)
+        .expect("the runs can be listed")
+        .into_iter()
+        .filter_map(|run| {
+            store
+                .lease(&run.id)
+                .expect("a listed run exists")
+                .map(|lease| (run.id, lease))
+        })
+        .collect();
+    assert!(leased.is_empty(), "runs still leased: {leased:?}");
+}
+
+/// Collects the `LeaseLost` messages a supervisor sends; subscribe it with
+/// [`SubscribeLeaseLost`](crate::SubscribeLeaseLost).
+#[derive(Clone, Default)]
+pub struct LeaseLostLog {
+    seen: Arc<Mutex<Vec<LeaseLost>>>,
+    count: Arc<watch::Sender<usize>>,
+}
+
+impl LeaseLostLog {
+    /// An empty log.
+    pub fn new() -> Self {
+        LeaseLostLog::default()
+    }
+
+    /// Starts an actor that appends to this log, and returns its recipient.
+    pub fn recipient(&self) -> actix::Recipient<LeaseLost> {
+        actix::Actor::start(self.clone()).recipient()
+    }
+
+    /// The messages so far.
+    pub fn seen(&self) -> Vec<LeaseLost> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Completes once `count` messages have arrived.
+    pub async fn wait_for(&self, count: usize) {
+        let mut rx = self.count.subscribe();
+        rx.wait_for(|seen| *seen >= count)
+            .await
+            .expect("the log lives");
+    }
+}
+
+impl actix::Actor for LeaseLostLog {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<LeaseLost> for LeaseLostLog {
+    type Result = ();
+
+    fn handle(&mut self, msg: LeaseLost, _: &mut actix::Context<Self>) {
+        self.seen.lock().unwrap().push(msg);
+        self.count.send_modify(|count| *count += 1);
     }
 }

@@ -145,13 +145,15 @@ pub enum EventKind {
     StepInterrupted,
     /// `step.reconciled`
     StepReconciled,
+    /// `lease.taken_over`: a resume took over a lease another owner (or this one) let expire.
+    LeaseTakenOver,
     /// `run.finished`
     RunFinished,
 }
 
 impl EventKind {
     /// Every kind, in the order of `docs/events.md`.
-    pub const ALL: [EventKind; 12] = [
+    pub const ALL: [EventKind; 13] = [
         EventKind::RunStarted,
         EventKind::ModelStarted,
         EventKind::ModelFinished,
@@ -163,6 +165,7 @@ impl EventKind {
         EventKind::ToolFinished,
         EventKind::StepInterrupted,
         EventKind::StepReconciled,
+        EventKind::LeaseTakenOver,
         EventKind::RunFinished,
     ];
 
@@ -180,6 +183,7 @@ impl EventKind {
             EventKind::ToolFinished => "step.tool_finished",
             EventKind::StepInterrupted => "step.interrupted",
             EventKind::StepReconciled => "step.reconciled",
+            EventKind::LeaseTakenOver => "lease.taken_over",
             EventKind::RunFinished => "run.finished",
         }
     }
@@ -414,5 +418,36 @@ impl Approval {
     pub fn note(mut self, note: impl Into<String>) -> Self {
         self.note = Some(note.into());
         self
+    }
+}
+
+/// A run's lease as stored: who executes it, and until when.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The owner: `Config::lease_owner`, `/`, and the holding supervisor's random suffix.
+    pub owner: String,
+    /// When it expires unless renewed, by the holder's wall clock. A time in the past means a
+    /// stale lease: its holder died or stalled, and a resume takes the run over.
+    pub expires_at: SystemTime,
+}
+
+/// Why a supervisor lost the lease of a run it was executing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseLostReason {
+    /// Another owner took the run over (this lease had expired).
+    TakenBy(String),
+    /// The run was released or cancelled by someone else (an operator's cancel).
+    ReleasedOrCancelled,
+    /// No renewal succeeded before the lease expired.
+    Expired,
+}
+
+impl fmt::Display for LeaseLostReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LeaseLostReason::TakenBy(owner) => write!(f, "taken over by {owner}"),
+            LeaseLostReason::ReleasedOrCancelled => f.write_str("released or cancelled"),
+            LeaseLostReason::Expired => f.write_str("expired before it could be renewed"),
+        }
     }
 }

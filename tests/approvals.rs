@@ -61,7 +61,10 @@ fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
             });
     let store = db.open();
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor
             .send(StartRun::new("a", json!({})))
             .await
@@ -97,7 +100,10 @@ fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
 fn start_waiting(db: &TempStore, agent: Agent) -> RunId {
     let store = db.open();
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor
             .send(StartRun::new("a", json!({})))
             .await
@@ -135,7 +141,10 @@ fn approve_then_resume_runs_the_call_once_and_succeeds() {
 
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         let approval = Approval::approve(id.clone(), "pay-1", "alice").note("within budget");
         supervisor
             .send(RecordApproval(approval))
@@ -186,7 +195,10 @@ fn deny_then_resume_tells_the_model_and_runs_nothing() {
 
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor
             .send(RecordApproval(Approval::deny(id.clone(), "pay-1", "bob")))
             .await
@@ -220,7 +232,10 @@ fn resume_without_a_decision_still_waits_and_changes_nothing() {
 
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor.send(ResumeRun::new(id)).await.unwrap()
     })
     .unwrap();
@@ -242,7 +257,7 @@ fn an_approval_for_a_call_that_is_not_pending_is_refused() {
 
     let (store, id) = (db.open(), run_id.clone());
     let (unknown_call, twice, unknown_run) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).start();
+        let supervisor = Supervisor::builder(store).start().unwrap();
         let unknown_call = supervisor
             .send(RecordApproval(Approval::approve(
                 id.clone(),
@@ -299,7 +314,10 @@ fn an_approval_for_a_call_that_is_not_pending_is_refused() {
     // Once the run has moved on, its call is no longer pending.
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let late = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor
             .send(ResumeRun::new(id.clone()))
             .await
@@ -345,7 +363,7 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
     with_system(|| {
         let (store, id) = (db.open(), run_id.clone());
         async move {
-            let supervisor = Supervisor::builder(store).start();
+            let supervisor = Supervisor::builder(store).start().unwrap();
             supervisor
                 .send(RecordApproval(Approval::approve(id, "pay-1", "alice")))
                 .await
@@ -370,7 +388,10 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
                 };
                 let agent = Agent::new(model).tool(transfer).policy(policy);
                 with_system(|| async move {
-                    let supervisor = Supervisor::builder(store).agent("a", agent).start();
+                    let supervisor = Supervisor::builder(store)
+                        .agent("a", agent)
+                        .start()
+                        .unwrap();
                     supervisor.send(ResumeRun::new(id)).await.unwrap()
                 })
             })

@@ -17,7 +17,10 @@ fn lookup_then_answer() -> ScriptedModel {
 /// Starts `agent` registered as "a" with `msg`; returns the reply.
 fn start(store: Store, agent: Agent, msg: StartRun) -> agentrt::Result<agentrt::RunOutcome> {
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         supervisor.send(msg).await.unwrap()
     })
 }
@@ -33,7 +36,12 @@ fn resume(
         if let Some(agent) = agent {
             builder = builder.agent("a", agent);
         }
-        builder.start().send(ResumeRun::new(run_id)).await.unwrap()
+        builder
+            .start()
+            .unwrap()
+            .send(ResumeRun::new(run_id))
+            .await
+            .unwrap()
     })
 }
 
@@ -79,6 +87,7 @@ fn starting_an_unknown_agent_is_refused_and_writes_nothing() {
         async move {
             Supervisor::builder(store)
                 .start()
+                .unwrap()
                 .send(StartRun::new("ghost", json!({})))
                 .await
                 .unwrap()
@@ -103,7 +112,10 @@ fn resuming_a_run_whose_agent_is_not_registered_is_refused_and_leaves_it_untouch
         tool.clone(),
     );
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("a", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("a", agent)
+            .start()
+            .unwrap();
         actix_rt::spawn(supervisor.send(StartRun::new("a", json!({})).with_id("r1")));
         running.wait_executions(1).await;
     });

@@ -29,7 +29,10 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
         deploy.clone(),
     );
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("ops", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("ops", agent)
+            .start()
+            .unwrap();
         let call =
             actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
         running.wait_executions(1).await;
@@ -86,14 +89,17 @@ fn cancel_of_a_waiting_run_needs_no_executor() {
         .policy(RequireApprovalFor::tools(["deploy"]));
     let (store, operator_store) = (db.open(), db.open());
     let (waiting, cancelled, again) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("ops", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("ops", agent)
+            .start()
+            .unwrap();
         let waiting = supervisor
             .send(StartRun::new("ops", json!({})).with_id("run-1"))
             .await
             .unwrap()
             .unwrap();
         // Another supervisor, executing nothing, cancels it.
-        let operator = Supervisor::builder(operator_store).start();
+        let operator = Supervisor::builder(operator_store).start().unwrap();
         let cancelled = operator
             .send(CancelRun::new("run-1", "not needed"))
             .await
@@ -125,7 +131,7 @@ fn cancel_of_an_unknown_run_is_not_found() {
     let db = TempStore::new();
     let store = db.open();
     let err = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).start();
+        let supervisor = Supervisor::builder(store).start().unwrap();
         supervisor
             .send(CancelRun::new("missing", "why not"))
             .await

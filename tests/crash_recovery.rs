@@ -2,11 +2,16 @@
 //! flight; a fresh supervisor resumes the run and reconciles the step exactly once.
 
 use agentrt::{
-    Agent, Approval, ApprovalReason, Event, EventKind, ModelResponse, Outcome, Reconciliation,
-    RecordApproval, ResumeRun, RunId, RunState, StartRun, Store, Supervisor, ToolCall, ToolResult,
-    testkit::{Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, with_system},
+    Agent, Approval, ApprovalReason, Config, Event, EventKind, ModelResponse, Outcome,
+    Reconciliation, RecordApproval, ResumeRun, RunId, RunState, StartRun, Store, Supervisor,
+    ToolCall, ToolResult,
+    testkit::{
+        Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, assert_no_run_leased,
+        resume_when_free, with_system,
+    },
 };
 use serde_json::json;
+use std::time::Duration;
 
 fn charge_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![
@@ -19,13 +24,25 @@ fn charge_then_answer() -> ScriptedModel {
     ])
 }
 
+/// A short TTL: a crashed supervisor's runs are free again quickly.
+fn fast_lease() -> Config {
+    Config::default().lease_ttl(Duration::from_millis(300))
+}
+
+/// How long a resume waits for a dead supervisor's lease at most.
+const PATIENCE: Duration = Duration::from_secs(10);
+
 /// Runs the agent until the charge tool is in flight, then crashes the supervisor.
 fn crash_mid_tool(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool) -> RunId {
     charge.set_behaviour(Behaviour::Block);
     let (store, agent) = (db.open(), Agent::new(model.clone()).tool(charge.clone()));
     let charge = charge.clone();
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("billing", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .config(fast_lease())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
         // The call never answers: the system goes away under it.
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
         charge.wait_executions(1).await;
@@ -45,7 +62,11 @@ fn crash_mid_tool(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool)
 fn resume(db: &TempStore, agent: Agent, run_id: &RunId, approval: Option<Approval>) -> Outcome {
     let (store, id) = (db.open(), run_id.clone());
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("billing", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .config(fast_lease())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
         if let Some(approval) = approval {
             supervisor
                 .send(RecordApproval(approval))
@@ -53,7 +74,8 @@ fn resume(db: &TempStore, agent: Agent, run_id: &RunId, approval: Option<Approva
                 .unwrap()
                 .unwrap();
         }
-        supervisor.send(ResumeRun::new(id)).await.unwrap()
+        // The dead supervisor's lease blocks the resume until it expires.
+        resume_when_free(&supervisor, &id, PATIENCE).await
     })
     .unwrap()
     .outcome
@@ -83,6 +105,9 @@ fn assert_reconciled_once(
             .all(|(i, e)| e.seq == i as u64 + 1),
         "gapless"
     );
+    // The dead supervisor's lease was taken over once, and nothing is left leased.
+    assert_eq!(of_kind(&events, EventKind::LeaseTakenOver).len(), 1);
+    assert_no_run_leased(store);
     events
 }
 
@@ -312,7 +337,11 @@ fn interrupted_model_call_is_dispatched_again() {
         model.clone(),
     );
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("billing", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .config(fast_lease())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
         blocked.wait_calls(1).await;
     });
@@ -376,7 +405,10 @@ fn a_recovered_run_once_finished_cannot_be_resumed_again() {
         run_id.clone(),
     );
     let err = with_system(|| async move {
-        let supervisor = Supervisor::builder(store).agent("billing", agent).start();
+        let supervisor = Supervisor::builder(store)
+            .agent("billing", agent)
+            .start()
+            .unwrap();
         supervisor.send(ResumeRun::new(id)).await.unwrap()
     })
     .unwrap_err();

@@ -54,7 +54,8 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
         let supervisor = Supervisor::builder(store)
             .config(config)
             .agent("golden", agent)
-            .start();
+            .start()
+            .unwrap();
         supervisor
             .send(StartRun::new("golden", json!({"q": 1})).with_id("run-1"))
             .await

@@ -1,26 +1,35 @@
 //! `RunActor`: executes one run's loop, from the call that started or resumed it until that call
 //! returns. Every move goes to the `StoreActor` before and after each side effect.
 
-use std::{any::Any, collections::BTreeMap, panic::AssertUnwindSafe, sync::Arc};
+use std::{
+    any::Any, cell::RefCell, collections::BTreeMap, panic::AssertUnwindSafe, rc::Rc, sync::Arc,
+};
 
 use actix::{
-    Actor, ActorContext, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture,
-    WrapFuture,
+    Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, Recipient,
+    ResponseActFuture, WrapFuture,
 };
 use futures_util::FutureExt;
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::store::{ApplyMove, ReadState, StoreActor};
+use super::{
+    lease_keeper::{Hold, LeaseKeeper, LeaseLost, Release},
+    store::{ApplyMove, ReadState, ReleaseLease, StoreActor},
+};
 use crate::{
     agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
-    store::sql::{
-        self, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState, ToolDecision,
+    store::{
+        Now,
+        sql::{
+            self, Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
+            ToolDecision,
+        },
     },
     types::{
-        ApprovalReason, Message as ChatMessage, ModelResponse, Outcome, PendingCall, RunId,
-        RunOutcome, RunState, ToolCall, ToolResult,
+        ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
+        PendingCall, RunId, RunOutcome, RunState, ToolCall, ToolResult,
     },
 };
 
@@ -30,16 +39,32 @@ pub(crate) type Agents = Arc<BTreeMap<String, Arc<Agent>>>;
 /// Executes one run; stops when the call it serves returns.
 pub(crate) struct RunActor {
     cancellation: Cancellation,
+    /// Set when the lease keeper reports this run's lease lost.
+    lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
 }
 
 impl RunActor {
     pub(crate) fn new(cancellation: Cancellation) -> Self {
-        RunActor { cancellation }
+        RunActor {
+            cancellation,
+            lease_lost: Rc::default(),
+        }
     }
 }
 
 impl Actor for RunActor {
     type Context = Context<Self>;
+}
+
+impl Handler<LeaseLost> for RunActor {
+    type Result = ();
+
+    /// The loop stops before its next side effect; the tool running now is told through its
+    /// cancellation signal (its outcome is written only if the lease is still held).
+    fn handle(&mut self, msg: LeaseLost, _: &mut Context<Self>) {
+        *self.lease_lost.borrow_mut() = Some(msg.reason);
+        self.cancellation.fire();
+    }
 }
 
 /// What the call asks of the run.
@@ -58,18 +83,61 @@ pub(crate) struct Execute {
     pub job: Job,
     pub agents: Agents,
     pub store: Addr<StoreActor>,
+    pub keeper: Addr<LeaseKeeper>,
+    pub holder: Holder,
 }
 
 impl Handler<Execute> for RunActor {
     type Result = ResponseActFuture<Self, Result<RunOutcome>>;
 
-    fn handle(&mut self, msg: Execute, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
         let span = tracing::info_span!("run", run_id = %msg.run_id);
-        let cancellation = self.cancellation.clone();
-        let run_id = msg.run_id.clone();
+        let env = Env {
+            run_id: msg.run_id.clone(),
+            store: msg.store.clone(),
+            keeper: msg.keeper.clone(),
+            holder: msg.holder.clone(),
+            recipient: ctx.address().recipient(),
+            cancellation: self.cancellation.clone(),
+            lease_lost: self.lease_lost.clone(),
+        };
         let work = async move {
-            let outcome = RunLoop::prepare(msg, cancellation).await?;
-            Ok(RunOutcome { run_id, outcome })
+            let (run_id, store, keeper, owner) = (
+                env.run_id.clone(),
+                env.store.clone(),
+                env.keeper.clone(),
+                env.holder.owner.clone(),
+            );
+            // A panic outside the model's and tools' calls (which are caught where they run)
+            // still ends the call like an error: the lease is released below.
+            let result = AssertUnwindSafe(RunLoop::prepare(msg.job, msg.agents, env))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| {
+                    Err(Error::Panicked {
+                        run_id: run_id.clone(),
+                        step: 0,
+                        what: "the run loop".into(),
+                        message: panic_message(panic),
+                    })
+                });
+            keeper.do_send(Release {
+                run_id: run_id.clone(),
+            });
+            if result.is_err() {
+                // Paused and finished runs released the lease in their move; any other return
+                // releases it here, so another process need not wait out the TTL.
+                let released = store
+                    .send(ReleaseLease {
+                        run_id: run_id.clone(),
+                        owner,
+                    })
+                    .await;
+                if let Ok(Err(err)) | Err(err) = released.map_err(Error::from) {
+                    tracing::warn!(%err, "could not release the lease; it will expire");
+                }
+            }
+            result.map(|outcome| RunOutcome { run_id, outcome })
         };
         Box::pin(
             work.instrument(span)
@@ -88,70 +156,78 @@ enum Next {
     Return(Outcome),
 }
 
+/// What a loop works with besides the run itself.
+struct Env {
+    run_id: RunId,
+    store: Addr<StoreActor>,
+    keeper: Addr<LeaseKeeper>,
+    holder: Holder,
+    recipient: Recipient<LeaseLost>,
+    /// Fires on an operator's cancel and on a lost lease: the tool running is told.
+    cancellation: Cancellation,
+    lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
+}
+
 /// The state of one run's loop, kept in step with what it has committed.
 struct RunLoop {
+    env: Env,
     run_id: RunId,
     agent: Arc<Agent>,
     input: Value,
-    store: Addr<StoreActor>,
-    cancellation: Cancellation,
     steps: Vec<StepRow>,
     /// What the model sees: built from the finished steps, in order.
     messages: Vec<ChatMessage>,
 }
 
 impl RunLoop {
-    /// Starts or resumes the run (the first move), then drives it.
-    async fn prepare(msg: Execute, cancellation: Cancellation) -> Result<Outcome> {
-        let Execute {
-            run_id,
-            job,
-            agents,
-            store,
-        } = msg;
+    /// Starts or resumes the run (the first move, which takes the lease), then drives it.
+    async fn prepare(job: Job, agents: Agents, env: Env) -> Result<Outcome> {
         let find = |name: &str| {
             agents
                 .get(name)
                 .cloned()
                 .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
         };
+        let run_id = env.run_id.clone();
         let mut run = match job {
             Job::Start { agent, input } => {
                 let found = find(&agent)?;
-                let (id, name, value) = (run_id.clone(), agent.clone(), input.clone());
-                send(
-                    &store,
-                    ApplyMove::new("create_run", move |tx, now| {
-                        sql::create_run(tx, now, &id, &name, &value)
-                    }),
-                )
-                .await?;
+                let (id, name, value, holder) = (
+                    run_id.clone(),
+                    agent.clone(),
+                    input.clone(),
+                    env.holder.clone(),
+                );
+                let create = ApplyMove::new("create_run", move |tx, now| {
+                    sql::create_run(tx, now, &id, &name, &value, &holder)
+                });
+                let expires_at = send(&env.store, create).await?;
                 tracing::info!(agent = %agent, "run started");
-                RunLoop::new(run_id, found, input, store, cancellation, Vec::new())
+                let run = RunLoop::new(env, found, input, Vec::new());
+                run.hold(expires_at);
+                run
             }
             Job::Resume => {
                 let id = run_id.clone();
                 let snapshot =
-                    send(&store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
+                    send(&env.store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
                 let agent = find(&snapshot.run.agent)?;
                 match snapshot.run.state {
                     RunState::WaitingForApproval => {
-                        let mut run = RunLoop::from_snapshot(&snapshot, agent, store, cancellation);
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
                         if let Some(outcome) = run.resume_waiting(&snapshot).await? {
                             return Ok(outcome);
                         }
                         run
                     }
                     RunState::Running => {
-                        let id = run_id.clone();
-                        let interrupted = send(
-                            &store,
-                            ApplyMove::new("take_over", move |tx, now| {
-                                sql::take_over(tx, now, &id)
-                            }),
-                        )
-                        .await?;
-                        let mut run = RunLoop::from_snapshot(&snapshot, agent, store, cancellation);
+                        let (id, holder) = (run_id.clone(), env.holder.clone());
+                        let take = ApplyMove::new("take_over", move |tx, now| {
+                            sql::take_over(tx, now, &id, &holder)
+                        });
+                        let (interrupted, expires_at) = send(&env.store, take).await?;
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
+                        run.hold(expires_at);
                         for step in &mut run.steps {
                             if interrupted.contains(&step.step) {
                                 step.state = StepState::Interrupted;
@@ -176,24 +252,62 @@ impl RunLoop {
                 state: RunState::Cancelled,
                 ..
             }) => run.cancelled().await,
+            // Another owner took the run over while this loop was between writes.
+            Err(Error::RunLeased { run_id, owner, .. }) => Err(Error::LeaseLost {
+                run_id,
+                reason: LeaseLostReason::TakenBy(owner),
+            }),
             other => other,
         }
     }
 
-    fn new(
-        run_id: RunId,
-        agent: Arc<Agent>,
-        input: Value,
-        store: Addr<StoreActor>,
-        cancellation: Cancellation,
-        steps: Vec<StepRow>,
-    ) -> Self {
+    /// Asks the keeper to renew the lease just taken.
+    fn hold(&self, expires_at: i64) {
+        let recipient = self.env.recipient.clone();
+        self.env.keeper.do_send(Hold {
+            run_id: self.run_id.clone(),
+            expires_at,
+            recipient,
+        });
+    }
+
+    /// The loop learnt its lease was lost: the call ends cancelled if an operator cancelled
+    /// the run, with `LeaseLost` otherwise.
+    async fn stopped(&self) -> Result<Outcome> {
+        let run = self.read_run().await?;
+        if run.state == RunState::Cancelled {
+            return Ok(Outcome::Cancelled {
+                reason: run.error.unwrap_or_default(),
+            });
+        }
+        let reason = self
+            .env
+            .lease_lost
+            .borrow()
+            .clone()
+            .unwrap_or(LeaseLostReason::Expired);
+        Err(Error::LeaseLost {
+            run_id: self.run_id.clone(),
+            reason,
+        })
+    }
+
+    async fn read_run(&self) -> Result<crate::types::Run> {
+        let id = self.run_id.clone();
+        send(
+            &self.env.store,
+            ReadState::new(move |conn| sql::run(conn, &id)),
+        )
+        .await
+    }
+
+    fn new(env: Env, agent: Arc<Agent>, input: Value, steps: Vec<StepRow>) -> Self {
+        let run_id = env.run_id.clone();
         let mut run = RunLoop {
+            env,
             run_id,
             agent,
             input,
-            store,
-            cancellation,
             steps: Vec::new(),
             messages: Vec::new(),
         };
@@ -203,19 +317,11 @@ impl RunLoop {
         run
     }
 
-    fn from_snapshot(
-        snapshot: &RunSnapshot,
-        agent: Arc<Agent>,
-        store: Addr<StoreActor>,
-        cancellation: Cancellation,
-    ) -> Self {
-        let run = &snapshot.run;
+    fn from_snapshot(snapshot: &RunSnapshot, agent: Arc<Agent>, env: Env) -> Self {
         RunLoop::new(
-            run.id.clone(),
+            env,
             agent,
-            run.input.clone(),
-            store,
-            cancellation,
+            snapshot.run.input.clone(),
             snapshot.steps.clone(),
         )
     }
@@ -271,25 +377,34 @@ impl RunLoop {
         self.on_finished(index);
     }
 
+    /// Sends one move of this run's loop, under its lease.
     async fn apply<R: Send + 'static>(
         &self,
         name: &'static str,
-        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut crate::store::Now<'_>, &RunId) -> Result<R>
+        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
         + Send
         + 'static,
     ) -> Result<R> {
-        let run_id = self.run_id.clone();
+        let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
         send(
-            &self.store,
-            ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id)),
+            &self.env.store,
+            ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id, &holder)),
         )
         .await
     }
 
+    /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
+    /// no side effect): an operator's cancel, or a lost lease.
+    async fn interrupted_by_signal(&self) -> Result<Next> {
+        if self.env.lease_lost.borrow().is_some() {
+            return self.stopped().await.map(Next::Return);
+        }
+        self.cancelled().await.map(Next::Return)
+    }
+
     /// The outcome of a run an operator cancelled.
     async fn cancelled(&self) -> Result<Outcome> {
-        let id = self.run_id.clone();
-        let run = send(&self.store, ReadState::new(move |conn| sql::run(conn, &id))).await?;
+        let run = self.read_run().await?;
         Ok(Outcome::Cancelled {
             reason: run.error.unwrap_or_default(),
         })
@@ -298,6 +413,10 @@ impl RunLoop {
     /// Executes steps until the run pauses or finishes.
     async fn drive(&mut self) -> Result<Outcome> {
         loop {
+            // A lost lease stops the loop before its next move: nothing more starts.
+            if self.env.lease_lost.borrow().is_some() {
+                return self.stopped().await;
+            }
             let next = match self
                 .steps
                 .iter()
@@ -334,14 +453,14 @@ impl RunLoop {
                 self.agent.max_steps
             );
             let message = error.clone();
-            self.apply("fail_run", move |tx, now, id| {
-                sql::fail_run(tx, now, id, &message)
+            self.apply("fail_run", move |tx, now, id, holder| {
+                sql::fail_run(tx, now, id, holder, &message)
             })
             .await?;
             return Ok(Next::Return(Outcome::Failed { error }));
         }
-        self.apply("begin_model_step", move |tx, now, id| {
-            sql::begin_model_step(tx, now, id, step)
+        self.apply("begin_model_step", move |tx, now, id, holder| {
+            sql::begin_model_step(tx, now, id, holder, step)
         })
         .await?;
         self.push_step(StepRow {
@@ -368,7 +487,7 @@ impl RunLoop {
         // A model call has no side effect: on cancel it is dropped, not awaited.
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
-            _ = self.cancellation.cancelled().fuse() => return self.cancelled().await.map(Next::Return),
+            _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
         };
         let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
         drop(span);
@@ -376,11 +495,12 @@ impl RunLoop {
             Ok(response) => {
                 let recorded = response.clone();
                 let created = self
-                    .apply("finish_model_step", move |tx, now, id| {
+                    .apply("finish_model_step", move |tx, now, id, holder| {
                         sql::finish_model_step(
                             tx,
                             now,
                             id,
+                            holder,
                             step,
                             attempt,
                             ModelOutcome::Answered(&recorded),
@@ -406,11 +526,12 @@ impl RunLoop {
             }
             Err(error) => {
                 let message = error.0.clone();
-                self.apply("finish_model_step", move |tx, now, id| {
+                self.apply("finish_model_step", move |tx, now, id, holder| {
                     sql::finish_model_step(
                         tx,
                         now,
                         id,
+                        holder,
                         step,
                         attempt,
                         ModelOutcome::Failed(&message),
@@ -440,8 +561,8 @@ impl RunLoop {
         };
         if let Some(error) = rejection {
             let (c, e) = (call.clone(), error.clone());
-            self.apply("reject_tool", move |tx, now, id| {
-                sql::reject_tool(tx, now, id, number, &c, &e)
+            self.apply("reject_tool", move |tx, now, id, holder| {
+                sql::reject_tool(tx, now, id, holder, number, &c, &e)
             })
             .await?;
             let result = serde_json::to_value(ToolResult::Error(error)).unwrap();
@@ -466,8 +587,8 @@ impl RunLoop {
             Decision::RequireApproval(reason) => ToolDecision::RequireApproval { reason },
         };
         let (c, d) = (call.clone(), decision.clone());
-        self.apply("decide_tool", move |tx, now, id| {
-            sql::decide_tool(tx, now, id, number, &c, &d)
+        self.apply("decide_tool", move |tx, now, id, holder| {
+            sql::decide_tool(tx, now, id, holder, number, &c, &d)
         })
         .await?;
         self.after_decision(number, 0, call, decision, ApprovalReason::Policy)
@@ -514,7 +635,7 @@ impl RunLoop {
             call_id: call.id.clone(),
             attempt,
             idempotency_key: sql::idempotency_key(&self.run_id, step),
-            cancellation: self.cancellation.clone(),
+            cancellation: self.env.cancellation.clone(),
         }
     }
 
@@ -543,8 +664,8 @@ impl RunLoop {
         };
         let (call_id, recorded) = (call.id.clone(), result.clone());
         let late = self
-            .apply("finish_tool", move |tx, now, id| {
-                sql::finish_tool(tx, now, id, number, attempt, &call_id, &recorded)
+            .apply("finish_tool", move |tx, now, id, holder| {
+                sql::finish_tool(tx, now, id, holder, number, attempt, &call_id, &recorded)
             })
             .await?;
         if late {
@@ -564,8 +685,17 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.apply("reconcile", move |tx, now, id| {
-                sql::reconcile(tx, now, id, number, attempt, None, &Resolution::Redispatch)
+            self.apply("reconcile", move |tx, now, id, holder| {
+                sql::reconcile(
+                    tx,
+                    now,
+                    id,
+                    holder,
+                    number,
+                    attempt,
+                    None,
+                    &Resolution::Redispatch,
+                )
             })
             .await?;
             self.set_step(number, StepState::InFlight, attempt + 1, None);
@@ -610,8 +740,8 @@ impl RunLoop {
             "reconciling an interrupted step"
         );
         let (c, r) = (call.clone(), resolution.clone());
-        self.apply("reconcile", move |tx, now, id| {
-            sql::reconcile(tx, now, id, number, attempt, Some(&c), &r)
+        self.apply("reconcile", move |tx, now, id, holder| {
+            sql::reconcile(tx, now, id, holder, number, attempt, Some(&c), &r)
         })
         .await?;
         match resolution {
@@ -707,8 +837,8 @@ impl RunLoop {
         };
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
-        self.apply("resume_waiting", move |tx, now, id| {
-            sql::resume_waiting(tx, now, id, number, attempt, &c, reason, &d, source)
+        self.apply("resume_waiting", move |tx, now, id, holder| {
+            sql::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
         })
         .await?;
         tracing::info!(step = number, source, "waiting run resumed");
@@ -720,11 +850,7 @@ impl RunLoop {
 
     /// A panic in the model, a tool or the policy: the step stays as it is for a resume.
     fn panicked(&self, step: u32, what: String, panic: Box<dyn Any + Send>) -> Error {
-        let message = panic
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic with no message".into());
+        let message = panic_message(panic);
         tracing::error!(step, what, message, "panic in a run");
         Error::Panicked {
             run_id: self.run_id.clone(),
@@ -743,4 +869,13 @@ where
     StoreActor: Handler<M>,
 {
     store.send(msg).await?
+}
+
+/// The message a panic carried.
+fn panic_message(panic: Box<dyn Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".into())
 }

@@ -1,7 +1,7 @@
 //! `StoreActor`: the only writer. A sync actor on its own thread that applies each move in one
 //! `BEGIN IMMEDIATE` transaction, so nothing blocking runs on the arbiters that host runs.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use rusqlite::{Connection, Transaction};
@@ -9,7 +9,11 @@ use rusqlite::{Connection, Transaction};
 use crate::{
     clock::Clock,
     error::Result,
-    store::{Now, Store},
+    store::{
+        Now, Store,
+        sql::{self, Renewal},
+    },
+    types::RunId,
 };
 
 type ApplyFn<R> = Box<dyn FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send>;
@@ -94,5 +98,42 @@ impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
 
     fn handle(&mut self, msg: ReadState<R>, _: &mut SyncContext<Self>) -> Result<R> {
         self.store.read(msg.read)
+    }
+}
+
+/// One renewal tick through the store actor (a `:memory:` store, whose only connection is the
+/// writer's): one UPDATE outside any transaction.
+#[derive(Message)]
+#[rtype(result = "Result<Renewal>")]
+pub(crate) struct RenewLeases {
+    pub owner: Arc<str>,
+    pub held: Vec<RunId>,
+    pub ttl: Duration,
+}
+
+impl Handler<RenewLeases> for StoreActor {
+    type Result = Result<Renewal>;
+
+    fn handle(&mut self, msg: RenewLeases, _: &mut SyncContext<Self>) -> Result<Renewal> {
+        self.store
+            .read(|conn| sql::renew(conn, &msg.owner, &msg.held, msg.ttl))
+    }
+}
+
+/// Releases a lease a returning call still holds: compare-and-set on the owner, no event and
+/// no clock.
+#[derive(Message)]
+#[rtype(result = "Result<bool>")]
+pub(crate) struct ReleaseLease {
+    pub run_id: RunId,
+    pub owner: Arc<str>,
+}
+
+impl Handler<ReleaseLease> for StoreActor {
+    type Result = Result<bool>;
+
+    fn handle(&mut self, msg: ReleaseLease, _: &mut SyncContext<Self>) -> Result<bool> {
+        self.store
+            .read(|conn| sql::release(conn, &msg.run_id, &msg.owner))
     }
 }

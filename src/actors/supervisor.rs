@@ -4,36 +4,56 @@
 use std::{
     collections::{BTreeMap, HashMap},
     sync::Arc,
+    time::{Duration, SystemTime},
 };
 
 use actix::{
-    Actor, ActorFutureExt, Addr, Context, Handler, Message, ResponseActFuture, WrapFuture,
+    Actor, ActorFutureExt, Addr, Arbiter, Context, Handler, Message, ResponseActFuture,
+    ResponseFuture, WrapFuture,
 };
 use serde_json::Value;
 
 use super::{
+    lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
-    store::{ApplyMove, StoreActor},
+    store::{ApplyMove, ReadState, StoreActor},
 };
 use crate::{
     agent::{Agent, Cancellation},
     clock::{Clock, SystemClock},
     error::{Error, Result},
-    store::{Store, sql},
+    store::{
+        Store,
+        sql::{self, Holder},
+    },
     types::{Approval, RunId, RunOutcome},
 };
+
+/// The lease TTL when [`Config::lease_ttl`] is not set: 30 s.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
 /// How a supervisor behaves.
 #[derive(Clone)]
 pub struct Config {
     /// Stamps events and run rows; read once per committed move. Default: the system clock.
+    /// Lease times never read it.
     pub clock: Arc<dyn Clock>,
+    /// A name for the operator reading a lease (`"billing@host-3"`). The stored owner is this
+    /// name, `/`, and a random suffix drawn once per supervisor, so no two supervisors share an
+    /// owner; without a name, the suffix alone.
+    pub lease_owner: Option<String>,
+    /// How long a lease lasts without renewal ([`DEFAULT_LEASE_TTL`]; zero means the default).
+    /// It is how long a crashed process blocks the resume of its runs; renewals run every
+    /// third of it.
+    pub lease_ttl: Duration,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Config {
             clock: Arc::new(SystemClock),
+            lease_owner: None,
+            lease_ttl: DEFAULT_LEASE_TTL,
         }
     }
 }
@@ -44,11 +64,44 @@ impl Config {
         self.clock = Arc::new(clock);
         self
     }
+
+    /// Names the lease owner (a random suffix is appended).
+    pub fn lease_owner(mut self, name: impl Into<String>) -> Self {
+        self.lease_owner = Some(name.into());
+        self
+    }
+
+    /// Sets the lease TTL.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    fn effective_ttl(&self) -> Duration {
+        if self.lease_ttl.is_zero() {
+            DEFAULT_LEASE_TTL
+        } else {
+            self.lease_ttl
+        }
+    }
 }
 
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Config").finish_non_exhaustive()
+        f.debug_struct("Config")
+            .field("lease_owner", &self.lease_owner)
+            .field("lease_ttl", &self.lease_ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The owner a supervisor stamps its leases with: the configured name, `/`, and 12 random hex
+/// characters.
+fn lease_owner(name: Option<&str>) -> String {
+    let suffix = format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
+    match name {
+        Some(name) => format!("{name}/{suffix}"),
+        None => suffix,
     }
 }
 
@@ -59,6 +112,10 @@ impl std::fmt::Debug for Config {
 pub struct Supervisor {
     store: Store,
     store_actor: Addr<StoreActor>,
+    keeper: Addr<LeaseKeeper>,
+    /// The keeper's thread; stopped with the supervisor.
+    keeper_arbiter: Arbiter,
+    holder: Holder,
     agents: Agents,
     /// The runs this supervisor executes now, each with the signal that cancels it and the
     /// number of the call that executes it.
@@ -86,18 +143,39 @@ impl SupervisorBuilder {
         self
     }
 
-    /// Starts the supervisor, and its store actor on a thread of its own. Must be called inside
-    /// a running actix system.
-    pub fn start(self) -> Addr<Supervisor> {
+    /// Starts the supervisor, its store actor and its lease keeper, each on a thread of its
+    /// own. Must be called inside a running actix system. Fails if the lease keeper's
+    /// connection cannot be opened.
+    pub fn start(self) -> Result<Addr<Supervisor>> {
+        let ttl = self.config.effective_ttl();
+        let holder = Holder {
+            owner: lease_owner(self.config.lease_owner.as_deref()).into(),
+            ttl,
+        };
         let store_actor = StoreActor::start(self.store.clone(), self.config.clock.clone());
-        Supervisor {
+        // A renewal waits for a busy database at most one period, so a stalled tick cannot
+        // outlive the lease it renews.
+        let renewer = match self.store.renewal_connection(LeaseKeeper::period(ttl))? {
+            Some(conn) => Renewer::Connection(conn),
+            None => Renewer::Store(store_actor.clone()),
+        };
+        let keeper_arbiter = Arbiter::new();
+        let owner = holder.owner.clone();
+        let keeper = LeaseKeeper::start_in_arbiter(&keeper_arbiter.handle(), move |_| {
+            LeaseKeeper::new(owner, ttl, renewer)
+        });
+        tracing::info!(owner = %holder.owner, ?ttl, "supervisor starting");
+        Ok(Supervisor {
             store: self.store,
             store_actor,
+            keeper,
+            keeper_arbiter,
+            holder,
             agents: Arc::new(self.agents),
             executing: HashMap::new(),
             calls: 0,
         }
-        .start()
+        .start())
     }
 }
 
@@ -114,7 +192,29 @@ impl Supervisor {
     /// Spawns the run's actor and answers when the call it serves returns.
     fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunOutcome>> {
         if self.executing.contains_key(&run_id) {
-            return Box::pin(actix::fut::ready(Err(Error::RunBusy(run_id))));
+            // Executing it in another call: refuse, naming our own lease, without a write.
+            let (owner, ttl, id) = (
+                self.holder.owner.to_string(),
+                self.holder.ttl,
+                run_id.clone(),
+            );
+            let read = self
+                .store_actor
+                .send(ReadState::new(move |conn| sql::lease(conn, &id)));
+            return Box::pin(
+                async move {
+                    let expires_at = match read.await?? {
+                        Some(lease) => lease.expires_at,
+                        None => SystemTime::now() + ttl,
+                    };
+                    Err(Error::RunLeased {
+                        run_id,
+                        owner,
+                        expires_at,
+                    })
+                }
+                .into_actor(self),
+            );
         }
         self.calls += 1;
         let call = self.calls;
@@ -127,6 +227,8 @@ impl Supervisor {
             job,
             agents: self.agents.clone(),
             store: self.store_actor.clone(),
+            keeper: self.keeper.clone(),
+            holder: self.holder.clone(),
         };
         Box::pin(
             async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }
@@ -142,6 +244,13 @@ impl Supervisor {
                     result
                 }),
         )
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        // The keeper renews for as long as the supervisor lives, and not a tick longer.
+        self.keeper_arbiter.stop();
     }
 }
 
@@ -325,5 +434,22 @@ impl Handler<RegisterAgent> for Supervisor {
         let mut agents = (*self.agents).clone();
         agents.insert(msg.name, Arc::new(msg.agent));
         self.agents = Arc::new(agents);
+    }
+}
+
+impl Handler<SubscribeLeaseLost> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: SubscribeLeaseLost, _: &mut Context<Self>) {
+        self.keeper.do_send(msg);
+    }
+}
+
+impl Handler<HeldLeases> for Supervisor {
+    type Result = ResponseFuture<Vec<RunId>>;
+
+    fn handle(&mut self, msg: HeldLeases, _: &mut Context<Self>) -> Self::Result {
+        let held = self.keeper.send(msg);
+        Box::pin(async move { held.await.unwrap_or_default() })
     }
 }

@@ -18,7 +18,7 @@ use rusqlite_migration::{M, Migrations};
 use crate::{
     clock::Clock,
     error::{Error, Result},
-    types::{Event, PendingCall, Run, RunId, RunState},
+    types::{Event, Lease, PendingCall, Run, RunId, RunState},
 };
 
 include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
@@ -78,6 +78,8 @@ enum Role {
     Writer,
     /// The connection for inspection and the consumer's own queries.
     Reader,
+    /// The lease keeper's connection: one UPDATE per renewal, outside any transaction.
+    Renewal,
 }
 
 /// The pragmas applied at every open, whatever the connection. Kept apart from migrations:
@@ -92,7 +94,7 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
         // Readers never block the writer, and the writer never blocks readers.
         pragmas.push(("journal_mode", "WAL"));
     }
-    if role == Role::Writer {
+    if role != Role::Reader {
         pragmas.push(("synchronous", options.synchronous.as_str()));
     }
     if role == Role::Reader {
@@ -121,6 +123,7 @@ fn configure(conn: &Connection, options: &StoreOptions, file: bool, role: Role) 
 
 struct Inner {
     path: Option<PathBuf>,
+    options: StoreOptions,
     /// The one connection that writes; for `:memory:` also the one that reads.
     writer: Mutex<Connection>,
     /// File stores: a connection for inspection and the consumer's own queries.
@@ -169,6 +172,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 path: Some(path),
+                options,
                 writer: Mutex::new(writer),
                 reader: Some(Mutex::new(reader)),
             }),
@@ -189,6 +193,7 @@ impl Store {
         Ok(Store {
             inner: Arc::new(Inner {
                 path: None,
+                options,
                 writer: Mutex::new(conn),
                 reader: None,
             }),
@@ -236,6 +241,29 @@ impl Store {
         sql::pending_calls(&self.connection(), run_id)
     }
 
+    /// The stored lease of a run: its owner and expiry, read without taking or changing it.
+    /// `None` when nobody holds it (the run is paused, finished, or was released by the call
+    /// that executed it). A lease whose expiry has passed is stale, not released: a resume
+    /// takes such a run over.
+    pub fn lease(&self, run_id: &RunId) -> Result<Option<Lease>> {
+        sql::lease(&self.connection(), run_id)
+    }
+
+    /// A connection of its own for lease renewal, hardened like every other; `None` in memory,
+    /// where the writer's connection is the whole database and renewals go through it.
+    pub(crate) fn renewal_connection(&self, busy_timeout: Duration) -> Result<Option<Connection>> {
+        let Some(path) = &self.inner.path else {
+            return Ok(None);
+        };
+        let conn = Connection::open(path)?;
+        let options = StoreOptions {
+            busy_timeout,
+            ..self.inner.options.clone()
+        };
+        configure(&conn, &options, true, Role::Renewal)?;
+        Ok(Some(conn))
+    }
+
     /// Runs `f` as one `BEGIN IMMEDIATE` transaction on the writer connection: committed when
     /// it returns `Ok`, rolled back otherwise. The clock is read at most once, when `f` first
     /// asks for the time, so a move refused by its guard reads no time.
@@ -252,7 +280,8 @@ impl Store {
         Ok(value)
     }
 
-    /// Runs a read on the writer connection, which sees every committed move.
+    /// Runs `f` on the writer connection outside any move: reads that must see every committed
+    /// move, and the lease's single-statement writes (renewal on `:memory:`, release).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
         f(&lock(&self.inner.writer))
     }
@@ -269,6 +298,11 @@ impl Now<'_> {
     pub(crate) fn millis(&mut self) -> i64 {
         *self.read.get_or_insert_with(|| to_millis(self.clock.now()))
     }
+}
+
+/// The wall clock in milliseconds: what lease times are read from, never `Config::clock`.
+pub(crate) fn wall_millis() -> i64 {
+    to_millis(SystemTime::now())
 }
 
 pub(crate) fn to_millis(time: SystemTime) -> i64 {
@@ -364,7 +398,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 4);
+        assert_eq!(SCHEMA_VERSION, 5);
     }
 
     #[test]

@@ -2,17 +2,17 @@
 //! and the reads. Every move's guard (state, step, attempt) sits in the statement that
 //! changes the row, so a move that lost a race changes nothing.
 
-use std::collections::HashSet;
+use std::{collections::HashSet, sync::Arc, time::Duration};
 
 use rusqlite::{Connection, OptionalExtension, Row, Transaction, params};
 use serde_json::{Value, json};
 
-use super::{Now, from_millis};
+use super::{Now, from_millis, wall_millis};
 use crate::{
     error::{Error, Result},
     types::{
-        Approval, ApprovalReason, Event, EventKind, ModelResponse, PendingCall, Run, RunId,
-        RunState, ToolCall, ToolResult,
+        Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, ModelResponse,
+        PendingCall, Run, RunId, RunState, ToolCall, ToolResult,
     },
 };
 
@@ -95,74 +95,176 @@ pub(crate) fn idempotency_key(run_id: &RunId, step: u32) -> String {
 // ---------------------------------------------------------------------------------------------
 // Guards and the log
 
-/// Explains a guard that matched no row: the run does not exist, or is in another state.
-fn refused(conn: &Connection, run_id: &RunId, reason: &str) -> Error {
-    match run_state(conn, run_id) {
-        Ok(Some(state)) => Error::RunState {
+/// The lease a loop executes under: its owner, and how long a stamp or renewal lasts.
+#[derive(Debug, Clone)]
+pub(crate) struct Holder {
+    pub owner: Arc<str>,
+    pub ttl: Duration,
+}
+
+impl Holder {
+    /// The expiry of a lease stamped at wall-clock time `wall`.
+    fn expiry(&self, wall: i64) -> i64 {
+        wall + self.ttl.as_millis() as i64
+    }
+}
+
+/// What a loop's move needs of its lease. Moves that start a side effect need it unexpired by
+/// the wall clock; the others need it held (nobody took it over).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Need {
+    Held,
+    Unexpired,
+}
+
+/// A run's state and lease as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LeaseRow {
+    pub state: RunState,
+    pub owner: Option<String>,
+    pub expires_at: Option<i64>,
+}
+
+pub(crate) fn lease_row(conn: &Connection, run_id: &RunId) -> Result<Option<LeaseRow>> {
+    let row: Option<(String, Option<String>, Option<i64>)> = conn
+        .prepare_cached("SELECT state, lease_owner, lease_expires_at FROM runs WHERE id = ?1")?
+        .query_row([run_id.as_str()], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+        })
+        .optional()?;
+    row.map(|(state, owner, expires_at)| {
+        Ok(LeaseRow {
+            state: state.parse().map_err(Error::Corrupt)?,
+            owner,
+            expires_at,
+        })
+    })
+    .transpose()
+}
+
+/// Explains a guard that matched no row: the run does not exist, is in another state, or (for
+/// a loop's move) its lease is another owner's, released, or expired.
+fn refused(conn: &Connection, run_id: &RunId, holder: Option<&Holder>, reason: &str) -> Error {
+    let row = match lease_row(conn, run_id) {
+        Ok(Some(row)) => row,
+        Ok(None) => return Error::RunNotFound(run_id.clone()),
+        Err(err) => return err,
+    };
+    match (row.state, holder, row.owner) {
+        (RunState::Running, Some(holder), Some(owner)) if *owner != *holder.owner => {
+            Error::RunLeased {
+                run_id: run_id.clone(),
+                owner,
+                expires_at: from_millis(row.expires_at.unwrap_or_default()),
+            }
+        }
+        (RunState::Running, Some(_), Some(_)) => Error::LeaseLost {
+            run_id: run_id.clone(),
+            reason: LeaseLostReason::Expired,
+        },
+        (RunState::Running, Some(_), None) => Error::LeaseLost {
+            run_id: run_id.clone(),
+            reason: LeaseLostReason::ReleasedOrCancelled,
+        },
+        (state, ..) => Error::RunState {
             run_id: run_id.clone(),
             state,
             reason: reason.to_owned(),
         },
-        Ok(None) => Error::RunNotFound(run_id.clone()),
-        Err(err) => err,
     }
 }
 
 fn run_state(conn: &Connection, run_id: &RunId) -> Result<Option<RunState>> {
-    let state: Option<String> = conn
-        .prepare_cached("SELECT state FROM runs WHERE id = ?1")?
-        .query_row([run_id.as_str()], |row| row.get(0))
-        .optional()?;
-    state.map(|s| s.parse().map_err(Error::Corrupt)).transpose()
+    Ok(lease_row(conn, run_id)?.map(|row| row.state))
 }
 
-/// Stamps a RUNNING run as moved now; refuses a run in any other state.
-fn touch_running(
+/// Stamps a RUNNING run that `holder` holds as moved now; refuses it otherwise.
+fn touch_held(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
+    need: Need,
     what: &str,
 ) -> Result<()> {
-    let changed = tx
-        .prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING'")?
-        .execute(params![run_id.as_str(), now.millis()])?;
-    if changed == 1 {
-        Ok(())
-    } else {
-        Err(refused(tx, run_id, what))
-    }
-}
-
-/// Moves a run from `from` to `to`; refuses it in any other state.
-#[allow(clippy::too_many_arguments)]
-fn move_run(
-    tx: &Transaction<'_>,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    from: &[RunState],
-    to: RunState,
-    output: Option<&str>,
-    error: Option<&str>,
-    what: &str,
-) -> Result<()> {
+    let unexpired_at = (need == Need::Unexpired).then(wall_millis);
     let changed = tx
         .prepare_cached(
-            "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5
-             WHERE id = ?1 AND state IN (?6, ?7)",
+            "UPDATE runs SET updated_at = ?2
+             WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3
+               AND (?4 IS NULL OR lease_expires_at > ?4)",
         )?
         .execute(params![
             run_id.as_str(),
-            to.as_str(),
-            output,
-            error,
             now.millis(),
-            from[0].as_str(),
-            from.get(1).unwrap_or(&from[0]).as_str(),
+            &*holder.owner,
+            unexpired_at
         ])?;
     if changed == 1 {
         Ok(())
     } else {
-        Err(refused(tx, run_id, what))
+        Err(refused(tx, run_id, Some(holder), what))
+    }
+}
+
+/// A move of a run between states. Leaving RUNNING releases the lease in the same statement;
+/// entering it takes the lease for `take`.
+struct RunMove<'a> {
+    from: &'a [RunState],
+    to: RunState,
+    output: Option<&'a str>,
+    error: Option<&'a str>,
+    /// The holder whose lease the run must be under (a loop's move); `None` for an operator's.
+    guard: Option<&'a Holder>,
+    /// The holder that takes the lease (entering RUNNING).
+    take: Option<&'a Holder>,
+    what: &'a str,
+}
+
+impl<'a> RunMove<'a> {
+    fn new(from: &'a [RunState], to: RunState, what: &'a str) -> Self {
+        RunMove {
+            from,
+            to,
+            output: None,
+            error: None,
+            guard: None,
+            take: None,
+            what,
+        }
+    }
+}
+
+/// Applies a [`RunMove`]; returns the expiry of the lease it took, if any.
+fn move_run(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    m: RunMove<'_>,
+) -> Result<Option<i64>> {
+    let expires_at = m.take.map(|holder| holder.expiry(wall_millis()));
+    let changed = tx
+        .prepare_cached(
+            "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
+                             lease_owner = ?8, lease_expires_at = ?9
+             WHERE id = ?1 AND state IN (?6, ?7) AND (?10 IS NULL OR lease_owner = ?10)",
+        )?
+        .execute(params![
+            run_id.as_str(),
+            m.to.as_str(),
+            m.output,
+            m.error,
+            now.millis(),
+            m.from[0].as_str(),
+            m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+            m.take.map(|holder| &*holder.owner),
+            expires_at,
+            m.guard.map(|holder| &*holder.owner),
+        ])?;
+    if changed == 1 {
+        Ok(expires_at)
+    } else {
+        Err(refused(tx, run_id, m.guard, m.what))
     }
 }
 
@@ -262,22 +364,33 @@ fn tool_started(
 // Moves
 
 /// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
+/// The lease is stamped in the insert; returns its expiry.
 pub(crate) fn create_run(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
     agent: &str,
     input: &Value,
-) -> Result<()> {
+    holder: &Holder,
+) -> Result<i64> {
     if run_state(tx, run_id)?.is_some() {
         return Err(Error::RunExists(run_id.clone()));
     }
     let at = now.millis();
+    let expires_at = holder.expiry(wall_millis());
     tx.prepare_cached(
-        "INSERT INTO runs (id, agent, input, state, created_at, updated_at)
-         VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4)",
+        "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
+                           lease_expires_at)
+         VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4, ?5, ?6)",
     )?
-    .execute(params![run_id.as_str(), agent, input.to_string(), at])?;
+    .execute(params![
+        run_id.as_str(),
+        agent,
+        input.to_string(),
+        at,
+        &*holder.owner,
+        expires_at
+    ])?;
     append(
         tx,
         now,
@@ -285,7 +398,8 @@ pub(crate) fn create_run(
         EventKind::RunStarted,
         None,
         json!({ "agent": agent, "input": input }),
-    )
+    )?;
+    Ok(expires_at)
 }
 
 /// Reserves model step `step` before the request is dispatched.
@@ -293,9 +407,17 @@ pub(crate) fn begin_model_step(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
 ) -> Result<()> {
-    touch_running(tx, now, run_id, "a model call cannot start")?;
+    touch_held(
+        tx,
+        now,
+        run_id,
+        holder,
+        Need::Unexpired,
+        "a model call cannot start",
+    )?;
     tx.prepare_cached(
         "INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)",
     )?
@@ -322,11 +444,19 @@ pub(crate) fn finish_model_step(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     attempt: u32,
     outcome: ModelOutcome<'_>,
 ) -> Result<Vec<StepRow>> {
-    touch_running(tx, now, run_id, "the model's answer cannot be recorded")?;
+    touch_held(
+        tx,
+        now,
+        run_id,
+        holder,
+        Need::Held,
+        "the model's answer cannot be recorded",
+    )?;
     let response = match outcome {
         ModelOutcome::Failed(error) => {
             move_step(
@@ -352,6 +482,7 @@ pub(crate) fn finish_model_step(
                 tx,
                 now,
                 run_id,
+                holder,
                 RunState::Failed,
                 None,
                 Some(&format!("the model failed: {error}")),
@@ -423,7 +554,15 @@ pub(crate) fn finish_model_step(
     )?;
     if recorded.tool_calls.is_empty() {
         let output = recorded.text.clone().unwrap_or_default();
-        finish_run(tx, now, run_id, RunState::Succeeded, Some(&output), None)?;
+        finish_run(
+            tx,
+            now,
+            run_id,
+            holder,
+            RunState::Succeeded,
+            Some(&output),
+            None,
+        )?;
     }
     Ok(created)
 }
@@ -433,6 +572,7 @@ fn finish_run(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     state: RunState,
     output: Option<&str>,
     error: Option<&str>,
@@ -441,11 +581,12 @@ fn finish_run(
         tx,
         now,
         run_id,
-        &[RunState::Running],
-        state,
-        output,
-        error,
-        "it cannot finish",
+        RunMove {
+            output,
+            error,
+            guard: Some(holder),
+            ..RunMove::new(&[RunState::Running], state, "it cannot finish")
+        },
     )?;
     let mut payload = json!({ "state": state.as_str() });
     if let Some(output) = output {
@@ -462,9 +603,10 @@ pub(crate) fn fail_run(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     error: &str,
 ) -> Result<()> {
-    finish_run(tx, now, run_id, RunState::Failed, None, Some(error))
+    finish_run(tx, now, run_id, holder, RunState::Failed, None, Some(error))
 }
 
 /// A decision on a tool call, as it is recorded.
@@ -520,24 +662,16 @@ pub(crate) fn decide_tool(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     call: &ToolCall,
     decision: &ToolDecision,
 ) -> Result<()> {
+    let what = "a tool call cannot be decided";
     match decision {
-        ToolDecision::RequireApproval { .. } => {
-            move_run(
-                tx,
-                now,
-                run_id,
-                &[RunState::Running],
-                RunState::WaitingForApproval,
-                None,
-                None,
-                "it cannot pause",
-            )?;
-        }
-        _ => touch_running(tx, now, run_id, "a tool call cannot be decided")?,
+        ToolDecision::RequireApproval { .. } => pause(tx, now, run_id, holder)?,
+        ToolDecision::Allow { .. } => touch_held(tx, now, run_id, holder, Need::Unexpired, what)?,
+        ToolDecision::Deny { .. } => touch_held(tx, now, run_id, holder, Need::Held, what)?,
     }
     append(
         tx,
@@ -558,6 +692,25 @@ pub(crate) fn decide_tool(
         decision,
         ApprovalReason::Policy,
     )
+}
+
+/// Moves the run to WAITING_FOR_APPROVAL, releasing `holder`'s lease.
+fn pause(tx: &Transaction<'_>, now: &mut Now<'_>, run_id: &RunId, holder: &Holder) -> Result<()> {
+    let pause = RunMove::new(
+        &[RunState::Running],
+        RunState::WaitingForApproval,
+        "it cannot pause",
+    );
+    move_run(
+        tx,
+        now,
+        run_id,
+        RunMove {
+            guard: Some(holder),
+            ..pause
+        },
+    )?;
+    Ok(())
 }
 
 /// The step's side of a decision: start it, close it with the denial, or make it wait.
@@ -646,11 +799,19 @@ pub(crate) fn reject_tool(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     call: &ToolCall,
     error: &str,
 ) -> Result<()> {
-    touch_running(tx, now, run_id, "a tool call cannot be rejected")?;
+    touch_held(
+        tx,
+        now,
+        run_id,
+        holder,
+        Need::Held,
+        "a tool call cannot be rejected",
+    )?;
     let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
     move_step(
         tx,
@@ -679,12 +840,16 @@ pub(crate) fn finish_tool(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     attempt: u32,
     call_id: &str,
     result: &ToolResult,
 ) -> Result<bool> {
-    let late = match touch_running(tx, now, run_id, "the tool's outcome cannot be recorded") {
+    // Written only while the loop holds the lease (or, late, once an operator cancelled):
+    // otherwise the step stays in flight for the owner that took the run over.
+    let what = "the tool's outcome cannot be recorded";
+    let late = match touch_held(tx, now, run_id, holder, Need::Held, what) {
         Ok(()) => false,
         Err(Error::RunState {
             state: RunState::Cancelled,
@@ -730,23 +895,26 @@ pub(crate) fn resume_waiting(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     attempt: u32,
     call: &ToolCall,
     reason: ApprovalReason,
     decision: &ToolDecision,
     source: &str,
-) -> Result<()> {
-    move_run(
+) -> Result<i64> {
+    let what = "only a run waiting for approval can be resumed this way";
+    let resume = RunMove::new(&[RunState::WaitingForApproval], RunState::Running, what);
+    let expires_at = move_run(
         tx,
         now,
         run_id,
-        &[RunState::WaitingForApproval],
-        RunState::Running,
-        None,
-        None,
-        "only a run waiting for approval can be resumed this way",
-    )?;
+        RunMove {
+            take: Some(holder),
+            ..resume
+        },
+    )?
+    .expect("entering RUNNING takes the lease");
     append(
         tx,
         now,
@@ -773,17 +941,56 @@ pub(crate) fn resume_waiting(
         call,
         decision,
         reason,
-    )
+    )?;
+    Ok(expires_at)
 }
 
-/// Takes over a RUNNING run whose executor is gone: every step in flight is marked
-/// interrupted, in one transaction with `run.resumed`. Returns the steps marked.
+/// Takes over a RUNNING run whose lease expired or is absent: the lease is taken and every
+/// step in flight marked interrupted, in one transaction with `run.resumed` (and
+/// `lease.taken_over` when someone held it). Returns the steps marked and the new expiry.
+///
+/// A live lease of another owner is refused with `RunLeased` before the clock is read or
+/// anything is written.
 pub(crate) fn take_over(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
-) -> Result<Vec<u32>> {
-    touch_running(tx, now, run_id, "only a RUNNING run can be taken over")?;
+    holder: &Holder,
+) -> Result<(Vec<u32>, i64)> {
+    let what = "only a RUNNING run can be taken over";
+    let row = lease_row(tx, run_id)?.ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
+    if row.state != RunState::Running {
+        return Err(refused(tx, run_id, None, what));
+    }
+    let wall = wall_millis();
+    if let (Some(owner), Some(expires_at)) = (&row.owner, row.expires_at) {
+        // This supervisor's own live lease is not refused: the caller checked that it executes
+        // no call of this run, so that lease is a leftover.
+        if expires_at > wall && **owner != *holder.owner {
+            return Err(Error::RunLeased {
+                run_id: run_id.clone(),
+                owner: owner.clone(),
+                expires_at: from_millis(expires_at),
+            });
+        }
+    }
+    let expires_at = holder.expiry(wall);
+    let changed = tx
+        .prepare_cached(
+            "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
+             WHERE id = ?1 AND state = 'RUNNING' AND lease_owner IS ?5 AND lease_expires_at IS ?6",
+        )?
+        .execute(params![
+            run_id.as_str(),
+            &*holder.owner,
+            expires_at,
+            now.millis(),
+            row.owner,
+            row.expires_at
+        ])?;
+    if changed != 1 {
+        return Err(refused(tx, run_id, None, what));
+    }
     append(
         tx,
         now,
@@ -792,6 +999,21 @@ pub(crate) fn take_over(
         None,
         json!({ "from": RunState::Running.as_str() }),
     )?;
+    if let Some(previous) = &row.owner {
+        append(
+            tx,
+            now,
+            run_id,
+            EventKind::LeaseTakenOver,
+            None,
+            json!({
+                "previous_owner": previous,
+                "previous_expires_at": row.expires_at,
+                "new_owner": &*holder.owner,
+                "new_expires_at": expires_at,
+            }),
+        )?;
+    }
     let interrupted: Vec<(u32, String, u32)> = tx
         .prepare_cached(
             "UPDATE steps SET state = 'interrupted' WHERE run_id = ?1 AND state = 'in_flight'
@@ -814,7 +1036,7 @@ pub(crate) fn take_over(
         steps.push(step);
     }
     steps.sort_unstable();
-    Ok(steps)
+    Ok((steps, expires_at))
 }
 
 /// What reconciling an interrupted step decided.
@@ -836,24 +1058,20 @@ pub(crate) fn reconcile(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
+    holder: &Holder,
     step: u32,
     attempt: u32,
     call: Option<&ToolCall>,
     resolution: &Resolution,
 ) -> Result<()> {
-    if let Resolution::AwaitApproval { .. } = resolution {
-        move_run(
-            tx,
-            now,
-            run_id,
-            &[RunState::Running],
-            RunState::WaitingForApproval,
-            None,
-            None,
-            "it cannot pause",
-        )?;
-    } else {
-        touch_running(tx, now, run_id, "an interrupted step cannot be reconciled")?;
+    let what = "an interrupted step cannot be reconciled";
+    match resolution {
+        Resolution::AwaitApproval { .. } => pause(tx, now, run_id, holder)?,
+        // Running again starts a side effect: the lease must be unexpired.
+        Resolution::Redispatch | Resolution::Retry { .. } => {
+            touch_held(tx, now, run_id, holder, Need::Unexpired, what)?
+        }
+        Resolution::Applied(_) => touch_held(tx, now, run_id, holder, Need::Held, what)?,
     }
     let from = StepState::Interrupted;
     let (outcome, action) = match resolution {
@@ -1037,23 +1255,28 @@ pub(crate) fn record_approval(
     )
 }
 
-/// An operator's cancel: no executor needed; the run moves to CANCELLED from RUNNING or
-/// WAITING_FOR_APPROVAL.
+/// An operator's cancel: no lease needed; the run moves to CANCELLED from RUNNING or
+/// WAITING_FOR_APPROVAL, and its lease is released with the move.
 pub(crate) fn cancel_run(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
     run_id: &RunId,
     reason: &str,
 ) -> Result<()> {
+    let from = [RunState::Running, RunState::WaitingForApproval];
+    let cancel = RunMove::new(
+        &from,
+        RunState::Cancelled,
+        "a finished run cannot be cancelled",
+    );
     move_run(
         tx,
         now,
         run_id,
-        &[RunState::Running, RunState::WaitingForApproval],
-        RunState::Cancelled,
-        None,
-        Some(reason),
-        "a finished run cannot be cancelled",
+        RunMove {
+            error: Some(reason),
+            ..cancel
+        },
     )?;
     append(
         tx,
@@ -1063,6 +1286,83 @@ pub(crate) fn cancel_run(
         None,
         json!({ "state": "CANCELLED", "reason": reason }),
     )
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lease outside the moves
+
+/// Releases `owner`'s lease on a run that stays RUNNING (its call returned with an error):
+/// compare-and-set on the owner, no event, no clock, so another process need not wait out the
+/// TTL. Returns whether it held the lease.
+pub(crate) fn release(conn: &Connection, run_id: &RunId, owner: &str) -> Result<bool> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL
+             WHERE id = ?1 AND lease_owner = ?2",
+        )?
+        .execute(params![run_id.as_str(), owner])?;
+    Ok(changed == 1)
+}
+
+/// What one renewal tick found.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Renewal {
+    /// The new expiry of every run renewed.
+    pub expires_at: i64,
+    /// The runs renewed.
+    pub renewed: Vec<RunId>,
+    /// The runs asked for but not renewed, with their row as found (`None`: no such run).
+    pub missing: Vec<(RunId, Option<LeaseRow>)>,
+}
+
+/// Renews, in one statement outside any transaction, `owner`'s unexpired leases on `held`:
+/// compare-and-set on the owner. The rows of runs that were not renewed are read afterwards,
+/// which happens only when a lease was lost.
+pub(crate) fn renew(
+    conn: &Connection,
+    owner: &str,
+    held: &[RunId],
+    ttl: Duration,
+) -> Result<Renewal> {
+    let wall = wall_millis();
+    let expires_at = wall + ttl.as_millis() as i64;
+    let ids = serde_json::to_string(held).expect("ids serialize");
+    let renewed: Vec<RunId> = conn
+        .prepare_cached(
+            "UPDATE runs SET lease_expires_at = ?3
+             WHERE lease_owner = ?1 AND state = 'RUNNING' AND lease_expires_at > ?2
+               AND id IN (SELECT value FROM json_each(?4))
+             RETURNING id",
+        )?
+        .query_map(params![owner, wall, expires_at, ids], |row| {
+            row.get::<_, String>(0)
+        })?
+        .map(|id| id.map(RunId::from))
+        .collect::<rusqlite::Result<_>>()?;
+    let mut missing = Vec::new();
+    if renewed.len() < held.len() {
+        let renewed: HashSet<&RunId> = renewed.iter().collect();
+        for run_id in held.iter().filter(|id| !renewed.contains(id)) {
+            missing.push((run_id.clone(), lease_row(conn, run_id)?));
+        }
+    }
+    Ok(Renewal {
+        expires_at,
+        renewed,
+        missing,
+    })
+}
+
+/// The stored lease of a run, read without taking or changing it.
+pub(crate) fn lease(conn: &Connection, run_id: &RunId) -> Result<Option<Lease>> {
+    let row = lease_row(conn, run_id)?.ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
+    Ok(match (row.owner, row.expires_at) {
+        (Some(owner), Some(expires_at)) => Some(Lease {
+            owner,
+            expires_at: from_millis(expires_at),
+        }),
+        _ => None,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

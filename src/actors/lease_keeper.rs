@@ -1,0 +1,259 @@
+//! `LeaseKeeper`: renews the leases of the runs its supervisor executes, every `lease_ttl / 3`
+//! on the wall clock, and tells the run's actor and every subscriber when one is lost.
+//!
+//! It lives on an arbiter (thread) of its own, because on a file store it renews through a
+//! blocking connection of its own: a consumer holding the store's other connections, or a busy
+//! writer, cannot starve it.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, MessageResult, Recipient,
+    WrapFuture,
+};
+use rusqlite::Connection;
+
+use super::store::{RenewLeases, StoreActor};
+use crate::{
+    error::{Error, Result},
+    store::{
+        sql::{self, LeaseRow, Renewal},
+        wall_millis,
+    },
+    types::{LeaseLostReason, RunId, RunState},
+};
+
+/// A supervisor lost the lease of a run it was executing: sent to the run's actor and to every
+/// subscriber ([`SubscribeLeaseLost`](crate::SubscribeLeaseLost)).
+#[derive(Debug, Clone, PartialEq, Eq, Message)]
+#[rtype(result = "()")]
+pub struct LeaseLost {
+    /// The run.
+    pub run_id: RunId,
+    /// The owner that lost it (this supervisor's).
+    pub owner: String,
+    /// Why.
+    pub reason: LeaseLostReason,
+}
+
+/// How renewals reach the database.
+pub(crate) enum Renewer {
+    /// A file store: a connection of the keeper's own.
+    Connection(Connection),
+    /// `:memory:`: the store actor's connection, which is the whole database.
+    Store(Addr<StoreActor>),
+}
+
+struct Held {
+    /// The expiry as last stamped or renewed (wall-clock milliseconds).
+    expires_at: i64,
+    recipient: Recipient<LeaseLost>,
+}
+
+/// Keeps one supervisor's leases alive.
+pub(crate) struct LeaseKeeper {
+    owner: Arc<str>,
+    ttl: Duration,
+    renewer: Renewer,
+    held: HashMap<RunId, Held>,
+    subscribers: Vec<Recipient<LeaseLost>>,
+    /// A renewal through the store actor is on its way: the next tick waits for it.
+    renewing: bool,
+}
+
+impl LeaseKeeper {
+    pub(crate) fn new(owner: Arc<str>, ttl: Duration, renewer: Renewer) -> Self {
+        LeaseKeeper {
+            owner,
+            ttl,
+            renewer,
+            held: HashMap::new(),
+            subscribers: Vec::new(),
+            renewing: false,
+        }
+    }
+
+    /// How often it renews: a third of the TTL, so that two renewals can fail before a lease
+    /// expires.
+    pub(crate) fn period(ttl: Duration) -> Duration {
+        (ttl / 3).max(Duration::from_millis(1))
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if self.held.is_empty() || self.renewing {
+            return;
+        }
+        let held: Vec<RunId> = self.held.keys().cloned().collect();
+        match &self.renewer {
+            Renewer::Connection(conn) => {
+                let renewal = sql::renew(conn, &self.owner, &held, self.ttl);
+                self.settle(renewal);
+            }
+            Renewer::Store(store) => {
+                self.renewing = true;
+                let renew = store.send(RenewLeases {
+                    owner: self.owner.clone(),
+                    held,
+                    ttl: self.ttl,
+                });
+                ctx.spawn(renew.into_actor(self).map(|renewal, this, _| {
+                    this.renewing = false;
+                    this.settle(renewal.unwrap_or(Err(Error::StoreUnavailable)));
+                }));
+            }
+        }
+    }
+
+    /// Acts on a renewal: new expiries for the runs renewed, `LeaseLost` for the runs lost.
+    fn settle(&mut self, renewal: Result<Renewal>) {
+        let wall = wall_millis();
+        match renewal {
+            Ok(Renewal {
+                expires_at,
+                renewed,
+                missing,
+            }) => {
+                for run_id in renewed {
+                    if let Some(held) = self.held.get_mut(&run_id) {
+                        held.expires_at = expires_at;
+                    }
+                }
+                for (run_id, row) in missing {
+                    let Some(held) = self.held.get(&run_id) else {
+                        continue;
+                    };
+                    match self.why_lost(held, row, wall) {
+                        Some(reason) => self.lost(run_id, reason),
+                        // Released by its own call, which is returning: not a loss.
+                        None => {
+                            self.held.remove(&run_id);
+                        }
+                    }
+                }
+            }
+            Err(err) => {
+                tracing::warn!(%err, "lease renewal failed; retrying at the next tick");
+                let expired: Vec<RunId> = self
+                    .held
+                    .iter()
+                    .filter(|(_, held)| held.expires_at <= wall)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for run_id in expired {
+                    self.lost(run_id, LeaseLostReason::Expired);
+                }
+            }
+        }
+    }
+
+    fn why_lost(&self, held: &Held, row: Option<LeaseRow>, wall: i64) -> Option<LeaseLostReason> {
+        if held.expires_at <= wall {
+            return Some(LeaseLostReason::Expired);
+        }
+        match row {
+            None => Some(LeaseLostReason::ReleasedOrCancelled),
+            Some(LeaseRow {
+                owner: Some(owner), ..
+            }) if *owner != *self.owner => Some(LeaseLostReason::TakenBy(owner)),
+            Some(LeaseRow {
+                state: RunState::Cancelled,
+                ..
+            }) => Some(LeaseLostReason::ReleasedOrCancelled),
+            Some(_) => None,
+        }
+    }
+
+    fn lost(&mut self, run_id: RunId, reason: LeaseLostReason) {
+        let Some(held) = self.held.remove(&run_id) else {
+            return;
+        };
+        tracing::warn!(%run_id, %reason, "lease lost");
+        let lost = LeaseLost {
+            run_id,
+            owner: self.owner.to_string(),
+            reason,
+        };
+        held.recipient.do_send(lost.clone());
+        self.subscribers.retain(|subscriber| subscriber.connected());
+        for subscriber in &self.subscribers {
+            subscriber.do_send(lost.clone());
+        }
+    }
+}
+
+impl Actor for LeaseKeeper {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(Self::period(self.ttl), |this, ctx| this.tick(ctx));
+    }
+}
+
+/// Keep renewing this run's lease (just stamped, until `expires_at`) and tell `recipient` if it
+/// is lost.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Hold {
+    pub run_id: RunId,
+    pub expires_at: i64,
+    pub recipient: Recipient<LeaseLost>,
+}
+
+impl Handler<Hold> for LeaseKeeper {
+    type Result = ();
+
+    fn handle(&mut self, msg: Hold, _: &mut Context<Self>) {
+        self.held.insert(
+            msg.run_id,
+            Held {
+                expires_at: msg.expires_at,
+                recipient: msg.recipient,
+            },
+        );
+    }
+}
+
+/// Stop renewing this run's lease: the call executing it returned.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(crate) struct Release {
+    pub run_id: RunId,
+}
+
+impl Handler<Release> for LeaseKeeper {
+    type Result = ();
+
+    fn handle(&mut self, msg: Release, _: &mut Context<Self>) {
+        self.held.remove(&msg.run_id);
+    }
+}
+
+/// Subscribes a recipient to every `LeaseLost` of a supervisor. Send it to the
+/// [`Supervisor`](crate::Supervisor).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SubscribeLeaseLost(pub Recipient<LeaseLost>);
+
+impl Handler<SubscribeLeaseLost> for LeaseKeeper {
+    type Result = ();
+
+    fn handle(&mut self, msg: SubscribeLeaseLost, _: &mut Context<Self>) {
+        self.subscribers.push(msg.0);
+    }
+}
+
+/// The runs whose leases a supervisor renews now. Send it to the
+/// [`Supervisor`](crate::Supervisor).
+#[derive(Debug, Clone, Copy, Default, Message)]
+#[rtype(result = "Vec<RunId>")]
+pub struct HeldLeases;
+
+impl Handler<HeldLeases> for LeaseKeeper {
+    type Result = MessageResult<HeldLeases>;
+
+    fn handle(&mut self, _: HeldLeases, _: &mut Context<Self>) -> Self::Result {
+        let mut held: Vec<RunId> = self.held.keys().cloned().collect();
+        held.sort();
+        MessageResult(held)
+    }
+}

@@ -836,6 +836,7 @@ pub(crate) fn reject_tool(
 
 /// Records a tool's outcome. On a RUNNING run it is an ordinary step; on a run an operator
 /// cancelled meanwhile it is recorded as late (the run stays cancelled). Returns whether late.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn finish_tool(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
@@ -1054,6 +1055,7 @@ pub(crate) enum Resolution {
 }
 
 /// Records the one reconciliation of an interrupted step together with what it leads to.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn reconcile(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,

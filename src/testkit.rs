@@ -265,8 +265,12 @@ impl Model for ScriptedModel {
 pub enum Behaviour {
     /// Returns its output at once.
     Succeed,
-    /// Waits until [`RecordingTool::release`], or until the run is cancelled (then fails).
+    /// Waits until [`RecordingTool::release`], or until its cancellation signal fires (then
+    /// fails).
     Block,
+    /// Waits until [`RecordingTool::release`], whatever its cancellation signal says: a side
+    /// effect that cannot be recalled once begun.
+    BlockIgnoringCancel,
     /// Returns this error.
     Fail(String),
     /// Panics.
@@ -419,8 +423,12 @@ impl Tool for RecordingTool {
             Behaviour::Block => {
                 tokio::select! {
                     _ = self.inner.gate.hold() => Ok(self.output(ctx)),
-                    _ = ctx.cancellation.cancelled() => Err(ToolError::new("stopped: the run was cancelled")),
+                    _ = ctx.cancellation.cancelled() => Err(ToolError::new("stopped: its cancellation signal fired")),
                 }
+            }
+            Behaviour::BlockIgnoringCancel => {
+                self.inner.gate.hold().await;
+                Ok(self.output(ctx))
             }
             Behaviour::Fail(message) => Err(ToolError::new(message)),
             Behaviour::Panic => panic!("{} panicked on purpose", self.inner.name),

@@ -70,7 +70,7 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
         late.payload["error"]
             .as_str()
             .unwrap()
-            .contains("cancelled"),
+            .contains("cancellation signal"),
         "the tool honoured the signal"
     );
     assert_eq!(

@@ -166,6 +166,12 @@ fn refused(conn: &Connection, run_id: &RunId, holder: Option<&Holder>, reason: &
             run_id: run_id.clone(),
             reason: LeaseLostReason::ReleasedOrCancelled,
         },
+        // A loop's run was moved by someone else than an operator's cancel: only an owner
+        // that took it over can have done that.
+        (state, Some(_), _) if state != RunState::Cancelled => Error::LeaseLost {
+            run_id: run_id.clone(),
+            reason: LeaseLostReason::ReleasedOrCancelled,
+        },
         (state, ..) => Error::RunState {
             run_id: run_id.clone(),
             state,

@@ -1,0 +1,670 @@
+//! The run lease: one live executor per run. TTLs of a few hundred milliseconds; every wait is
+//! on a condition (an event, a lease's stored expiry), never on a guessed duration.
+
+use std::{
+    sync::mpsc,
+    time::{Duration, SystemTime},
+};
+
+use actix::Addr;
+use agentrt::{
+    Agent, CancelRun, Config, Error, EventKind, HeldLeases, Lease, LeaseLostReason, ModelResponse,
+    Outcome, ResumeRun, RunId, RunOutcome, RunState, StartRun, Store, SubscribeLeaseLost,
+    Supervisor, ToolCall,
+    testkit::{
+        Behaviour, CountingClock, LeaseLostLog, ReconcileHook, RecordingTool, ScriptedModel,
+        TempStore, assert_no_run_leased, resume_when_free, with_system,
+    },
+};
+use serde_json::json;
+
+const TTL: Duration = Duration::from_millis(300);
+const PATIENCE: Duration = Duration::from_secs(10);
+
+fn fast_lease() -> Config {
+    Config::default().lease_ttl(TTL)
+}
+
+fn supervisor(store: Store, config: Config, agent: Agent) -> Addr<Supervisor> {
+    Supervisor::builder(store)
+        .config(config)
+        .agent("a", agent)
+        .start()
+        .unwrap()
+}
+
+/// The model asks for `first`, then `second`, then answers.
+fn two_calls(first: &str, second: &str) -> ScriptedModel {
+    ScriptedModel::new(vec![
+        ModelResponse::calls(vec![
+            ToolCall::new("c1", first, json!({})),
+            ToolCall::new("c2", second, json!({})),
+        ]),
+        ModelResponse::answer("done"),
+    ])
+}
+
+/// Reads a run's lease from another connection, off the actix thread.
+async fn lease_of(db_path: std::path::PathBuf, run_id: &str) -> Option<Lease> {
+    let run_id = RunId::from(run_id);
+    actix_rt::task::spawn_blocking(move || Store::open(db_path).unwrap().lease(&run_id).unwrap())
+        .await
+        .unwrap()
+}
+
+/// Waits until the stored lease of `run_id` was renewed past its first expiry: proof that the
+/// heartbeat runs.
+async fn wait_renewed_past_first_expiry(db_path: std::path::PathBuf, run_id: &str) -> Lease {
+    let first = lease_of(db_path.clone(), run_id).await.expect("leased");
+    let deadline = SystemTime::now() + PATIENCE;
+    loop {
+        let now = lease_of(db_path.clone(), run_id)
+            .await
+            .expect("still leased");
+        if SystemTime::now() > first.expires_at && now.expires_at > SystemTime::now() {
+            assert_eq!(now.owner, first.owner);
+            return now;
+        }
+        assert!(SystemTime::now() < deadline, "the lease was not renewed");
+        actix_rt::time::sleep(TTL / 10).await;
+    }
+}
+
+/// Blocks every write to the database file (as a busy writer elsewhere would), so renewals
+/// fail until it is dropped.
+struct WriteLock(rusqlite::Connection);
+
+impl WriteLock {
+    fn take(path: &std::path::Path) -> Self {
+        let conn = rusqlite::Connection::open(path).unwrap();
+        conn.busy_timeout(PATIENCE).unwrap();
+        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+        WriteLock(conn)
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        self.0.execute_batch("ROLLBACK").unwrap();
+    }
+}
+
+/// Starts run `r1` on `sup`, waits until `tool` is executing, then blocks renewals until the
+/// supervisor reports the lease lost by expiry. Returns the pending call.
+async fn start_and_let_the_lease_lapse(
+    sup: &Addr<Supervisor>,
+    db_path: &std::path::Path,
+    tool: &RecordingTool,
+) -> tokio::task::JoinHandle<agentrt::Result<RunOutcome>> {
+    let log = LeaseLostLog::new();
+    sup.send(SubscribeLeaseLost(log.recipient())).await.unwrap();
+    let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+    let call = actix_rt::spawn(async move { call.await.unwrap() });
+    tool.wait_executions(1).await;
+    let lock = WriteLock::take(db_path);
+    log.wait_for(1).await;
+    drop(lock);
+    let lost = &log.seen()[0];
+    assert_eq!(lost.run_id, RunId::from("r1"));
+    assert_eq!(lost.reason, LeaseLostReason::Expired);
+    call
+}
+
+#[test]
+fn heartbeat_renews_while_a_call_runs_and_stops_on_return_and_on_panic() {
+    let db = TempStore::new();
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let boom = RecordingTool::new("boom").behaviour(Behaviour::Panic);
+    let model = two_calls("slow", "boom");
+    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let agent = Agent::new(model).tool(slow.clone()).tool(boom);
+    let (result, held) = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        wait_renewed_past_first_expiry(path, "r1").await;
+        assert_eq!(sup.send(HeldLeases).await.unwrap(), [RunId::from("r1")]);
+        probe.release();
+        let result = call.await.unwrap();
+        (result, sup.send(HeldLeases).await.unwrap())
+    });
+
+    // The second tool panicked: the call returned an error, and the heartbeat stopped with it.
+    assert!(
+        matches!(result, Err(Error::Panicked { step: 3, .. })),
+        "{result:?}"
+    );
+    assert!(held.is_empty(), "{held:?}");
+    let store = db.open();
+    assert_eq!(
+        store.lease(&RunId::from("r1")).unwrap(),
+        None,
+        "released on return"
+    );
+    assert_eq!(
+        store.run(&RunId::from("r1")).unwrap().state,
+        RunState::Running
+    );
+
+    // A call that returns normally releases the lease in its last move.
+    let model = ScriptedModel::new(vec![ModelResponse::answer("hi")]);
+    let store = db.open();
+    let held = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), Agent::new(model));
+        sup.send(StartRun::new("a", json!({})).with_id("r2"))
+            .await
+            .unwrap()
+            .unwrap();
+        sup.send(HeldLeases).await.unwrap()
+    });
+    assert!(held.is_empty());
+    assert_eq!(db.open().lease(&RunId::from("r2")).unwrap(), None);
+}
+
+#[test]
+fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
+    let db = TempStore::new();
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let model = two_calls("slow", "slow");
+    let consumer_store = db.open();
+    let (store, other, path, probe) = (db.open(), db.open(), db.path(), slow.clone());
+    let agent = Agent::new(model).tool(slow.clone());
+    let other_agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
+    let outcome = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+
+        // The consumer opens a transaction on the store's connection and leaves rows unread.
+        let (held_tx, held_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let consumer = std::thread::spawn(move || {
+            let conn = consumer_store.connection();
+            conn.execute_batch("BEGIN").unwrap();
+            let mut stmt = conn.prepare("SELECT seq FROM events").unwrap();
+            let mut rows = stmt.query([]).unwrap();
+            rows.next().unwrap().expect("a row");
+            held_tx.send(()).unwrap();
+            done_rx.recv().unwrap();
+        });
+        actix_rt::task::spawn_blocking(move || held_rx.recv().unwrap())
+            .await
+            .unwrap();
+
+        // Renewals go on past the first expiry, and another supervisor cannot take the run.
+        let lease = wait_renewed_past_first_expiry(path, "r1").await;
+        let rival = supervisor(other, fast_lease(), other_agent);
+        let refused = rival.send(ResumeRun::new("r1")).await.unwrap().unwrap_err();
+        assert!(
+            matches!(&refused, Error::RunLeased { owner, .. } if *owner == lease.owner),
+            "{refused}"
+        );
+
+        done_tx.send(()).unwrap();
+        consumer.join().unwrap();
+        probe.release();
+        probe.release();
+        call.await.unwrap()
+    });
+    assert_eq!(
+        outcome.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+    assert_eq!(slow.executions().len(), 2, "each call ran once");
+}
+
+#[test]
+fn a_lapsed_lease_starts_no_side_effect() {
+    let db = TempStore::new();
+    let first = RecordingTool::new("first").behaviour(Behaviour::Block);
+    let second = RecordingTool::new("second");
+    let agent = Agent::new(two_calls("first", "second"))
+        .tool(first.clone())
+        .tool(second.clone());
+    let (store, path, probe) = (db.open(), db.path(), first.clone());
+    let result = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        // Nobody takes the run: the lease only lapses, and the loop stalls past its expiry.
+        let call = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        call.await.unwrap()
+    });
+
+    assert!(
+        matches!(
+            &result,
+            Err(Error::LeaseLost {
+                reason: LeaseLostReason::Expired,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(
+        second.executions().is_empty(),
+        "no tool started after the lease lapsed"
+    );
+    let store = db.open();
+    let run_id = RunId::from("r1");
+    let events = store.events(&run_id).unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::ToolStarted)
+            .count(),
+        1
+    );
+    // The running tool was told (its signal fired) and, nobody having taken the run, its
+    // outcome was recorded.
+    let finished = events
+        .iter()
+        .find(|e| e.kind == EventKind::ToolFinished)
+        .unwrap();
+    assert!(
+        finished.payload["error"]
+            .as_str()
+            .unwrap()
+            .contains("cancellation signal")
+    );
+    assert_eq!(store.run(&run_id).unwrap().state, RunState::Running);
+    assert_eq!(
+        store.lease(&run_id).unwrap(),
+        None,
+        "released when the call returned"
+    );
+}
+
+#[test]
+fn no_model_call_after_the_lease_is_lost() {
+    let db = TempStore::new();
+    let tool = RecordingTool::new("first").behaviour(Behaviour::Block);
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("c1", "first", json!({}))]),
+        ModelResponse::answer("done"),
+    ]);
+    let agent = Agent::new(model.clone()).tool(tool.clone());
+    let (store, path, probe) = (db.open(), db.path(), tool.clone());
+    let result = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let call = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        call.await.unwrap()
+    });
+
+    assert!(
+        matches!(&result, Err(Error::LeaseLost { .. })),
+        "{result:?}"
+    );
+    assert_eq!(
+        model.calls(),
+        1,
+        "the second model call was never dispatched"
+    );
+    let events = db.open().events(&RunId::from("r1")).unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::ModelStarted)
+            .count(),
+        1
+    );
+}
+
+#[test]
+fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call_and_the_new_owner_reconciles_once() {
+    let db = TempStore::new();
+    // The charge cannot be recalled once begun; its hook asks the (shared) side-effect log.
+    let charge = RecordingTool::new("charge")
+        .behaviour(Behaviour::BlockIgnoringCancel)
+        .reconcile_hook(ReconcileHook::FromLog);
+    let notify = RecordingTool::new("notify");
+    let agent = || {
+        Agent::new(two_calls("charge", "notify"))
+            .tool(charge.clone())
+            .tool(notify.clone())
+    };
+    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
+    let (agent_a, agent_b) = (agent(), agent());
+    let (first, second, owner_a) = with_system(|| async move {
+        let a = supervisor(store_a, fast_lease(), agent_a);
+        let call_a = start_and_let_the_lease_lapse(&a, &path, &probe).await;
+        let owner_a = lease_of(path.clone(), "r1")
+            .await
+            .expect("stale, not released")
+            .owner;
+
+        // Another supervisor takes the run over while the first one's charge still runs.
+        let b = supervisor(store_b, fast_lease(), agent_b);
+        let second = resume_when_free(&b, &RunId::from("r1"), PATIENCE).await;
+
+        // The first loop's charge returns now: its outcome is not written, and it stops.
+        probe.release();
+        (call_a.await.unwrap(), second, owner_a)
+    });
+
+    assert!(
+        matches!(&first, Err(Error::LeaseLost { .. })),
+        "the first call lost its lease: {first:?}"
+    );
+    assert_eq!(
+        second.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+    assert_eq!(charge.executions().len(), 1, "the charge ran once");
+    assert_eq!(
+        notify.executions().len(),
+        1,
+        "notify ran once, under the new owner"
+    );
+    let store = db.open();
+    let events = store.events(&RunId::from("r1")).unwrap();
+    let of = |kind: EventKind, step: u32| {
+        events
+            .iter()
+            .filter(|e| e.kind == kind && e.step == Some(step))
+            .count()
+    };
+    assert_eq!(of(EventKind::ToolStarted, 2), 1);
+    assert_eq!(of(EventKind::StepInterrupted, 2), 1);
+    assert_eq!(of(EventKind::StepReconciled, 2), 1);
+    let finished: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::ToolFinished && e.step == Some(2))
+        .collect();
+    assert_eq!(
+        finished.len(),
+        1,
+        "the first owner's late outcome was not written"
+    );
+    assert_eq!(finished[0].payload["reconciled"], json!(true));
+    let taken = events
+        .iter()
+        .find(|e| e.kind == EventKind::LeaseTakenOver)
+        .unwrap();
+    assert_eq!(taken.payload["previous_owner"], json!(owner_a));
+    assert_ne!(taken.payload["new_owner"], json!(owner_a));
+    assert_no_run_leased(&store);
+}
+
+#[test]
+fn a_second_start_or_resume_of_a_run_this_supervisor_executes_is_refused_naming_its_own_owner() {
+    let db = TempStore::new();
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
+    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let (resumed, started, lease, events_during, events_after) = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        let lease = lease_of(path.clone(), "r1").await.unwrap();
+        let events_during = Store::open(&path)
+            .unwrap()
+            .events(&RunId::from("r1"))
+            .unwrap()
+            .len();
+        let resumed = sup.send(ResumeRun::new("r1")).await.unwrap();
+        let started = sup
+            .send(StartRun::new("a", json!({})).with_id("r1"))
+            .await
+            .unwrap();
+        let events_after = Store::open(&path)
+            .unwrap()
+            .events(&RunId::from("r1"))
+            .unwrap()
+            .len();
+        probe.release();
+        probe.release();
+        call.await.unwrap().unwrap();
+        (resumed, started, lease, events_during, events_after)
+    });
+    for refused in [resumed, started] {
+        let err = refused.unwrap_err();
+        assert!(err.is_run_state(), "{err}");
+        assert!(
+            matches!(&err, Error::RunLeased { owner, .. } if *owner == lease.owner),
+            "{err}"
+        );
+    }
+    assert_eq!(events_during, events_after, "nothing was written");
+    assert_eq!(slow.executions().len(), 2);
+}
+
+#[test]
+fn a_live_lease_of_another_supervisor_is_refused_without_reading_the_clock_or_writing() {
+    let db = TempStore::new();
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let agent = || Agent::new(two_calls("slow", "slow")).tool(slow.clone());
+    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), slow.clone());
+    let (agent_a, agent_b) = (agent(), agent());
+    let clock = CountingClock::default();
+    let clock_b = clock.clone();
+    let (refused, owner, before, after) = with_system(|| async move {
+        let a = supervisor(store_a, fast_lease().lease_owner("replica-a"), agent_a);
+        let call = a.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        let owner = lease_of(path.clone(), "r1").await.unwrap().owner;
+        let before = Store::open(&path)
+            .unwrap()
+            .events(&RunId::from("r1"))
+            .unwrap();
+        let b = supervisor(store_b, fast_lease().clock(clock_b), agent_b);
+        let refused = b.send(ResumeRun::new("r1")).await.unwrap();
+        let after = Store::open(&path)
+            .unwrap()
+            .events(&RunId::from("r1"))
+            .unwrap();
+        probe.release();
+        probe.release();
+        call.await.unwrap().unwrap();
+        (refused, owner, before, after)
+    });
+    let err = refused.unwrap_err();
+    let Error::RunLeased {
+        owner: leased_by,
+        expires_at,
+        ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!(*leased_by, owner);
+    assert!(
+        owner.starts_with("replica-a/") && owner.len() == "replica-a/".len() + 12,
+        "{owner}"
+    );
+    assert!(*expires_at > SystemTime::now() - PATIENCE);
+    assert!(err.is_run_state());
+    assert_eq!(clock.reads(), 0, "a refused resume reads no time");
+    assert_eq!(before, after, "and writes nothing");
+}
+
+#[test]
+fn an_operators_cancel_releases_the_lease_and_the_loop_stops_at_its_next_write() {
+    let db = TempStore::new();
+    let first = RecordingTool::new("first").behaviour(Behaviour::BlockIgnoringCancel);
+    let second = RecordingTool::new("second");
+    let agent = Agent::new(two_calls("first", "second"))
+        .tool(first.clone())
+        .tool(second.clone());
+    let (store, operator_store, path, probe) = (db.open(), db.open(), db.path(), first.clone());
+    let (outcome, lease_after_cancel, lost) = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let log = LeaseLostLog::new();
+        sup.send(SubscribeLeaseLost(log.recipient())).await.unwrap();
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        // The operator works through another supervisor that executes nothing: no lease needed.
+        let operator = Supervisor::builder(operator_store).start().unwrap();
+        operator
+            .send(CancelRun::new("r1", "wrong customer"))
+            .await
+            .unwrap()
+            .unwrap();
+        let lease_after_cancel = lease_of(path.clone(), "r1").await;
+        // The executing supervisor learns it at its next renewal.
+        log.wait_for(1).await;
+        probe.release();
+        (call.await.unwrap(), lease_after_cancel, log.seen())
+    });
+
+    assert_eq!(lease_after_cancel, None);
+    assert_eq!(lost[0].reason, LeaseLostReason::ReleasedOrCancelled);
+    assert_eq!(
+        outcome.unwrap().outcome,
+        Outcome::Cancelled {
+            reason: "wrong customer".into()
+        }
+    );
+    assert!(second.executions().is_empty());
+    let events = db.open().events(&RunId::from("r1")).unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.kind, last.payload["late"].clone()),
+        (EventKind::ToolFinished, json!(true))
+    );
+    assert_no_run_leased(&db.open());
+}
+
+#[test]
+fn on_a_memory_store_renewals_go_through_its_one_connection() {
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let store = Store::in_memory().unwrap();
+    let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
+    let probe = slow.clone();
+    let (outcome, renewed) = with_system(|| async move {
+        let sup = supervisor(store.clone(), fast_lease(), agent);
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        let read = |store: Store| async move {
+            actix_rt::task::spawn_blocking(move || {
+                store.lease(&RunId::from("r1")).unwrap().unwrap()
+            })
+            .await
+            .unwrap()
+        };
+        let first = read(store.clone()).await;
+        // Held past its first expiry: renewed, though the database has a single connection.
+        let deadline = SystemTime::now() + PATIENCE;
+        let renewed = loop {
+            let now = read(store.clone()).await;
+            if SystemTime::now() > first.expires_at && now.expires_at > SystemTime::now() {
+                break now.expires_at > first.expires_at;
+            }
+            assert!(SystemTime::now() < deadline, "not renewed");
+            actix_rt::time::sleep(TTL / 10).await;
+        };
+        probe.release();
+        probe.release();
+        (call.await.unwrap(), renewed)
+    });
+    assert!(renewed);
+    assert_eq!(
+        outcome.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+}
+
+#[test]
+fn two_supervisors_with_the_same_lease_owner_sweeping_racing_resumes_never_run_a_step_twice() {
+    const RUNS: usize = 12;
+    let db = TempStore::new();
+    let charge = RecordingTool::new("charge")
+        .behaviour(Behaviour::Block)
+        .reconcile_hook(ReconcileHook::FromLog);
+    let notify = RecordingTool::new("notify").reconcile_hook(ReconcileHook::FromLog);
+    let agent = || {
+        Agent::new(two_calls("charge", "notify"))
+            .tool(charge.clone())
+            .tool(notify.clone())
+    };
+
+    // A first process starts every run and dies with each one's charge in flight.
+    let (store, a, probe) = (db.open(), agent(), charge.clone());
+    with_system(|| async move {
+        let sup = supervisor(store, fast_lease().lease_owner("replica"), a);
+        for i in 0..RUNS {
+            actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id(format!("r{i}"))));
+        }
+        probe.wait_executions(RUNS).await;
+    });
+    charge.set_behaviour(Behaviour::Sleep(Duration::from_millis(2)));
+
+    // Two replicas under the same name sweep all runs, racing on each.
+    let sweepers: Vec<_> = (0..2)
+        .map(|replica| {
+            let (store, agent) = (db.open(), agent());
+            std::thread::spawn(move || {
+                with_system(|| async move {
+                    let sup = supervisor(store, fast_lease().lease_owner("replica"), agent);
+                    let deadline = SystemTime::now() + PATIENCE * 3;
+                    let mut pending: Vec<usize> = (0..RUNS).collect();
+                    if replica == 1 {
+                        pending.reverse();
+                    }
+                    let mut leased = 0;
+                    while !pending.is_empty() {
+                        assert!(SystemTime::now() < deadline, "runs left: {pending:?}");
+                        let mut still = Vec::new();
+                        for i in pending {
+                            match sup.send(ResumeRun::new(format!("r{i}"))).await.unwrap() {
+                                Ok(_) => {}
+                                // Finished by the other replica meanwhile.
+                                Err(Error::RunState { state, .. }) if state.is_finished() => {}
+                                Err(Error::RunLeased { .. }) => {
+                                    leased += 1;
+                                    still.push(i);
+                                }
+                                Err(err) => panic!("r{i}: {err}"),
+                            }
+                        }
+                        pending = still;
+                        if !pending.is_empty() {
+                            actix_rt::time::sleep(TTL / 3).await;
+                        }
+                    }
+                    leased
+                })
+            })
+        })
+        .collect();
+    let leased: usize = sweepers.into_iter().map(|s| s.join().unwrap()).sum();
+    println!("resumes refused with RunLeased: {leased}");
+
+    let store = db.open();
+    for i in 0..RUNS {
+        let run_id = RunId::from(format!("r{i}").as_str());
+        assert_eq!(
+            store.run(&run_id).unwrap().state,
+            RunState::Succeeded,
+            "r{i}"
+        );
+        let events = store.events(&run_id).unwrap();
+        let count = |kind| events.iter().filter(|e| e.kind == kind).count();
+        assert_eq!(count(EventKind::StepInterrupted), 1, "r{i}");
+        assert_eq!(count(EventKind::StepReconciled), 1, "r{i}");
+        assert_eq!(count(EventKind::LeaseTakenOver), 1, "r{i}");
+    }
+    // Every side effect ran exactly once: the interrupted charges were found applied.
+    for tool in [&charge, &notify] {
+        let mut keys: Vec<String> = tool
+            .executions()
+            .into_iter()
+            .map(|e| e.idempotency_key)
+            .collect();
+        let total = keys.len();
+        keys.sort();
+        keys.dedup();
+        assert_eq!((keys.len(), total), (RUNS, RUNS));
+    }
+    assert_no_run_leased(&store);
+}

@@ -10,6 +10,11 @@ mod store;
 pub mod testkit;
 mod types;
 
+// The examples in docs/ compile as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/lease.md")]
+mod lease_md {}
+
 pub use actors::{
     lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},
     supervisor::{

@@ -453,3 +453,34 @@ impl Handler<HeldLeases> for Supervisor {
         Box::pin(async move { held.await.unwrap_or_default() })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_owner_is_the_name_a_slash_and_twelve_random_hex_characters() {
+        let owner = lease_owner(Some("billing@host-3"));
+        let suffix = owner
+            .strip_prefix("billing@host-3/")
+            .expect("the name comes first");
+        assert_eq!(suffix.len(), 12);
+        assert!(suffix.chars().all(|c| c.is_ascii_hexdigit()));
+        let bare = lease_owner(None);
+        assert_eq!(bare.len(), 12);
+        assert_ne!(
+            lease_owner(Some("x")),
+            lease_owner(Some("x")),
+            "drawn anew for each supervisor"
+        );
+    }
+
+    #[test]
+    fn a_zero_ttl_means_the_default() {
+        assert_eq!(
+            Config::default().lease_ttl(Duration::ZERO).effective_ttl(),
+            DEFAULT_LEASE_TTL
+        );
+        assert_eq!(Config::default().effective_ttl(), Duration::from_secs(30));
+    }
+}

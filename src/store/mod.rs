@@ -428,6 +428,33 @@ mod tests {
     }
 
     #[test]
+    fn the_renewal_connection_is_hardened_like_every_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        let conn = store
+            .renewal_connection(Duration::from_millis(100))
+            .unwrap()
+            .expect("a file store has one");
+        let trusted: i64 = conn
+            .pragma_query_value(None, "trusted_schema", |r| r.get(0))
+            .unwrap();
+        assert_eq!(trusted, 0);
+        assert!(conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).unwrap());
+        assert!(
+            !conn
+                .db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA)
+                .unwrap()
+        );
+        assert!(
+            Store::in_memory()
+                .unwrap()
+                .renewal_connection(Duration::from_millis(100))
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[test]
     fn the_reader_cannot_write() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("db.sqlite")).unwrap();

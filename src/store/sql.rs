@@ -1564,3 +1564,141 @@ pub(crate) fn pending_calls(conn: &Connection, run_id: &RunId) -> Result<Vec<Pen
         })
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{clock::SystemClock, store::Store};
+
+    fn holder(owner: &str, ttl_ms: u64) -> Holder {
+        Holder {
+            owner: owner.into(),
+            ttl: Duration::from_millis(ttl_ms),
+        }
+    }
+
+    /// A store with run `r` RUNNING under `owner`, whose lease expired `ago_ms` ago.
+    fn run_with_lapsed_lease(owner: &Holder, ago_ms: i64) -> (Store, RunId) {
+        let store = Store::in_memory().unwrap();
+        let run_id = RunId::from("r");
+        store
+            .transact(&SystemClock, |tx, now| {
+                create_run(tx, now, &run_id, "a", &json!({}), owner)
+            })
+            .unwrap();
+        store
+            .read(|conn| {
+                conn.execute(
+                    "UPDATE runs SET lease_expires_at = ?1",
+                    [wall_millis() - ago_ms],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        (store, run_id)
+    }
+
+    #[test]
+    fn moves_that_start_a_side_effect_need_an_unexpired_lease() {
+        let me = holder("me/000000000001", 30_000);
+        let (store, run_id) = run_with_lapsed_lease(&me, 1);
+        let err = store
+            .transact(&SystemClock, |tx, now| {
+                begin_model_step(tx, now, &run_id, &me, 1)
+            })
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::LeaseLost {
+                    reason: LeaseLostReason::Expired,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // A move that starts nothing only needs the lease held: nobody took it over.
+        store
+            .transact(&SystemClock, |tx, now| {
+                fail_run(tx, now, &run_id, &me, "stop")
+            })
+            .unwrap();
+        assert_eq!(
+            lease(&store.connection(), &run_id).unwrap(),
+            None,
+            "finishing released it"
+        );
+    }
+
+    #[test]
+    fn another_owners_live_lease_refuses_a_takeover_and_an_expired_one_is_taken_over() {
+        let them = holder("them/000000000002", 30_000);
+        let me = holder("me/000000000001", 30_000);
+        let store = Store::in_memory().unwrap();
+        let run_id = RunId::from("r");
+        store
+            .transact(&SystemClock, |tx, now| {
+                create_run(tx, now, &run_id, "a", &json!({}), &them)
+            })
+            .unwrap();
+        let err = store
+            .transact(&SystemClock, |tx, now| take_over(tx, now, &run_id, &me))
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::RunLeased { owner, .. } if owner == "them/000000000002"),
+            "{err}"
+        );
+
+        let (store, run_id) = run_with_lapsed_lease(&them, 1);
+        let (interrupted, _) = store
+            .transact(&SystemClock, |tx, now| take_over(tx, now, &run_id, &me))
+            .unwrap();
+        assert!(interrupted.is_empty());
+        let stored = lease(&store.connection(), &run_id).unwrap().unwrap();
+        assert_eq!(stored.owner, "me/000000000001");
+        let kinds: Vec<EventKind> = events(&store.connection(), &run_id)
+            .unwrap()
+            .iter()
+            .map(|e| e.kind)
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                EventKind::RunStarted,
+                EventKind::RunResumed,
+                EventKind::LeaseTakenOver
+            ]
+        );
+    }
+
+    #[test]
+    fn a_renewal_is_one_compare_and_set_on_the_owner_that_skips_expired_and_foreign_leases() {
+        let me = holder("me/000000000001", 30_000);
+        let store = Store::in_memory().unwrap();
+        let ids: Vec<RunId> = (0..3).map(|i| RunId::from(format!("r{i}"))).collect();
+        for id in &ids {
+            store
+                .transact(&SystemClock, |tx, now| {
+                    create_run(tx, now, id, "a", &json!({}), &me)
+                })
+                .unwrap();
+        }
+        store
+            .read(|conn| {
+                conn.execute("UPDATE runs SET lease_expires_at = 1 WHERE id = 'r1'", [])?;
+                conn.execute("UPDATE runs SET lease_owner = 'them' WHERE id = 'r2'", [])?;
+                Ok(())
+            })
+            .unwrap();
+        let renewal = store
+            .read(|conn| renew(conn, &me.owner, &ids, me.ttl))
+            .unwrap();
+        assert_eq!(renewal.renewed, [RunId::from("r0")]);
+        let missing: Vec<&str> = renewal.missing.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(missing, ["r1", "r2"]);
+        assert_eq!(
+            renewal.missing[1].1.as_ref().unwrap().owner.as_deref(),
+            Some("them")
+        );
+    }
+}

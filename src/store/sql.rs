@@ -318,6 +318,52 @@ fn move_step(
     })
 }
 
+/// Finishes a step (with its result, if any) from the state and attempt its executor saw.
+fn close_step(
+    tx: &Transaction<'_>,
+    run_id: &RunId,
+    step: u32,
+    from: StepState,
+    attempt: u32,
+    result: Option<&Value>,
+) -> Result<()> {
+    move_step(
+        tx,
+        run_id,
+        step,
+        from,
+        attempt,
+        StepState::Finished,
+        false,
+        result,
+        None,
+    )
+}
+
+/// Starts the next attempt of a tool step and writes its `step.tool_started`.
+fn start_tool_attempt(
+    tx: &Transaction<'_>,
+    now: &mut Now<'_>,
+    run_id: &RunId,
+    step: u32,
+    from: StepState,
+    attempt: u32,
+    call: &ToolCall,
+) -> Result<()> {
+    move_step(
+        tx,
+        run_id,
+        step,
+        from,
+        attempt,
+        StepState::InFlight,
+        true,
+        None,
+        None,
+    )?;
+    tool_started(tx, now, run_id, step, call, attempt + 1)
+}
+
 /// Appends one event: its sequence number is the run's last plus one, inside the move's
 /// transaction, so the log has no gaps.
 fn append(
@@ -465,17 +511,7 @@ pub(crate) fn finish_model_step(
     )?;
     let response = match outcome {
         ModelOutcome::Failed(error) => {
-            move_step(
-                tx,
-                run_id,
-                step,
-                StepState::InFlight,
-                attempt,
-                StepState::Finished,
-                false,
-                None,
-                None,
-            )?;
+            close_step(tx, run_id, step, StepState::InFlight, attempt, None)?;
             append(
                 tx,
                 now,
@@ -539,16 +575,13 @@ pub(crate) fn finish_model_step(
         });
     }
     let recorded_json = serde_json::to_value(&recorded).expect("a response serializes");
-    move_step(
+    close_step(
         tx,
         run_id,
         step,
         StepState::InFlight,
         attempt,
-        StepState::Finished,
-        false,
         Some(&recorded_json),
-        None,
     )?;
     append(
         tx,
@@ -734,34 +767,13 @@ fn apply_decision(
 ) -> Result<()> {
     match decision {
         ToolDecision::Allow { .. } => {
-            move_step(
-                tx,
-                run_id,
-                step,
-                from,
-                attempt,
-                StepState::InFlight,
-                true,
-                None,
-                None,
-            )?;
-            tool_started(tx, now, run_id, step, call, attempt + 1)
+            start_tool_attempt(tx, now, run_id, step, from, attempt, call)
         }
         ToolDecision::Deny { reason: why, .. } => {
             let result =
                 serde_json::to_value(ToolResult::Error(format!("the call was denied: {why}")))
                     .unwrap();
-            move_step(
-                tx,
-                run_id,
-                step,
-                from,
-                attempt,
-                StepState::Finished,
-                false,
-                Some(&result),
-                None,
-            )?;
+            close_step(tx, run_id, step, from, attempt, Some(&result))?;
             if attempt > 0 {
                 // An attempt ran before (and was interrupted): close the step in the log too.
                 append(
@@ -819,17 +831,7 @@ pub(crate) fn reject_tool(
         "a tool call cannot be rejected",
     )?;
     let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
-    move_step(
-        tx,
-        run_id,
-        step,
-        StepState::Pending,
-        0,
-        StepState::Finished,
-        false,
-        Some(&result),
-        None,
-    )?;
+    close_step(tx, run_id, step, StepState::Pending, 0, Some(&result))?;
     append(
         tx,
         now,
@@ -865,16 +867,13 @@ pub(crate) fn finish_tool(
         Err(err) => return Err(err),
     };
     let result_json = serde_json::to_value(result).unwrap();
-    move_step(
+    close_step(
         tx,
         run_id,
         step,
         StepState::InFlight,
         attempt,
-        StepState::Finished,
-        false,
         Some(&result_json),
-        None,
     )?;
     let mut payload = json!({ "call_id": call_id, "attempt": attempt });
     match result {
@@ -1120,17 +1119,7 @@ pub(crate) fn reconcile(
         }
         (Resolution::Applied(output), Some(call)) => {
             let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
-            move_step(
-                tx,
-                run_id,
-                step,
-                from,
-                attempt,
-                StepState::Finished,
-                false,
-                Some(&result),
-                None,
-            )?;
+            close_step(tx, run_id, step, from, attempt, Some(&result))?;
             append(
                 tx,
                 now,
@@ -1141,18 +1130,7 @@ pub(crate) fn reconcile(
             )
         }
         (Resolution::Retry { .. }, Some(call)) => {
-            move_step(
-                tx,
-                run_id,
-                step,
-                from,
-                attempt,
-                StepState::InFlight,
-                true,
-                None,
-                None,
-            )?;
-            tool_started(tx, now, run_id, step, call, attempt + 1)
+            start_tool_attempt(tx, now, run_id, step, from, attempt, call)
         }
         (Resolution::AwaitApproval { .. }, Some(call)) => {
             let decision = ToolDecision::RequireApproval {

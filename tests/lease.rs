@@ -312,8 +312,18 @@ fn no_model_call_after_the_lease_is_lost() {
     );
 }
 
-#[test]
-fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call_and_the_new_owner_reconciles_once() {
+/// What happened when supervisor A's lease lapsed mid-charge and supervisor B took the run
+/// over while A's charge still ran.
+struct Takeover {
+    first: agentrt::Result<RunOutcome>,
+    second: agentrt::Result<RunOutcome>,
+    owner_a: String,
+    charge: RecordingTool,
+    notify: RecordingTool,
+    db: TempStore,
+}
+
+fn lapse_then_take_over() -> Takeover {
     let db = TempStore::new();
     // The charge cannot be recalled once begun; its hook asks the (shared) side-effect log.
     let charge = RecordingTool::new("charge")
@@ -339,11 +349,28 @@ fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call_and_the_new_owner
         let b = supervisor(store_b, fast_lease(), agent_b);
         let second = resume_when_free(&b, &RunId::from("r1"), PATIENCE).await;
 
-        // The first loop's charge returns now: its outcome is not written, and it stops.
+        // The first loop's charge returns only now.
         probe.release();
         (call_a.await.unwrap(), second, owner_a)
     });
+    Takeover {
+        first,
+        second,
+        owner_a,
+        charge,
+        notify,
+        db,
+    }
+}
 
+#[test]
+fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call() {
+    let Takeover {
+        first,
+        second,
+        notify,
+        ..
+    } = lapse_then_take_over();
     assert!(
         matches!(&first, Err(Error::LeaseLost { .. })),
         "the first call lost its lease: {first:?}"
@@ -354,12 +381,19 @@ fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call_and_the_new_owner
             output: "done".into()
         }
     );
+    let executions = notify.executions();
+    assert_eq!(executions.len(), 1, "notify ran once, under the new owner");
+}
+
+#[test]
+fn an_expired_lease_is_taken_over_and_reconciled_once() {
+    let Takeover {
+        owner_a,
+        charge,
+        db,
+        ..
+    } = lapse_then_take_over();
     assert_eq!(charge.executions().len(), 1, "the charge ran once");
-    assert_eq!(
-        notify.executions().len(),
-        1,
-        "notify ran once, under the new owner"
-    );
     let store = db.open();
     let events = store.events(&RunId::from("r1")).unwrap();
     let of = |kind: EventKind, step: u32| {
@@ -388,6 +422,46 @@ fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call_and_the_new_owner
     assert_eq!(taken.payload["previous_owner"], json!(owner_a));
     assert_ne!(taken.payload["new_owner"], json!(owner_a));
     assert_no_run_leased(&store);
+}
+
+#[test]
+fn a_call_that_returns_with_an_error_releases_its_lease() {
+    let db = TempStore::new();
+    let boom = RecordingTool::new("boom").behaviour(Behaviour::Panic);
+    let agent = || {
+        let model = ScriptedModel::new(vec![ModelResponse::calls(vec![ToolCall::new(
+            "c1",
+            "boom",
+            json!({}),
+        )])]);
+        Agent::new(model).tool(boom.clone())
+    };
+    let (store, other, agent_a, agent_b) = (db.open(), db.open(), agent(), agent());
+    // The default TTL (30 s): had the lease not been released, the resume below would be
+    // refused with RunLeased for that long.
+    let (failed, lease_after, resumed) = with_system(|| async move {
+        let a = supervisor(store, Config::default(), agent_a);
+        let failed = a
+            .send(StartRun::new("a", json!({})).with_id("r1"))
+            .await
+            .unwrap();
+        let lease_after = lease_of(db.path(), "r1").await;
+        let b = supervisor(other, Config::default(), agent_b);
+        (
+            failed,
+            lease_after,
+            b.send(ResumeRun::new("r1")).await.unwrap(),
+        )
+    });
+    assert!(matches!(failed, Err(Error::Panicked { .. })), "{failed:?}");
+    assert_eq!(lease_after, None);
+    // Taken over at once; the panicked call is reconciled (no hook, not idempotent: a person
+    // decides).
+    let resumed = resumed.unwrap();
+    assert!(
+        matches!(resumed.outcome, Outcome::WaitingForApproval { .. }),
+        "{resumed:?}"
+    );
 }
 
 #[test]

@@ -17,6 +17,7 @@ mod lease_md {}
 
 pub use actors::{
     lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},
+    store::{MoveInfo, MoveObserver},
     supervisor::{
         CancelRun, Config, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent, ResumeRun, StartRun,
         Supervisor, SupervisorBuilder,

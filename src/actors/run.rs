@@ -198,7 +198,7 @@ impl RunLoop {
                     input.clone(),
                     env.holder.clone(),
                 );
-                let create = ApplyMove::new("create_run", move |tx, now| {
+                let create = ApplyMove::new("create_run", &run_id, move |tx, now| {
                     sql::create_run(tx, now, &id, &name, &value, &holder)
                 });
                 let expires_at = send(&env.store, create).await?;
@@ -222,7 +222,7 @@ impl RunLoop {
                     }
                     RunState::Running => {
                         let (id, holder) = (run_id.clone(), env.holder.clone());
-                        let take = ApplyMove::new("take_over", move |tx, now| {
+                        let take = ApplyMove::new("take_over", &run_id, move |tx, now| {
                             sql::take_over(tx, now, &id, &holder)
                         });
                         let (interrupted, expires_at) = send(&env.store, take).await?;
@@ -388,7 +388,9 @@ impl RunLoop {
         let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
         send(
             &self.env.store,
-            ApplyMove::new(name, move |tx, now| apply(tx, now, &run_id, &holder)),
+            ApplyMove::new(name, &self.run_id, move |tx, now| {
+                apply(tx, now, &run_id, &holder)
+            }),
         )
         .await
     }

@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::{
     lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
-    store::{ApplyMove, ReadState, StoreActor},
+    store::{ApplyMove, MoveObserver, ReadState, StoreActor},
 };
 use crate::{
     agent::{Agent, Cancellation},
@@ -46,6 +46,9 @@ pub struct Config {
     /// It is how long a crashed process blocks the resume of its runs; renewals run every
     /// third of it.
     pub lease_ttl: Duration,
+    /// Told of every move the supervisor's store actor applies, before and after; none by
+    /// default.
+    pub observer: Option<Arc<dyn MoveObserver>>,
 }
 
 impl Default for Config {
@@ -54,6 +57,7 @@ impl Default for Config {
             clock: Arc::new(SystemClock),
             lease_owner: None,
             lease_ttl: DEFAULT_LEASE_TTL,
+            observer: None,
         }
     }
 }
@@ -68,6 +72,12 @@ impl Config {
     /// Names the lease owner (a random suffix is appended).
     pub fn lease_owner(mut self, name: impl Into<String>) -> Self {
         self.lease_owner = Some(name.into());
+        self
+    }
+
+    /// Sets the move observer.
+    pub fn observer(mut self, observer: impl MoveObserver) -> Self {
+        self.observer = Some(Arc::new(observer));
         self
     }
 
@@ -152,7 +162,11 @@ impl SupervisorBuilder {
             owner: lease_owner(self.config.lease_owner.as_deref()).into(),
             ttl,
         };
-        let store_actor = StoreActor::start(self.store.clone(), self.config.clock.clone());
+        let store_actor = StoreActor::start(
+            self.store.clone(),
+            self.config.clock.clone(),
+            self.config.observer.clone(),
+        );
         // A renewal waits for a busy database at most one period, so a stalled tick cannot
         // outlive the lease it renews.
         let renewer = match self.store.renewal_connection(LeaseKeeper::period(ttl))? {
@@ -377,11 +391,11 @@ impl Handler<CancelRun> for Supervisor {
     fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
         let CancelRun { run_id, reason } = msg;
         let id = run_id.clone();
-        let cancel = self
-            .store_actor
-            .send(ApplyMove::new("cancel_run", move |tx, now| {
-                sql::cancel_run(tx, now, &id, &reason)
-            }));
+        let cancel =
+            self.store_actor
+                .send(ApplyMove::new("cancel_run", &run_id, move |tx, now| {
+                    sql::cancel_run(tx, now, &id, &reason)
+                }));
         Box::pin(async move { cancel.await? }.into_actor(self).map(
             move |result, this: &mut Supervisor, _| {
                 if result.is_ok() {
@@ -407,11 +421,12 @@ impl Handler<RecordApproval> for Supervisor {
 
     fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
-        let record = self
-            .store_actor
-            .send(ApplyMove::new("record_approval", move |tx, now| {
-                sql::record_approval(tx, now, &approval)
-            }));
+        let run_id = approval.run_id.clone();
+        let record = self.store_actor.send(ApplyMove::new(
+            "record_approval",
+            &run_id,
+            move |tx, now| sql::record_approval(tx, now, &approval),
+        ));
         Box::pin(async move { record.await? }.into_actor(self))
     }
 }

@@ -8,88 +8,18 @@
 //! cargo run --example quickstart
 //! ```
 
-use agentrt::{
-    Agent, Approval, Message, Model, ModelError, ModelRequest, ModelResponse, Outcome,
-    RecordApproval, RequireApprovalFor, ResumeRun, StartRun, Store, Supervisor, Tool, ToolCall,
-    ToolContext, ToolError, async_trait,
-};
-use serde_json::{Value, json};
+use agentrt::{Approval, Outcome, RecordApproval, ResumeRun, StartRun, Store, Supervisor};
+use serde_json::json;
 
-/// Plays the model's part from a fixed script: look up, then email, then answer.
-struct ScriptedSupportModel;
-
-#[async_trait(?Send)]
-impl Model for ScriptedSupportModel {
-    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let turn = request
-            .messages
-            .iter()
-            .filter(|m| matches!(m, Message::Assistant(_)))
-            .count();
-        let customer = request.input["customer"].as_str().unwrap_or("unknown");
-        Ok(match turn {
-            0 => ModelResponse::calls(vec![ToolCall::new(
-                "lookup-1",
-                "lookup_customer",
-                json!({ "id": customer }),
-            )]),
-            1 => ModelResponse::calls(vec![ToolCall::new(
-                "email-1",
-                "send_email",
-                json!({ "to": format!("{customer}@example.com"), "subject": "Your refund" }),
-            )]),
-            _ => ModelResponse::answer(format!("Refund confirmed and {customer} was emailed.")),
-        })
-    }
-}
-
-/// A read-only lookup: no approval needed.
-struct LookupCustomer;
-
-#[async_trait(?Send)]
-impl Tool for LookupCustomer {
-    fn name(&self) -> &str {
-        "lookup_customer"
-    }
-
-    fn idempotent(&self) -> bool {
-        true
-    }
-
-    async fn call(&self, _: &ToolContext, args: &Value) -> Result<Value, ToolError> {
-        Ok(json!({ "id": args["id"], "plan": "pro", "refund_eligible": true }))
-    }
-}
-
-/// A side effect in the world: the policy makes it wait for a person.
-struct SendEmail;
-
-#[async_trait(?Send)]
-impl Tool for SendEmail {
-    fn name(&self) -> &str {
-        "send_email"
-    }
-
-    async fn call(&self, ctx: &ToolContext, args: &Value) -> Result<Value, ToolError> {
-        // A real tool passes ctx.idempotency_key to the email API, so a retry sends nothing twice.
-        println!(
-            "  (sending an email to {} with idempotency key {})",
-            args["to"], ctx.idempotency_key
-        );
-        Ok(json!({ "sent": true }))
-    }
-}
+#[path = "support/quickstart_agent.rs"]
+mod quickstart_agent;
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::current_dir()?.join("agentrt-quickstart.db");
     let store = Store::open(&path)?;
-    let agent = Agent::new(ScriptedSupportModel)
-        .tool(LookupCustomer)
-        .tool(SendEmail)
-        .policy(RequireApprovalFor::tools(["send_email"]));
     let supervisor = Supervisor::builder(store.clone())
-        .agent("support", agent)
+        .agent("support", quickstart_agent::agent())
         .start()?;
 
     let reply = supervisor

@@ -22,6 +22,10 @@
 //! assert_eq!(lookup.executions().len(), 1);
 //! ```
 
+mod explorer;
+
+pub use explorer::{CaseReport, CrashPoint, Exploration, Explorer, check_invariants};
+
 use std::{
     future::Future,
     path::{Path, PathBuf},

@@ -1,0 +1,549 @@
+//! The crash-point explorer: crash a run at every move, resume it, and check that nothing ran
+//! twice without a reconciliation saying so, and that nothing was lost.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use serde_json::Value;
+use tokio::sync::watch;
+
+use super::{TempStore, resume_when_free, with_system};
+use crate::{
+    Agent, Approval, Config, Error, Event, EventKind, MoveInfo, MoveObserver, Outcome, PendingCall,
+    Reconciliation, RecordApproval, Result, RunId, RunOutcome, RunState, StartRun, Store,
+    Supervisor, Tool, ToolContext, ToolError, async_trait,
+};
+
+/// The name the explored agent is registered under.
+const AGENT: &str = "explored";
+
+/// Where the supervisor executing the run dies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CrashPoint {
+    /// Right before the k-th move (from 1) is applied: nothing of it is written, and whatever
+    /// happened before it was sent (a tool call, say) has happened.
+    BeforeApply(usize),
+    /// Right after the k-th move commits, before its caller hears of it.
+    AfterCommit(usize),
+}
+
+/// What one crash case did and found.
+#[derive(Debug, Clone)]
+pub struct CaseReport {
+    /// Where it crashed.
+    pub crash: CrashPoint,
+    /// False when the run finished before reaching the crash point.
+    pub crashed: bool,
+    /// The run's final state.
+    pub state: Option<RunState>,
+    /// Tool executions, over the crashed and the recovering supervisors.
+    pub executions: usize,
+    /// The invariants that did not hold; empty when all did.
+    pub violations: Vec<String>,
+}
+
+/// What a whole exploration found.
+#[derive(Debug, Clone)]
+pub struct Exploration {
+    /// The moves of the run without a crash.
+    pub moves: usize,
+    /// One report per crash point.
+    pub cases: Vec<CaseReport>,
+}
+
+impl Exploration {
+    /// The cases that found a violation.
+    pub fn failures(&self) -> Vec<&CaseReport> {
+        self.cases
+            .iter()
+            .filter(|case| !case.violations.is_empty())
+            .collect()
+    }
+
+    /// Panics, listing every violation, unless all invariants held in every case.
+    pub fn assert_holds(&self) {
+        let failures = self.failures();
+        assert!(
+            failures.is_empty(),
+            "{} of {} crash cases broke an invariant: {failures:#?}",
+            failures.len(),
+            self.cases.len()
+        );
+    }
+}
+
+type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
+
+/// Crashes a run at every move and checks the invariants after each resume.
+///
+/// For every k from 1 to the number of moves of an uncrashed run, and for each of
+/// [`CrashPoint::BeforeApply`] and [`CrashPoint::AfterCommit`], it runs the agent on a fresh
+/// database, crashes its supervisor there (the actix system goes away; the store actor's
+/// thread stops where it stands and never writes again), resumes with fresh supervisors
+/// (starting the run again if it was never inserted, approving or denying where asked, waiting
+/// out the dead supervisor's lease) until the run finishes, and checks:
+///
+/// - the run finished;
+/// - each tool call's side effect ran at most as many times as its attempts were started, and
+///   an attempt after the first was started only after a `step.reconciled` chose to run it
+///   again;
+/// - each interrupted step was reconciled exactly once;
+/// - the sequence numbers are gapless, every event is well formed, every started step
+///   finished;
+/// - no run is left leased.
+///
+/// `make_agent` is called once per case: the tools it returns are that case's world (their
+/// state persists from the crashed supervisor to the recovering one, like an external system).
+///
+/// ```
+/// use agentrt::testkit::{Explorer, RecordingTool, ScriptedModel};
+/// use agentrt::{Agent, ModelResponse, ToolCall};
+/// use serde_json::json;
+///
+/// let exploration = Explorer::new(|| {
+///     let model = ScriptedModel::new(vec![
+///         ModelResponse::calls(vec![ToolCall::new("c1", "charge", json!({"cents": 100}))]),
+///         ModelResponse::answer("charged"),
+///     ]);
+///     Agent::new(model).tool(RecordingTool::new("charge").idempotent(true))
+/// })
+/// .explore();
+/// exploration.assert_holds();
+/// assert_eq!(exploration.cases.len(), 2 * exploration.moves);
+/// ```
+pub struct Explorer {
+    make_agent: Box<dyn Fn() -> Agent>,
+    input: Value,
+    ttl: Duration,
+    approve: Approver,
+}
+
+impl Explorer {
+    /// Explores the runs of the agents `make_agent` builds, with input `{}`, approving every
+    /// call that waits for a person.
+    pub fn new(make_agent: impl Fn() -> Agent + 'static) -> Self {
+        Explorer {
+            make_agent: Box::new(make_agent),
+            input: Value::Object(Default::default()),
+            ttl: Duration::from_millis(100),
+            approve: Arc::new(|_| true),
+        }
+    }
+
+    /// The run's input.
+    pub fn input(mut self, input: Value) -> Self {
+        self.input = input;
+        self
+    }
+
+    /// Decides each call that waits for a person: approve (true) or deny.
+    pub fn approve_with(
+        mut self,
+        approve: impl Fn(&PendingCall) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.approve = Arc::new(approve);
+        self
+    }
+
+    /// The lease TTL of the supervisors (100 ms by default): how long each case waits for the
+    /// crashed supervisor's lease to expire.
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Runs the agent once without a crash and counts its committed moves.
+    pub fn count_moves(&self) -> usize {
+        let db = TempStore::new();
+        let counter = MoveCounter::default();
+        let (agent, _) = self.witnessed_agent();
+        let config = self.config().observer(counter.clone());
+        let (input, approve) = (self.input.clone(), self.approve.clone());
+        let store = db.open();
+        let result = with_system(|| async move {
+            let sup = start_supervisor(store, config, agent)?;
+            drive(&sup, &RunId::from(AGENT), input, &approve, true).await
+        });
+        if let Err(err) = result {
+            panic!("the uncrashed run failed: {err}");
+        }
+        counter.committed.load(Ordering::SeqCst)
+    }
+
+    /// Crashes at every move, before it is applied and after it commits.
+    pub fn explore(&self) -> Exploration {
+        let moves = self.count_moves();
+        let cases = (1..=moves)
+            .flat_map(|k| [CrashPoint::BeforeApply(k), CrashPoint::AfterCommit(k)])
+            .map(|crash| self.run_case(crash))
+            .collect();
+        Exploration { moves, cases }
+    }
+
+    /// One case: run until `crash`, crash, recover, check.
+    pub fn run_case(&self, crash: CrashPoint) -> CaseReport {
+        let db = TempStore::new();
+        let run_id = RunId::from(AGENT);
+        let (agent, witness) = self.witnessed_agent();
+        let crasher = Crasher::new(crash);
+
+        // The supervisor that dies.
+        let (store, input, approve) = (db.open(), self.input.clone(), self.approve.clone());
+        let (config, watcher, id, first_agent) = (
+            self.config().observer(crasher.clone()),
+            crasher.clone(),
+            run_id.clone(),
+            agent.clone(),
+        );
+        let crashed = with_system(|| async move {
+            let Ok(sup) = start_supervisor(store, config, first_agent) else {
+                return false;
+            };
+            let mut crashed = watcher.crashed.subscribe();
+            tokio::select! {
+                // The crash point lies beyond the run's last move.
+                _ = drive(&sup, &id, input, &approve, true) => false,
+                _ = crashed.wait_for(|crashed| *crashed) => true,
+            }
+        });
+
+        // Fresh supervisors resume until the run finishes.
+        let mut violations = Vec::new();
+        let (store, input, approve, id) = (
+            db.open(),
+            self.input.clone(),
+            self.approve.clone(),
+            run_id.clone(),
+        );
+        let config = self.config();
+        let recovered = with_system(|| async move {
+            let sup = start_supervisor(store.clone(), config, agent)?;
+            match store.run(&id) {
+                // It finished before the crash: nothing to resume.
+                Ok(run) if run.state.is_finished() => Ok(()),
+                Ok(_) => drive(&sup, &id, input, &approve, false).await.map(drop),
+                // The crash came before the run was inserted: the consumer starts it again.
+                Err(_) => drive(&sup, &id, input, &approve, true).await.map(drop),
+            }
+        });
+        if let Err(err) = recovered {
+            violations.push(format!("the recovery failed: {err}"));
+        }
+        let store = db.open();
+        let executions = witness.executions();
+        violations.extend(check_invariants(&store, &run_id, &executions));
+        CaseReport {
+            crash,
+            crashed,
+            state: store.run(&run_id).ok().map(|run| run.state),
+            executions: executions.len(),
+            violations,
+        }
+    }
+
+    fn config(&self) -> Config {
+        Config::default().lease_ttl(self.ttl)
+    }
+
+    /// A fresh agent whose tools report every execution to the returned witness.
+    fn witnessed_agent(&self) -> (Agent, Witness) {
+        let mut agent = (self.make_agent)();
+        let witness = Witness::default();
+        agent.tools = agent
+            .tools
+            .into_iter()
+            .map(|(name, tool)| {
+                let witnessed: Arc<dyn Tool> = Arc::new(Witnessed {
+                    inner: tool,
+                    witness: witness.clone(),
+                });
+                (name, witnessed)
+            })
+            .collect();
+        (agent, witness)
+    }
+}
+
+fn start_supervisor(store: Store, config: Config, agent: Agent) -> Result<actix::Addr<Supervisor>> {
+    Supervisor::builder(store)
+        .config(config)
+        .agent(AGENT, agent)
+        .start()
+}
+
+/// Drives a run to its end as a consumer would: start it (when `start`) or resume it, decide
+/// every call that waits for a person, wait out leases of dead supervisors.
+async fn drive(
+    sup: &actix::Addr<Supervisor>,
+    run_id: &RunId,
+    input: Value,
+    approve: &Approver,
+    start: bool,
+) -> Result<RunOutcome> {
+    let patience = Duration::from_secs(30);
+    let mut reply = if start {
+        sup.send(StartRun::new(AGENT, input).with_id(run_id.clone()))
+            .await
+            .map_err(|_| Error::StoreUnavailable)?
+    } else {
+        resume_when_free(sup, run_id, patience).await
+    };
+    loop {
+        match reply {
+            Ok(RunOutcome {
+                outcome: Outcome::WaitingForApproval { pending },
+                ..
+            }) => {
+                let approval = if approve(&pending) {
+                    Approval::approve(run_id.clone(), pending.call_id, "explorer")
+                } else {
+                    Approval::deny(run_id.clone(), pending.call_id, "explorer")
+                };
+                sup.send(RecordApproval(approval))
+                    .await
+                    .map_err(|_| Error::StoreUnavailable)??;
+                reply = resume_when_free(sup, run_id, patience).await;
+            }
+            // The loop lost its lease (a stalled machine): a consumer resumes.
+            Err(Error::LeaseLost { .. }) => reply = resume_when_free(sup, run_id, patience).await,
+            other => return other,
+        }
+    }
+}
+
+/// Counts committed moves.
+#[derive(Clone, Default)]
+struct MoveCounter {
+    committed: Arc<AtomicUsize>,
+}
+
+impl MoveObserver for MoveCounter {
+    fn after_commit(&self, _: &MoveInfo) {
+        self.committed.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Stops the store actor's thread for good at the crash point, and says so.
+#[derive(Clone)]
+struct Crasher {
+    at: CrashPoint,
+    applying: Arc<AtomicUsize>,
+    committed: Arc<AtomicUsize>,
+    crashed: Arc<watch::Sender<bool>>,
+}
+
+impl Crasher {
+    fn new(at: CrashPoint) -> Self {
+        Crasher {
+            at,
+            applying: Arc::default(),
+            committed: Arc::default(),
+            crashed: Arc::new(watch::Sender::new(false)),
+        }
+    }
+
+    /// The thread that owns the write connection stops here, as if its process died: it holds
+    /// no transaction, and it never runs again.
+    fn die(&self) -> ! {
+        self.crashed.send_replace(true);
+        loop {
+            std::thread::park();
+        }
+    }
+}
+
+impl MoveObserver for Crasher {
+    fn before_apply(&self, _: &MoveInfo) {
+        let k = self.applying.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.at == CrashPoint::BeforeApply(k) {
+            self.die();
+        }
+    }
+
+    fn after_commit(&self, _: &MoveInfo) {
+        let k = self.committed.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.at == CrashPoint::AfterCommit(k) {
+            self.die();
+        }
+    }
+}
+
+/// The executions of the explored agent's tools: (idempotency key, attempt).
+#[derive(Clone, Default)]
+struct Witness(Arc<Mutex<Vec<(String, u32)>>>);
+
+impl Witness {
+    fn executions(&self) -> Vec<(String, u32)> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+/// A tool that tells the witness of each execution before it begins.
+struct Witnessed {
+    inner: Arc<dyn Tool>,
+    witness: Witness,
+}
+
+#[async_trait(?Send)]
+impl Tool for Witnessed {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn idempotent(&self) -> bool {
+        self.inner.idempotent()
+    }
+
+    async fn call(&self, ctx: &ToolContext, args: &Value) -> std::result::Result<Value, ToolError> {
+        self.witness
+            .0
+            .lock()
+            .unwrap()
+            .push((ctx.idempotency_key.clone(), ctx.attempt));
+        self.inner.call(ctx, args).await
+    }
+
+    async fn reconcile(&self, ctx: &ToolContext, args: &Value) -> Option<Reconciliation> {
+        self.inner.reconcile(ctx, args).await
+    }
+}
+
+/// The invariants of a run after crashes and resumes; returns what did not hold.
+pub fn check_invariants(
+    store: &Store,
+    run_id: &RunId,
+    executions: &[(String, u32)],
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    let run = match store.run(run_id) {
+        Ok(run) => run,
+        Err(err) => return vec![format!("the run cannot be read: {err}")],
+    };
+    if !matches!(run.state, RunState::Succeeded | RunState::Failed) {
+        violations.push(format!("the run did not finish: {}", run.state));
+    }
+    match store.lease(run_id) {
+        Ok(None) => {}
+        other => violations.push(format!("the run is left leased: {other:?}")),
+    }
+    let events = match store.events(run_id) {
+        Ok(events) => events,
+        Err(err) => return vec![format!("the events cannot be read: {err}")],
+    };
+    violations.extend(check_log(&events));
+
+    // Per step: interruptions, reconciliations, starts, and the reasons to start again.
+    #[derive(Default, Debug)]
+    struct Step {
+        interrupted: usize,
+        reconciled: usize,
+        run_again: usize,
+        started: usize,
+        finished: usize,
+    }
+    let mut steps: BTreeMap<u32, Step> = BTreeMap::new();
+    for event in &events {
+        let Some(number) = event.step else { continue };
+        let step = steps.entry(number).or_default();
+        match event.kind {
+            EventKind::StepInterrupted => step.interrupted += 1,
+            EventKind::StepReconciled => {
+                step.reconciled += 1;
+                if matches!(
+                    event.payload["action"].as_str(),
+                    Some("run_again" | "await_approval" | "dispatch_again")
+                ) {
+                    step.run_again += 1;
+                }
+            }
+            EventKind::ToolStarted | EventKind::ModelStarted => step.started += 1,
+            EventKind::ToolFinished | EventKind::ModelFinished => step.finished += 1,
+            _ => {}
+        }
+    }
+    let mut executed: HashMap<&str, usize> = HashMap::new();
+    for (key, _) in executions {
+        *executed.entry(key.as_str()).or_default() += 1;
+    }
+    for (number, step) in &steps {
+        if step.interrupted != step.reconciled {
+            violations.push(format!(
+                "step {number}: {} interruptions, {} reconciliations",
+                step.interrupted, step.reconciled
+            ));
+        }
+        if step.started > 1 + step.run_again {
+            violations.push(format!(
+                "step {number}: {} attempts started, {} reconciliations chose to run again",
+                step.started, step.run_again
+            ));
+        }
+        let key = crate::store::sql::idempotency_key(run_id, *number);
+        let ran = executed.remove(key.as_str()).unwrap_or(0);
+        if ran > step.started {
+            violations.push(format!(
+                "step {number}: the side effect ran {ran} times for {} recorded starts",
+                step.started
+            ));
+        }
+        if step.started > 0 && step.finished == 0 && run.state != RunState::Failed {
+            violations.push(format!("step {number} started and never finished"));
+        }
+    }
+    for (key, ran) in executed {
+        violations.push(format!(
+            "{ran} execution(s) with key {key} that no step recorded starting"
+        ));
+    }
+    violations
+}
+
+/// The log's own invariants: gapless, well formed, finished once.
+fn check_log(events: &[Event]) -> Vec<String> {
+    let mut violations = Vec::new();
+    for (index, event) in events.iter().enumerate() {
+        if event.seq != index as u64 + 1 {
+            violations.push(format!(
+                "event {} has sequence number {}",
+                index + 1,
+                event.seq
+            ));
+        }
+        if !event.payload.is_object() {
+            violations.push(format!(
+                "event {} ({}) has a payload that is not an object",
+                event.seq, event.kind
+            ));
+        }
+        let about_a_step = !matches!(
+            event.kind,
+            EventKind::RunStarted
+                | EventKind::RunResumed
+                | EventKind::RunFinished
+                | EventKind::LeaseTakenOver
+        );
+        if about_a_step != event.step.is_some() {
+            violations.push(format!(
+                "event {} ({}) step {:?}",
+                event.seq, event.kind, event.step
+            ));
+        }
+    }
+    if events.first().map(|e| e.kind) != Some(EventKind::RunStarted) {
+        violations.push("the log does not begin with run.started".into());
+    }
+    let finished = events
+        .iter()
+        .filter(|e| e.kind == EventKind::RunFinished)
+        .count();
+    if finished != 1 {
+        violations.push(format!("run.finished appears {finished} times"));
+    }
+    violations
+}

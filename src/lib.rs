@@ -14,6 +14,9 @@ mod types;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/lease.md")]
 mod lease_md {}
+#[cfg(all(doctest, feature = "testkit"))]
+#[doc = include_str!("../docs/testing.md")]
+mod testing_md {}
 
 pub use actors::{
     lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},

@@ -112,5 +112,9 @@ fn the_explorer_catches_a_side_effect_that_runs_twice() {
     let forged = vec![("r/2".to_owned(), 1), ("r/2".to_owned(), 1)];
     let violations = agentrt::testkit::check_invariants(&store, &run_id, &forged);
     assert_eq!(violations.len(), 1, "{violations:?}");
-    assert!(violations[0].contains("ran 2 times"), "{violations:?}");
+    assert!(violations[0].is_duplicate(), "{violations:?}");
+    assert!(
+        violations[0].to_string().contains("ran 2 times"),
+        "{violations:?}"
+    );
 }

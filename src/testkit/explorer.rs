@@ -45,7 +45,7 @@ pub struct CaseReport {
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
     /// The invariants that did not hold; empty when all did.
-    pub violations: Vec<String>,
+    pub violations: Vec<Violation>,
 }
 
 /// What a whole exploration found.
@@ -233,7 +233,7 @@ impl Explorer {
             }
         });
         if let Err(err) = recovered {
-            violations.push(format!("the recovery failed: {err}"));
+            violations.push(Violation::Recovery(err.to_string()));
         }
         let store = db.open();
         let executions = witness.executions();
@@ -414,29 +414,153 @@ impl Tool for Witnessed {
     }
 }
 
-/// The invariants of a run after crashes and resumes; returns what did not hold.
+/// An invariant that did not hold.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Violation {
+    /// Driving the run to its end failed.
+    Recovery(String),
+    /// The run or its events could not be read.
+    Unreadable(String),
+    /// The run did not finish.
+    NotFinished(RunState),
+    /// A lease was left on the run.
+    LeftLeased(String),
+    /// The log is not gapless or well formed.
+    MalformedLog(String),
+    /// A step was interrupted more (or less) often than reconciled.
+    Unreconciled {
+        /// The step.
+        step: u32,
+        /// Its interruptions.
+        interrupted: usize,
+        /// Its reconciliations.
+        reconciled: usize,
+    },
+    /// An attempt was started again without a reconciliation choosing to.
+    UnjustifiedAttempt {
+        /// The step.
+        step: u32,
+        /// Attempts started.
+        started: usize,
+        /// Reconciliations that chose to run it again.
+        run_again: usize,
+    },
+    /// A side effect ran more often than its attempts were started.
+    DuplicateExecution {
+        /// The step.
+        step: u32,
+        /// Executions seen.
+        ran: usize,
+        /// Attempts started.
+        started: usize,
+    },
+    /// A step started and never finished in a finished run.
+    NeverFinished {
+        /// The step.
+        step: u32,
+    },
+    /// Executions of a call no step recorded starting.
+    Unrecorded {
+        /// The idempotency key.
+        key: String,
+        /// Executions seen.
+        ran: usize,
+    },
+}
+
+impl Violation {
+    /// True for a side effect run more than its recorded attempts allow.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(
+            self,
+            Violation::UnjustifiedAttempt { .. }
+                | Violation::DuplicateExecution { .. }
+                | Violation::Unrecorded { .. }
+        )
+    }
+
+    /// True for something missing from the log: an event, a finish, a reconciliation.
+    pub fn is_lost(&self) -> bool {
+        matches!(
+            self,
+            Violation::MalformedLog(_)
+                | Violation::Unreconciled { .. }
+                | Violation::NeverFinished { .. }
+                | Violation::NotFinished(_)
+        )
+    }
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Violation::Recovery(err) => write!(f, "the recovery failed: {err}"),
+            Violation::Unreadable(err) => write!(f, "the run cannot be read: {err}"),
+            Violation::NotFinished(state) => write!(f, "the run did not finish: {state}"),
+            Violation::LeftLeased(lease) => write!(f, "the run is left leased: {lease}"),
+            Violation::MalformedLog(what) => write!(f, "the log is malformed: {what}"),
+            Violation::Unreconciled {
+                step,
+                interrupted,
+                reconciled,
+            } => {
+                write!(
+                    f,
+                    "step {step}: {interrupted} interruptions, {reconciled} reconciliations"
+                )
+            }
+            Violation::UnjustifiedAttempt {
+                step,
+                started,
+                run_again,
+            } => {
+                write!(
+                    f,
+                    "step {step}: {started} attempts started, {run_again} reconciliations chose to run again"
+                )
+            }
+            Violation::DuplicateExecution { step, ran, started } => {
+                write!(
+                    f,
+                    "step {step}: the side effect ran {ran} times for {started} recorded starts"
+                )
+            }
+            Violation::NeverFinished { step } => {
+                write!(f, "step {step} started and never finished")
+            }
+            Violation::Unrecorded { key, ran } => write!(
+                f,
+                "{ran} execution(s) with key {key} that no step recorded starting"
+            ),
+        }
+    }
+}
+
+/// The invariants of a run after crashes and resumes, given the executions of its tools'
+/// side effects as (idempotency key, attempt); returns what did not hold.
 pub fn check_invariants(
     store: &Store,
     run_id: &RunId,
     executions: &[(String, u32)],
-) -> Vec<String> {
+) -> Vec<Violation> {
     let mut violations = Vec::new();
     let run = match store.run(run_id) {
         Ok(run) => run,
-        Err(err) => return vec![format!("the run cannot be read: {err}")],
+        Err(err) => return vec![Violation::Unreadable(err.to_string())],
     };
     if !matches!(run.state, RunState::Succeeded | RunState::Failed) {
-        violations.push(format!("the run did not finish: {}", run.state));
+        violations.push(Violation::NotFinished(run.state));
     }
     match store.lease(run_id) {
         Ok(None) => {}
-        other => violations.push(format!("the run is left leased: {other:?}")),
+        other => violations.push(Violation::LeftLeased(format!("{other:?}"))),
     }
     let events = match store.events(run_id) {
         Ok(events) => events,
-        Err(err) => return vec![format!("the events cannot be read: {err}")],
+        Err(err) => return vec![Violation::Unreadable(err.to_string())],
     };
-    violations.extend(check_log(&events));
+    violations.extend(check_log(&events).into_iter().map(Violation::MalformedLog));
 
     // Per step: interruptions, reconciliations, starts, and the reasons to start again.
     #[derive(Default, Debug)]
@@ -471,35 +595,42 @@ pub fn check_invariants(
     for (key, _) in executions {
         *executed.entry(key.as_str()).or_default() += 1;
     }
-    for (number, step) in &steps {
-        if step.interrupted != step.reconciled {
-            violations.push(format!(
-                "step {number}: {} interruptions, {} reconciliations",
-                step.interrupted, step.reconciled
-            ));
+    for (&step, counts) in &steps {
+        let Step {
+            interrupted,
+            reconciled,
+            run_again,
+            started,
+            finished,
+        } = *counts;
+        if interrupted != reconciled {
+            violations.push(Violation::Unreconciled {
+                step,
+                interrupted,
+                reconciled,
+            });
         }
-        if step.started > 1 + step.run_again {
-            violations.push(format!(
-                "step {number}: {} attempts started, {} reconciliations chose to run again",
-                step.started, step.run_again
-            ));
+        if started > 1 + run_again {
+            violations.push(Violation::UnjustifiedAttempt {
+                step,
+                started,
+                run_again,
+            });
         }
-        let key = crate::store::sql::idempotency_key(run_id, *number);
+        let key = crate::store::sql::idempotency_key(run_id, step);
         let ran = executed.remove(key.as_str()).unwrap_or(0);
-        if ran > step.started {
-            violations.push(format!(
-                "step {number}: the side effect ran {ran} times for {} recorded starts",
-                step.started
-            ));
+        if ran > started {
+            violations.push(Violation::DuplicateExecution { step, ran, started });
         }
-        if step.started > 0 && step.finished == 0 && run.state != RunState::Failed {
-            violations.push(format!("step {number} started and never finished"));
+        if started > 0 && finished == 0 && run.state != RunState::Failed {
+            violations.push(Violation::NeverFinished { step });
         }
     }
     for (key, ran) in executed {
-        violations.push(format!(
-            "{ran} execution(s) with key {key} that no step recorded starting"
-        ));
+        violations.push(Violation::Unrecorded {
+            key: key.to_owned(),
+            ran,
+        });
     }
     violations
 }

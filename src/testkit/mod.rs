@@ -24,7 +24,7 @@
 
 mod explorer;
 
-pub use explorer::{CaseReport, CrashPoint, Exploration, Explorer, check_invariants};
+pub use explorer::{CaseReport, CrashPoint, Exploration, Explorer, Violation, check_invariants};
 
 use std::{
     future::Future,

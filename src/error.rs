@@ -18,7 +18,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[non_exhaustive]
 pub enum Error {
     /// No run with this id exists.
-    #[error("no run with id {0:?}; check the id, `Store::runs` lists the existing ones")]
+    #[error("no run with id \"{0}\"; check the id (the list of runs shows the existing ones)")]
     RunNotFound(RunId),
 
     /// The run exists but has no tool call with this id.
@@ -108,6 +108,28 @@ pub enum Error {
     NotADatabase {
         /// The file that was opened.
         path: PathBuf,
+    },
+
+    /// There is no database file at this path, and none was created.
+    #[error("there is no agentrt database at {}; nothing was created", path.display())]
+    NoDatabase {
+        /// The path given.
+        path: PathBuf,
+    },
+
+    /// The database has an older schema, and migrating was not asked for. It was not changed.
+    #[error(
+        "{} has schema version {found}, older than the {supported} this agentrt writes; it was \
+         left unchanged: migrate it first (`agentrt migrate --apply`)",
+        path.display()
+    )]
+    SchemaOutdated {
+        /// The file that was opened.
+        path: PathBuf,
+        /// The version found in the file.
+        found: u32,
+        /// The version this build writes.
+        supported: u32,
     },
 
     /// The database was written by a newer agentrt. It was not changed.

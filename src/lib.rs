@@ -33,7 +33,9 @@ pub use agent::{
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
 pub use error::{Error, Result};
-pub use store::{SCHEMA_VERSION, Store, StoreConnection, StoreOptions, Synchronous};
+pub use store::{
+    Health, SCHEMA_VERSION, SchemaStatus, Store, StoreConnection, StoreOptions, Synchronous,
+};
 pub use types::{
     Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
     Outcome, PendingCall, Run, RunId, RunOutcome, RunState, ToolCall, ToolResult,

@@ -16,9 +16,9 @@ use rusqlite::{Connection, OpenFlags, Transaction, TransactionBehavior, config::
 use rusqlite_migration::{M, Migrations};
 
 use crate::{
-    clock::Clock,
+    clock::{Clock, SystemClock},
     error::{Error, Result},
-    types::{Event, Lease, PendingCall, Run, RunId, RunState},
+    types::{Approval, Event, Lease, PendingCall, Run, RunId, RunState},
 };
 
 include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
@@ -60,6 +60,12 @@ pub struct StoreOptions {
     pub synchronous: Synchronous,
     /// How long a statement waits for another connection's lock before failing; default 5 s.
     pub busy_timeout: Duration,
+    /// Create the file when it is missing (default true); when false a missing file is
+    /// [`Error::NoDatabase`] and nothing is created.
+    pub create: bool,
+    /// Apply the migrations the database lacks (default true); when false an older database is
+    /// [`Error::SchemaOutdated`] and is left as it is.
+    pub migrate: bool,
 }
 
 impl Default for StoreOptions {
@@ -67,7 +73,57 @@ impl Default for StoreOptions {
         StoreOptions {
             synchronous: Synchronous::Full,
             busy_timeout: Duration::from_secs(5),
+            create: true,
+            migrate: true,
         }
+    }
+}
+
+impl StoreOptions {
+    /// For operator tools: open only an existing database of the current schema, creating and
+    /// migrating nothing.
+    pub fn existing_only() -> Self {
+        StoreOptions {
+            create: false,
+            migrate: false,
+            ..StoreOptions::default()
+        }
+    }
+}
+
+/// The schema version of a database file, read without changing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaStatus {
+    /// The version the file is at (0: an empty database).
+    pub found: u32,
+    /// The version this build writes.
+    pub supported: u32,
+}
+
+impl SchemaStatus {
+    /// Reads the schema version of the database at `path`, read-only. A missing file is
+    /// [`Error::NoDatabase`]; a file that is not a database, [`Error::NotADatabase`].
+    pub fn of(path: impl AsRef<Path>) -> Result<SchemaStatus> {
+        let path = path.as_ref();
+        if !path.exists() {
+            return Err(Error::NoDatabase {
+                path: path.to_path_buf(),
+            });
+        }
+        let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map_err(|err| on_open(err.into(), path))?;
+        let found: i64 = conn
+            .pragma_query_value(None, "user_version", |row| row.get(0))
+            .map_err(|err| on_open(err.into(), path))?;
+        Ok(SchemaStatus {
+            found: found.clamp(0, u32::MAX.into()) as u32,
+            supported: SCHEMA_VERSION,
+        })
+    }
+
+    /// Migrations this build would apply.
+    pub fn pending(&self) -> u32 {
+        self.supported.saturating_sub(self.found)
     }
 }
 
@@ -158,12 +214,35 @@ impl Store {
     /// refused and left unchanged.
     pub fn open_with(path: impl AsRef<Path>, options: StoreOptions) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
-        if path.exists() {
-            check_version(&path)?;
+        match SchemaStatus::of(&path) {
+            Ok(status) if status.found > status.supported => {
+                return Err(Error::SchemaTooNew {
+                    path,
+                    found: status.found,
+                    supported: status.supported,
+                });
+            }
+            Ok(status) if status.pending() > 0 && !options.migrate => {
+                return Err(Error::SchemaOutdated {
+                    path,
+                    found: status.found,
+                    supported: status.supported,
+                });
+            }
+            Ok(_) => {}
+            Err(Error::NoDatabase { .. }) if options.create => {}
+            Err(err) => return Err(err),
         }
-        let mut writer = Connection::open(&path)?;
+        let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        if options.create {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
+        let mut writer =
+            Connection::open_with_flags(&path, flags).map_err(|err| on_open(err.into(), &path))?;
         configure(&writer, &options, true, Role::Writer).map_err(|err| on_open(err, &path))?;
-        migrate(&mut writer, &path)?;
+        if options.migrate {
+            migrate(&mut writer, &path)?;
+        }
         let reader = Connection::open_with_flags(
             &path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -264,6 +343,65 @@ impl Store {
         Ok(Some(conn))
     }
 
+    /// A run's events after sequence number `after`, in order: how a follower tails the log.
+    pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
+        sql::events_after(&self.connection(), run_id, after)
+    }
+
+    /// An operator's cancel, from outside a supervisor (a command-line tool, say), stamped by
+    /// the system clock. A supervisor executing the run learns it at its next lease renewal:
+    /// its loop stops at its next write, and a tool running then has its outcome recorded late.
+    pub fn cancel(&self, run_id: &RunId, reason: &str) -> Result<()> {
+        self.transact(&SystemClock, |tx, now| {
+            sql::cancel_run(tx, now, run_id, reason)
+        })
+    }
+
+    /// Records an operator's approval or denial of a waiting call, from outside a supervisor,
+    /// stamped by the system clock. Resume the run afterwards.
+    pub fn record_approval(&self, approval: &Approval) -> Result<()> {
+        self.transact(&SystemClock, |tx, now| {
+            sql::record_approval(tx, now, approval)
+        })
+    }
+
+    /// A health report: schema version, connection settings, SQLite's integrity check, and
+    /// the leases an operator should know about.
+    pub fn health(&self) -> Result<Health> {
+        let conn = self.connection();
+        let pragma = |name: &str| -> Result<String> {
+            Ok(conn
+                .pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
+                .map(|value| match value {
+                    rusqlite::types::Value::Integer(n) => n.to_string(),
+                    rusqlite::types::Value::Text(text) => text,
+                    other => format!("{other:?}"),
+                })?)
+        };
+        let settings = [
+            "journal_mode",
+            "synchronous",
+            "foreign_keys",
+            "trusted_schema",
+            "busy_timeout",
+        ]
+        .into_iter()
+        .map(|name| Ok((name.to_owned(), pragma(name)?)))
+        .collect::<Result<Vec<_>>>()?;
+        let (stale_leases, unleased) = sql::lease_report(&conn, wall_millis())?;
+        Ok(Health {
+            schema: SchemaStatus {
+                found: pragma("user_version")?.parse().unwrap_or(0),
+                supported: SCHEMA_VERSION,
+            },
+            settings,
+            defensive: conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE)?,
+            integrity: sql::integrity_check(&conn)?,
+            stale_leases,
+            running_without_lease: unleased,
+        })
+    }
+
     /// Runs `f` as one `BEGIN IMMEDIATE` transaction on the writer connection: committed when
     /// it returns `Ok`, rolled back otherwise. The clock is read at most once, when `f` first
     /// asks for the time, so a move refused by its guard reads no time.
@@ -284,6 +422,31 @@ impl Store {
     /// move, and the lease's single-statement writes (renewal on `:memory:`, release).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
         f(&lock(&self.inner.writer))
+    }
+}
+
+/// What [`Store::health`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Health {
+    /// The schema version.
+    pub schema: SchemaStatus,
+    /// Settings of the inspection connection, as SQLite reports them (name, value).
+    pub settings: Vec<(String, String)>,
+    /// Whether SQLite's defensive mode is on.
+    pub defensive: bool,
+    /// What `PRAGMA integrity_check` said: `["ok"]` for a sound file.
+    pub integrity: Vec<String>,
+    /// RUNNING runs whose lease has expired: their executor died or stalled; a resume takes
+    /// them over.
+    pub stale_leases: Vec<(RunId, Lease)>,
+    /// RUNNING runs nobody holds: their call returned with an error; a resume takes them over.
+    pub running_without_lease: Vec<RunId>,
+}
+
+impl Health {
+    /// True when the file is sound and its schema current.
+    pub fn is_ok(&self) -> bool {
+        self.integrity == ["ok"] && self.schema.pending() == 0
     }
 }
 
@@ -338,24 +501,6 @@ fn lock(mutex: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Refuses, before anything writes to it, a file that is not a database or whose schema is
-/// newer than this build's. Read-only, so the file stays byte-identical.
-fn check_version(path: &Path) -> Result<()> {
-    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .map_err(|err| on_open(err.into(), path))?;
-    let found: i64 = conn
-        .pragma_query_value(None, "user_version", |row| row.get(0))
-        .map_err(|err| on_open(err.into(), path))?;
-    if found > i64::from(SCHEMA_VERSION) {
-        return Err(Error::SchemaTooNew {
-            path: path.to_path_buf(),
-            found: found as u32,
-            supported: SCHEMA_VERSION,
-        });
-    }
-    Ok(())
 }
 
 fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {

@@ -1408,33 +1408,75 @@ pub(crate) fn runs(conn: &Connection, state: Option<RunState>) -> Result<Vec<Run
 }
 
 pub(crate) fn events(conn: &Connection, run_id: &RunId) -> Result<Vec<Event>> {
+    events_after(conn, run_id, 0)
+}
+
+fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
+    let kind: String = row.get(1)?;
+    Ok(Event {
+        run_id: run_id.clone(),
+        seq: row.get::<_, i64>(0)? as u64,
+        kind: kind.parse().map_err(|err: String| {
+            rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, err.into())
+        })?,
+        at: from_millis(row.get(2)?),
+        step: row.get(3)?,
+        payload: parse_json(row.get(4)?, "event payload")?,
+    })
+}
+
+/// A run's events after `after`; an unknown run is not found (every run has `run.started`).
+pub(crate) fn events_after(conn: &Connection, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
     let events: Vec<Event> = conn
         .prepare_cached(
-            "SELECT seq, kind, at, step, payload FROM events WHERE run_id = ?1 ORDER BY seq",
+            "SELECT seq, kind, at, step, payload FROM events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq",
         )?
-        .query_map([run_id.as_str()], |row| {
-            let kind: String = row.get(1)?;
-            Ok(Event {
-                run_id: run_id.clone(),
-                seq: row.get::<_, i64>(0)? as u64,
-                kind: kind.parse().map_err(|err: String| {
-                    rusqlite::Error::FromSqlConversionFailure(
-                        1,
-                        rusqlite::types::Type::Text,
-                        err.into(),
-                    )
-                })?,
-                at: from_millis(row.get(2)?),
-                step: row.get(3)?,
-                payload: parse_json(row.get(4)?, "event payload")?,
-            })
-        })?
+        .query_map(params![run_id.as_str(), after as i64], |row| event_from_row(run_id, row))?
         .collect::<rusqlite::Result<_>>()?;
     if events.is_empty() {
-        // Every run has run.started: no events means no run.
         run(conn, run_id)?;
     }
     Ok(events)
+}
+
+/// RUNNING runs whose lease expired, with that lease; and RUNNING runs nobody holds.
+pub(crate) type LeaseReport = (Vec<(RunId, Lease)>, Vec<RunId>);
+
+/// RUNNING runs whose lease expired before `wall`, and RUNNING runs nobody holds.
+pub(crate) fn lease_report(
+    conn: &Connection,
+    wall: i64,
+) -> Result<LeaseReport> {
+    let rows: Vec<(String, Option<String>, Option<i64>)> = conn
+        .prepare_cached(
+            "SELECT id, lease_owner, lease_expires_at FROM runs
+             WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
+             ORDER BY id",
+        )?
+        .query_map([wall], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+        .collect::<rusqlite::Result<_>>()?;
+    let (mut stale, mut unleased) = (Vec::new(), Vec::new());
+    for (id, owner, expires_at) in rows {
+        match (owner, expires_at) {
+            (Some(owner), Some(expires_at)) => stale.push((
+                RunId::from(id),
+                Lease {
+                    owner,
+                    expires_at: from_millis(expires_at),
+                },
+            )),
+            _ => unleased.push(RunId::from(id)),
+        }
+    }
+    Ok((stale, unleased))
+}
+
+/// SQLite's `PRAGMA integrity_check`: `["ok"]`, or the problems found.
+pub(crate) fn integrity_check(conn: &Connection) -> Result<Vec<String>> {
+    Ok(conn
+        .prepare("PRAGMA integrity_check")?
+        .query_map([], |row| row.get(0))?
+        .collect::<rusqlite::Result<_>>()?)
 }
 
 fn steps(conn: &Connection, run_id: &RunId) -> Result<Vec<StepRow>> {

@@ -1,0 +1,472 @@
+//! `agentrt`: the operator's tool over an agentrt database file.
+//!
+//! It works while other processes run the database: every command reads or writes in single
+//! short statements or transactions, never holds a lock between them, and writes only where
+//! the command is meant to (`cancel`, `approve`, `deny`, `migrate --apply`).
+
+use std::{
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::{Duration, SystemTime},
+};
+
+use agentrt::{
+    Approval, Event, Lease, PendingCall, Run, RunId, RunState, SchemaStatus, Store, StoreOptions,
+};
+use clap::{Parser, Subcommand, ValueEnum};
+use comfy_table::{Table, presets};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+#[command(
+    name = "agentrt",
+    version,
+    about = "Inspect and operate an agentrt database"
+)]
+struct Cli {
+    /// The database file (it is never created by this tool).
+    #[arg(long, env = "AGENTRT_DB", global = true)]
+    db: Option<PathBuf>,
+    /// Print JSON (one document, or one line per event) instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List runs, oldest first.
+    Runs {
+        /// Only runs in this state.
+        #[arg(long, value_enum)]
+        state: Option<State>,
+    },
+    /// Show one run: its state, its lease and the calls waiting for an approval.
+    Show { run: String },
+    /// Print a run's events.
+    Events {
+        run: String,
+        /// Only events after this sequence number.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Keep printing new events until the run has finished.
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Show who holds a run's lease, and until when.
+    Lease { run: String },
+    /// Cancel a running or waiting run.
+    Cancel {
+        run: String,
+        /// Why (recorded in the run and its run.finished event).
+        #[arg(long)]
+        reason: String,
+    },
+    /// Approve a tool call that waits for an approval.
+    Approve(Decide),
+    /// Deny a tool call that waits for an approval.
+    Deny(Decide),
+    /// Report the schema version; apply the pending migrations with --apply.
+    Migrate {
+        #[arg(long)]
+        apply: bool,
+    },
+    /// Check the database: schema, settings, integrity, stale leases, unleased running runs.
+    Doctor,
+}
+
+#[derive(clap::Args)]
+struct Decide {
+    run: String,
+    /// The call id, as `show RUN` lists it.
+    call: String,
+    /// Who decides.
+    #[arg(long)]
+    by: String,
+    /// Why.
+    #[arg(long)]
+    note: Option<String>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+#[value(rename_all = "SCREAMING_SNAKE_CASE")]
+enum State {
+    Running,
+    WaitingForApproval,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl From<State> for RunState {
+    fn from(state: State) -> Self {
+        match state {
+            State::Running => RunState::Running,
+            State::WaitingForApproval => RunState::WaitingForApproval,
+            State::Succeeded => RunState::Succeeded,
+            State::Failed => RunState::Failed,
+            State::Cancelled => RunState::Cancelled,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("agentrt: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type Outcome = Result<(), String>;
+
+fn run(cli: Cli) -> Outcome {
+    let path = cli
+        .db
+        .ok_or("no database given: pass --db PATH or set AGENTRT_DB")?;
+    let json = cli.json;
+    match cli.command {
+        Command::Migrate { apply } => migrate(&path, apply, json),
+        Command::Doctor => doctor(&path, json),
+        command => {
+            let store = Store::open_with(&path, StoreOptions::existing_only())
+                .map_err(|e| e.to_string())?;
+            match command {
+                Command::Runs { state } => runs(&store, state.map(Into::into), json),
+                Command::Show { run } => show(&store, &run.into(), json),
+                Command::Events { run, after, follow } => {
+                    events(&store, &run.into(), after, follow, json)
+                }
+                Command::Lease { run } => lease(&store, &run.into(), json),
+                Command::Cancel { run, reason } => {
+                    let run_id = RunId::from(run);
+                    store.cancel(&run_id, &reason).map_err(|e| e.to_string())?;
+                    done(
+                        json,
+                        &format!("run {run_id} cancelled"),
+                        json!({ "run_id": run_id, "state": "CANCELLED" }),
+                    )
+                }
+                Command::Approve(decide) => record(&store, decide, true, json),
+                Command::Deny(decide) => record(&store, decide, false, json),
+                Command::Migrate { .. } | Command::Doctor => unreachable!("handled above"),
+            }
+        }
+    }
+}
+
+fn time(at: SystemTime) -> String {
+    humantime::format_rfc3339_millis(at).to_string()
+}
+
+fn table(header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table
+        .load_style(presets::NOTHING)
+        .set_header(header.to_vec());
+    table
+}
+
+fn print_json(value: &Value) -> Outcome {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).map_err(|e| e.to_string())?
+    );
+    Ok(())
+}
+
+fn done(json: bool, text: &str, value: Value) -> Outcome {
+    if json {
+        print_json(&value)
+    } else {
+        Ok(println!("{text}"))
+    }
+}
+
+fn run_json(run: &Run) -> Value {
+    json!({
+        "id": run.id,
+        "agent": run.agent,
+        "state": run.state.as_str(),
+        "input": run.input,
+        "output": run.output,
+        "error": run.error,
+        "created_at": time(run.created_at),
+        "updated_at": time(run.updated_at),
+    })
+}
+
+fn lease_json(lease: &Option<Lease>) -> Value {
+    match lease {
+        None => Value::Null,
+        Some(lease) => json!({
+            "owner": lease.owner,
+            "expires_at": time(lease.expires_at),
+            "expired": lease.expires_at <= SystemTime::now(),
+        }),
+    }
+}
+
+fn pending_json(call: &PendingCall) -> Value {
+    json!({
+        "call_id": call.call_id,
+        "step": call.step,
+        "tool": call.tool,
+        "args": call.args,
+        "reason": format!("{:?}", call.reason).to_lowercase(),
+    })
+}
+
+fn event_json(event: &Event) -> Value {
+    json!({
+        "seq": event.seq,
+        "kind": event.kind.as_str(),
+        "at": time(event.at),
+        "step": event.step,
+        "payload": event.payload,
+    })
+}
+
+fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
+    let runs = store.runs(state).map_err(|e| e.to_string())?;
+    if json {
+        return print_json(&Value::Array(runs.iter().map(run_json).collect()));
+    }
+    let mut table = table(&["RUN", "AGENT", "STATE", "UPDATED"]);
+    for run in &runs {
+        table.add_row(vec![
+            run.id.to_string(),
+            run.agent.clone(),
+            run.state.to_string(),
+            time(run.updated_at),
+        ]);
+    }
+    println!("{table}");
+    Ok(())
+}
+
+fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
+    let run = store.run(run_id).map_err(|e| e.to_string())?;
+    let lease = store.lease(run_id).map_err(|e| e.to_string())?;
+    let pending = store.pending_calls(run_id).map_err(|e| e.to_string())?;
+    if json {
+        let mut value = run_json(&run);
+        value["lease"] = lease_json(&lease);
+        value["pending_calls"] = Value::Array(pending.iter().map(pending_json).collect());
+        return print_json(&value);
+    }
+    println!("run       {}", run.id);
+    println!("agent     {}", run.agent);
+    println!("state     {}", run.state);
+    println!("input     {}", run.input);
+    if let Some(output) = &run.output {
+        println!("output    {output}");
+    }
+    if let Some(error) = &run.error {
+        println!("error     {error}");
+    }
+    println!("created   {}", time(run.created_at));
+    println!("updated   {}", time(run.updated_at));
+    println!("lease     {}", describe_lease(&lease));
+    if !pending.is_empty() {
+        let mut table = table(&["CALL", "STEP", "TOOL", "ARGS", "WAITS FOR"]);
+        for call in &pending {
+            let reason = format!("{:?}", call.reason).to_lowercase();
+            table.add_row(vec![
+                call.call_id.clone(),
+                call.step.to_string(),
+                call.tool.clone(),
+                call.args.to_string(),
+                reason,
+            ]);
+        }
+        println!("\n{table}");
+    }
+    Ok(())
+}
+
+fn describe_lease(lease: &Option<Lease>) -> String {
+    match lease {
+        None => "none".into(),
+        Some(lease) if lease.expires_at <= SystemTime::now() => {
+            format!(
+                "{} (expired at {}: stale, a resume takes it over)",
+                lease.owner,
+                time(lease.expires_at)
+            )
+        }
+        Some(lease) => format!("{} until {}", lease.owner, time(lease.expires_at)),
+    }
+}
+
+fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -> Outcome {
+    let mut last = after;
+    let mut printed_table = false;
+    loop {
+        let events = store
+            .events_after(run_id, last)
+            .map_err(|e| e.to_string())?;
+        if json {
+            for event in &events {
+                println!("{}", event_json(event));
+            }
+        } else if !events.is_empty() {
+            let mut table = if printed_table {
+                Table::new()
+            } else {
+                table(&["SEQ", "AT", "KIND", "STEP", "PAYLOAD"])
+            };
+            table.load_style(presets::NOTHING);
+            for event in &events {
+                let step = event.step.map(|s| s.to_string()).unwrap_or_default();
+                table.add_row(vec![
+                    event.seq.to_string(),
+                    time(event.at),
+                    event.kind.to_string(),
+                    step,
+                    event.payload.to_string(),
+                ]);
+            }
+            println!("{table}");
+            printed_table = true;
+        }
+        last = events.last().map_or(last, |event| event.seq);
+        if !follow {
+            return Ok(());
+        }
+        // Stop once the run has finished and a poll after that found nothing new (a cancelled
+        // run's late tool outcome comes within its lease period at most).
+        if events.is_empty()
+            && store
+                .run(run_id)
+                .map_err(|e| e.to_string())?
+                .state
+                .is_finished()
+        {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn lease(store: &Store, run_id: &RunId, json: bool) -> Outcome {
+    let lease = store.lease(run_id).map_err(|e| e.to_string())?;
+    if json {
+        return print_json(&json!({ "run_id": run_id, "lease": lease_json(&lease) }));
+    }
+    println!("{}", describe_lease(&lease));
+    Ok(())
+}
+
+fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome {
+    let run_id = RunId::from(decide.run);
+    let mut approval = if approved {
+        Approval::approve(run_id.clone(), decide.call.clone(), decide.by)
+    } else {
+        Approval::deny(run_id.clone(), decide.call.clone(), decide.by)
+    };
+    approval.note = decide.note;
+    store
+        .record_approval(&approval)
+        .map_err(|e| e.to_string())?;
+    let verb = if approved { "approved" } else { "denied" };
+    done(
+        json,
+        &format!(
+            "call {} of run {run_id} {verb}; resume the run to continue",
+            decide.call
+        ),
+        json!({ "run_id": run_id, "call_id": decide.call, "approved": approved }),
+    )
+}
+
+fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
+    let before = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    if before.found > before.supported {
+        return Err(format!(
+            "{} has schema version {}, newer than the {} this agentrt knows; it was left unchanged",
+            path.display(),
+            before.found,
+            before.supported
+        ));
+    }
+    if apply && before.pending() > 0 {
+        let options = StoreOptions {
+            create: false,
+            ..StoreOptions::default()
+        };
+        Store::open_with(path, options).map_err(|e| e.to_string())?;
+    }
+    let after = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    let text = match (before.pending(), apply) {
+        (0, _) => format!("schema version {}: up to date", after.found),
+        (n, false) => format!(
+            "schema version {}, this agentrt writes {}: {n} migration(s) pending; run `agentrt migrate --apply`",
+            before.found, before.supported
+        ),
+        (n, true) => format!(
+            "applied {n} migration(s): schema version {} -> {}",
+            before.found, after.found
+        ),
+    };
+    done(
+        json,
+        &text,
+        json!({ "found": before.found, "supported": before.supported, "applied": apply && before.pending() > 0, "now": after.found }),
+    )
+}
+
+fn doctor(path: &Path, json: bool) -> Outcome {
+    let status = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    if status.found != status.supported {
+        return migrate(path, false, json)
+            .and_then(|()| Err("the schema is not current; nothing else was checked".into()));
+    }
+    let store = Store::open_with(path, StoreOptions::existing_only()).map_err(|e| e.to_string())?;
+    let health = store.health().map_err(|e| e.to_string())?;
+    if json {
+        print_json(&json!({
+            "schema": { "found": health.schema.found, "supported": health.schema.supported },
+            "settings": health.settings.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "defensive": health.defensive,
+            "integrity": health.integrity,
+            "stale_leases": health.stale_leases.iter().map(|(id, lease)| json!({ "run_id": id, "owner": lease.owner, "expires_at": time(lease.expires_at) })).collect::<Vec<_>>(),
+            "running_without_lease": health.running_without_lease,
+            "ok": health.is_ok(),
+        }))?;
+    } else {
+        println!("schema version  {} (current)", health.schema.found);
+        for (name, value) in &health.settings {
+            println!("{name:<15} {value}");
+        }
+        println!(
+            "defensive       {}",
+            if health.defensive { "on" } else { "off" }
+        );
+        println!("integrity       {}", health.integrity.join("; "));
+        println!("stale leases    {}", health.stale_leases.len());
+        for (run_id, lease) in &health.stale_leases {
+            println!(
+                "  {run_id}: {} expired at {}",
+                lease.owner,
+                time(lease.expires_at)
+            );
+        }
+        println!("unleased runs   {}", health.running_without_lease.len());
+        for run_id in &health.running_without_lease {
+            println!("  {run_id}");
+        }
+    }
+    if health.integrity != ["ok"] {
+        return Err("the integrity check found problems".into());
+    }
+    Ok(())
+}

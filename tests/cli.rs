@@ -1,0 +1,401 @@
+//! The `agentrt` operator binary, against real database files.
+
+use std::{path::Path, time::Duration};
+
+use agentrt::{
+    Agent, Config, EventKind, ModelResponse, RequireApprovalFor, RunId, RunState, StartRun, Store,
+    Supervisor, ToolCall,
+    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
+};
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::{Value, json};
+
+/// A database with a finished run `done`, a run `wait` waiting for approval of call `pay-1`,
+/// and a run `crashed` whose process died mid-tool (its short lease already stale).
+fn fixture() -> TempStore {
+    let db = TempStore::new();
+    let script = || {
+        ScriptedModel::new(vec![
+            ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
+            ModelResponse::answer("paid"),
+        ])
+    };
+    let pay = RecordingTool::new("pay");
+    let stuck = RecordingTool::new("pay").behaviour(Behaviour::Block);
+    let store = db.open();
+    let (waiting, plain, blocking, probe) = (
+        Agent::new(script())
+            .tool(pay.clone())
+            .policy(RequireApprovalFor::tools(["pay"])),
+        Agent::new(script()).tool(pay.clone()),
+        Agent::new(script()).tool(stuck.clone()),
+        stuck.clone(),
+    );
+    with_system(|| async move {
+        let config = Config::default().lease_ttl(Duration::from_millis(100));
+        let sup = Supervisor::builder(store.clone())
+            .config(config.clone())
+            .agent("waits", waiting)
+            .agent("plain", plain)
+            .start()
+            .unwrap();
+        sup.send(StartRun::new("plain", json!({})).with_id("done"))
+            .await
+            .unwrap()
+            .unwrap();
+        sup.send(StartRun::new("waits", json!({})).with_id("wait"))
+            .await
+            .unwrap()
+            .unwrap();
+        let doomed = Supervisor::builder(store)
+            .config(config)
+            .agent("plain", blocking)
+            .start()
+            .unwrap();
+        actix_rt::spawn(doomed.send(StartRun::new("plain", json!({})).with_id("crashed")));
+        probe.wait_executions(1).await;
+    });
+    // The dead process's lease goes stale at its stored expiry.
+    let lease = db
+        .open()
+        .lease(&RunId::from("crashed"))
+        .unwrap()
+        .expect("leased");
+    if let Ok(wait) = lease
+        .expires_at
+        .duration_since(std::time::SystemTime::now())
+    {
+        std::thread::sleep(wait + Duration::from_millis(5));
+    }
+    db
+}
+
+fn agentrt(db: &Path) -> Command {
+    let mut command = Command::cargo_bin("agentrt").unwrap();
+    command.arg("--db").arg(db);
+    command
+}
+
+fn json_of(output: &[u8]) -> Value {
+    serde_json::from_slice(output)
+        .unwrap_or_else(|err| panic!("{err}: {}", String::from_utf8_lossy(output)))
+}
+
+#[test]
+fn runs_lists_every_run_and_filters_by_state() {
+    let db = fixture();
+    agentrt(&db.path()).arg("runs").assert().success().stdout(
+        predicate::str::contains("done")
+            .and(predicate::str::contains("wait"))
+            .and(predicate::str::contains("SUCCEEDED")),
+    );
+    let out = agentrt(&db.path())
+        .args(["--json", "runs", "--state", "WAITING_FOR_APPROVAL"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let runs = json_of(&out.stdout);
+    assert_eq!(runs.as_array().unwrap().len(), 1);
+    assert_eq!(runs[0]["id"], json!("wait"));
+    assert_eq!(runs[0]["state"], json!("WAITING_FOR_APPROVAL"));
+}
+
+#[test]
+fn show_names_the_pending_call_and_the_lease() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["show", "wait"])
+        .assert()
+        .success()
+        .stdout(
+            predicate::str::contains("WAITING_FOR_APPROVAL").and(predicate::str::contains("pay-1")),
+        );
+    let out = agentrt(&db.path())
+        .args(["show", "wait", "--json"])
+        .output()
+        .unwrap();
+    let shown = json_of(&out.stdout);
+    assert_eq!(shown["pending_calls"][0]["call_id"], json!("pay-1"));
+    assert_eq!(shown["lease"], Value::Null);
+}
+
+#[test]
+fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finishes() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["events", "done"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("run.finished"));
+    let out = agentrt(&db.path())
+        .args(["--json", "events", "done", "--after", "2"])
+        .output()
+        .unwrap();
+    let lines: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines[0]["seq"], json!(3));
+    assert_eq!(lines.last().unwrap()["kind"], json!("run.finished"));
+    // A finished run: --follow prints what is there and ends.
+    agentrt(&db.path())
+        .args(["events", "done", "--follow"])
+        .timeout(Duration::from_secs(20))
+        .assert()
+        .success();
+}
+
+#[test]
+fn lease_shows_a_stale_lease_of_a_dead_process() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["lease", "done"])
+        .assert()
+        .success()
+        .stdout("none\n");
+    let out = agentrt(&db.path())
+        .args(["--json", "lease", "crashed"])
+        .output()
+        .unwrap();
+    let lease = json_of(&out.stdout);
+    assert_eq!(lease["lease"]["expired"], json!(true));
+    agentrt(&db.path())
+        .args(["lease", "crashed"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("stale"));
+}
+
+#[test]
+fn cancel_approve_and_deny_write_what_they_say() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["approve", "wait", "pay-1", "--by", "alice", "--note", "ok"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("approved"));
+    let store = db.open();
+    let events = store.events(&RunId::from("wait")).unwrap();
+    let recorded = events
+        .iter()
+        .find(|e| e.kind == EventKind::ApprovalRecorded)
+        .unwrap();
+    assert_eq!(recorded.payload["decided_by"], json!("alice"));
+
+    // Deciding twice is refused, with one line and a failure code; nothing is written.
+    agentrt(&db.path())
+        .args(["deny", "wait", "pay-1", "--by", "bob"])
+        .assert()
+        .failure()
+        .stderr(
+            predicate::str::contains("already decided")
+                .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
+        );
+    assert_eq!(
+        store.events(&RunId::from("wait")).unwrap().len(),
+        events.len()
+    );
+
+    let out = agentrt(&db.path())
+        .args(["--json", "cancel", "wait", "--reason", "duplicate order"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(json_of(&out.stdout)["state"], json!("CANCELLED"));
+    let run = store.run(&RunId::from("wait")).unwrap();
+    assert_eq!(
+        (run.state, run.error.as_deref()),
+        (RunState::Cancelled, Some("duplicate order"))
+    );
+}
+
+#[test]
+fn deny_records_a_denial() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["--json", "deny", "wait", "pay-1", "--by", "bob"])
+        .assert()
+        .success();
+    let events = db.open().events(&RunId::from("wait")).unwrap();
+    assert_eq!(events.last().unwrap().payload["approved"], json!(false));
+}
+
+#[test]
+fn doctor_reports_schema_settings_integrity_and_stale_leases() {
+    let db = fixture();
+    agentrt(&db.path()).arg("doctor").assert().success().stdout(
+        predicate::str::contains("integrity       ok").and(predicate::str::contains("crashed")),
+    );
+    let out = agentrt(&db.path())
+        .args(["doctor", "--json"])
+        .output()
+        .unwrap();
+    let report = json_of(&out.stdout);
+    assert_eq!(report["ok"], json!(true));
+    assert_eq!(report["stale_leases"][0]["run_id"], json!("crashed"));
+    assert_eq!(report["settings"]["trusted_schema"], json!("0"));
+}
+
+/// A database at schema 4, before the lease.
+fn schema_4(path: &Path) {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    for sql in [
+        include_str!("../migrations/0001_runs.sql"),
+        include_str!("../migrations/0002_steps.sql"),
+        include_str!("../migrations/0003_events.sql"),
+        include_str!("../migrations/0004_approvals.sql"),
+    ] {
+        conn.execute_batch(sql).unwrap();
+    }
+    conn.execute_batch("PRAGMA user_version = 4").unwrap();
+}
+
+#[test]
+fn migrate_reports_and_applies_only_on_request() {
+    let db = TempStore::new();
+    schema_4(&db.path());
+    let bytes = std::fs::read(db.path()).unwrap();
+    agentrt(&db.path())
+        .arg("migrate")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("1 migration(s) pending"));
+    assert_eq!(
+        std::fs::read(db.path()).unwrap(),
+        bytes,
+        "a report writes nothing"
+    );
+    // Other commands refuse an old schema rather than migrate it.
+    agentrt(&db.path())
+        .arg("runs")
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("migrate"));
+    assert_eq!(std::fs::read(db.path()).unwrap(), bytes);
+
+    let out = agentrt(&db.path())
+        .args(["--json", "migrate", "--apply"])
+        .output()
+        .unwrap();
+    let report = json_of(&out.stdout);
+    assert_eq!(
+        (
+            report["found"].clone(),
+            report["now"].clone(),
+            report["applied"].clone()
+        ),
+        (json!(4), json!(5), json!(true))
+    );
+    agentrt(&db.path())
+        .arg("migrate")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("up to date"));
+}
+
+#[test]
+fn a_missing_path_is_refused_and_nothing_is_created() {
+    let db = TempStore::new();
+    for command in [
+        vec!["runs"],
+        vec!["doctor"],
+        vec!["migrate", "--apply"],
+        vec!["cancel", "x", "--reason", "r"],
+    ] {
+        agentrt(&db.path())
+            .args(&command)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("no agentrt database"));
+    }
+    assert!(!db.path().exists());
+    assert_eq!(std::fs::read_dir(db.dir()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_file_that_is_not_sqlite_or_is_newer_is_refused_unchanged() {
+    let db = TempStore::new();
+    std::fs::write(
+        db.path(),
+        b"this is a text file, not a database; it is long enough to look like one",
+    )
+    .unwrap();
+    let bytes = std::fs::read(db.path()).unwrap();
+    for command in [vec!["runs"], vec!["doctor"], vec!["migrate", "--apply"]] {
+        agentrt(&db.path())
+            .args(&command)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("not an SQLite database"));
+    }
+    assert_eq!(std::fs::read(db.path()).unwrap(), bytes);
+
+    let newer = TempStore::new();
+    rusqlite::Connection::open(newer.path())
+        .unwrap()
+        .execute_batch("CREATE TABLE t (x); PRAGMA user_version = 99")
+        .unwrap();
+    let bytes = std::fs::read(newer.path()).unwrap();
+    for command in [vec!["runs"], vec!["doctor"], vec!["migrate", "--apply"]] {
+        agentrt(&newer.path())
+            .args(&command)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("newer"));
+    }
+    assert_eq!(std::fs::read(newer.path()).unwrap(), bytes);
+}
+
+#[test]
+fn unknown_runs_and_calls_are_named_in_one_line() {
+    let db = fixture();
+    let events_before = Store::open(db.path())
+        .unwrap()
+        .events(&RunId::from("wait"))
+        .unwrap()
+        .len();
+    for (command, expected) in [
+        (vec!["show", "nope"], "no run with id \"nope\""),
+        (vec!["events", "nope"], "no run with id \"nope\""),
+        (vec!["lease", "nope"], "no run with id \"nope\""),
+        (
+            vec!["cancel", "nope", "--reason", "r"],
+            "no run with id \"nope\"",
+        ),
+        (
+            vec!["approve", "nope", "pay-1", "--by", "a"],
+            "no run with id \"nope\"",
+        ),
+        (
+            vec!["approve", "wait", "nope", "--by", "a"],
+            "no tool call with id \"nope\"",
+        ),
+        (vec!["approve", "done", "pay-1", "--by", "a"], "not waiting"),
+        (vec!["cancel", "done", "--reason", "r"], "SUCCEEDED"),
+    ] {
+        agentrt(&db.path())
+            .args(&command)
+            .assert()
+            .failure()
+            .stderr(
+                predicate::str::contains(expected)
+                    .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
+            );
+    }
+    let store = db.open();
+    assert_eq!(
+        store.run(&RunId::from("wait")).unwrap().state,
+        RunState::WaitingForApproval
+    );
+    assert_eq!(
+        store.run(&RunId::from("done")).unwrap().state,
+        RunState::Succeeded
+    );
+    assert_eq!(
+        store.events(&RunId::from("wait")).unwrap().len(),
+        events_before,
+        "nothing written"
+    );
+}

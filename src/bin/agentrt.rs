@@ -185,10 +185,10 @@ fn print_json(value: &Value) -> Outcome {
 
 fn done(json: bool, text: &str, value: Value) -> Outcome {
     if json {
-        print_json(&value)
-    } else {
-        Ok(println!("{text}"))
+        return print_json(&value);
     }
+    println!("{text}");
+    Ok(())
 }
 
 fn run_json(run: &Run) -> Value {

@@ -1443,10 +1443,7 @@ pub(crate) fn events_after(conn: &Connection, run_id: &RunId, after: u64) -> Res
 pub(crate) type LeaseReport = (Vec<(RunId, Lease)>, Vec<RunId>);
 
 /// RUNNING runs whose lease expired before `wall`, and RUNNING runs nobody holds.
-pub(crate) fn lease_report(
-    conn: &Connection,
-    wall: i64,
-) -> Result<LeaseReport> {
+pub(crate) fn lease_report(conn: &Connection, wall: i64) -> Result<LeaseReport> {
     let rows: Vec<(String, Option<String>, Option<i64>)> = conn
         .prepare_cached(
             "SELECT id, lease_owner, lease_expires_at FROM runs

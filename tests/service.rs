@@ -7,19 +7,30 @@ mod quickstart_agent;
 mod service_app;
 
 use actix_web::{App, HttpServer, web};
+use std::time::{Duration, SystemTime};
+
+use actix::Actor;
 use agentrt::{
-    Supervisor,
-    testkit::{TempStore, with_system},
+    Agent, Config, ModelResponse, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
+    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
-use service_app::{AppState, routes};
+use service_app::{AppState, LeaseLostLogger, recover_running_runs, routes};
 
-/// Starts the service on 127.0.0.1 at a free port; returns its base URL.
+/// Starts the service on 127.0.0.1 at a free port, as `examples/service.rs` does; returns its
+/// base URL.
 fn serve(store: agentrt::Store) -> String {
+    serve_agent(store, quickstart_agent::agent(), Config::default())
+}
+
+fn serve_agent(store: agentrt::Store, agent: Agent, config: Config) -> String {
     let supervisor = Supervisor::builder(store.clone())
-        .agent("support", quickstart_agent::agent())
+        .config(config)
+        .agent("support", agent)
         .start()
         .unwrap();
+    supervisor.do_send(SubscribeLeaseLost(LeaseLostLogger.start().recipient()));
+    actix_rt::spawn(recover_running_runs(supervisor.clone(), store.clone()));
     let state = web::Data::new(AppState { supervisor, store });
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
         .workers(1)
@@ -197,4 +208,53 @@ fn malformed_json_and_unknown_ids_get_a_4xx_with_a_json_error() {
         let (status, error) = post(&client, format!("{url}/runs/nope/resume"), json!({})).await;
         assert_eq!(status, 404, "{error}");
     });
+}
+
+#[test]
+fn at_start_up_the_service_resumes_runs_a_dead_process_left_running() {
+    let db = TempStore::new();
+    let deploy = RecordingTool::new("deploy")
+        .idempotent(true)
+        .behaviour(Behaviour::Block);
+    let agent = || {
+        let model = ScriptedModel::new(vec![
+            ModelResponse::calls(vec![ToolCall::new("d1", "deploy", json!({}))]),
+            ModelResponse::answer("deployed"),
+        ]);
+        Agent::new(model).tool(deploy.clone())
+    };
+    let config = Config::default().lease_ttl(Duration::from_millis(300));
+    // A process dies with the deploy in flight; its lease is still live when the service starts.
+    let (store, dying, probe, dying_config) = (db.open(), agent(), deploy.clone(), config.clone());
+    with_system(|| async move {
+        let sup = Supervisor::builder(store)
+            .config(dying_config)
+            .agent("support", dying)
+            .start()
+            .unwrap();
+        actix_rt::spawn(sup.send(StartRun::new("support", json!({})).with_id("left")));
+        probe.wait_executions(1).await;
+    });
+    deploy.set_behaviour(Behaviour::Succeed);
+
+    let (store, recovering) = (db.open(), agent());
+    let state = with_system(|| async move {
+        let url = serve_agent(store, recovering, config);
+        let client = awc::Client::default();
+        let deadline = SystemTime::now() + Duration::from_secs(20);
+        loop {
+            let mut shown = client.get(format!("{url}/runs/left")).send().await.unwrap();
+            let shown: Value = shown.json().await.unwrap();
+            if shown["state"] != json!("RUNNING") || SystemTime::now() > deadline {
+                return shown["state"].clone();
+            }
+            actix_rt::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    assert_eq!(state, json!("SUCCEEDED"));
+    assert_eq!(
+        deploy.executions().len(),
+        2,
+        "the interrupted idempotent deploy ran again once"
+    );
 }

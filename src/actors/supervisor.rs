@@ -271,9 +271,9 @@ impl Drop for Supervisor {
 impl Actor for Supervisor {
     type Context = Context<Self>;
 
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        // Many runs wait in the mailbox at once under load.
-        ctx.set_mailbox_capacity(usize::MAX);
+    fn started(&mut self, _: &mut Context<Self>) {
+        // The mailbox keeps actix's default capacity: past it, callers' `send`s wait, which is
+        // the back-pressure a burst of StartRun should meet.
         tracing::debug!(store = ?self.store.path(), "supervisor started");
     }
 }

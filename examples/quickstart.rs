@@ -16,6 +16,10 @@ mod quickstart_agent;
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // RUST_LOG=agentrt=debug shows the run and step spans.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let path = std::env::current_dir()?.join("agentrt-quickstart.db");
     let store = Store::open(&path)?;
     let supervisor = Supervisor::builder(store.clone())

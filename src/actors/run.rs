@@ -91,7 +91,12 @@ impl Handler<Execute> for RunActor {
     type Result = ResponseActFuture<Self, Result<RunOutcome>>;
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
-        let span = tracing::info_span!("run", run_id = %msg.run_id);
+        let agent = match &msg.job {
+            Job::Start { agent, .. } => tracing::field::display(agent.clone()),
+            // Known once the run is read.
+            Job::Resume => tracing::field::display(String::new()),
+        };
+        let span = tracing::info_span!("run", run_id = %msg.run_id, agent);
         let env = Env {
             run_id: msg.run_id.clone(),
             store: msg.store.clone(),
@@ -211,6 +216,7 @@ impl RunLoop {
                 let id = run_id.clone();
                 let snapshot =
                     send(&env.store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
+                tracing::Span::current().record("agent", snapshot.run.agent.as_str());
                 let agent = find(&snapshot.run.agent)?;
                 match snapshot.run.state {
                     RunState::WaitingForApproval => {

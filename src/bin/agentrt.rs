@@ -118,15 +118,52 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
+        Ok(()) | Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
+        Err(Failure::Message(message)) => {
             eprintln!("agentrt: {message}");
             ExitCode::FAILURE
         }
     }
 }
 
-type Outcome = Result<(), String>;
+/// Why a command stopped early.
+enum Failure {
+    /// Said in one line on stderr, with a failure exit code.
+    Message(String),
+    /// The reader of our output went away (`agentrt events RUN | head`): not an error.
+    BrokenPipe,
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::Message(message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Failure::Message(message.to_owned())
+    }
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(err: std::io::Error) -> Self {
+        match err.kind() {
+            std::io::ErrorKind::BrokenPipe => Failure::BrokenPipe,
+            _ => Failure::Message(format!("cannot write the output: {err}")),
+        }
+    }
+}
+
+type Outcome = Result<(), Failure>;
+
+/// `println!` that reports a closed stdout instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)?;
+    }};
+}
 
 fn run(cli: Cli) -> Outcome {
     let path = cli
@@ -176,7 +213,7 @@ fn table(header: &[&str]) -> Table {
 }
 
 fn print_json(value: &Value) -> Outcome {
-    println!(
+    out!(
         "{}",
         serde_json::to_string_pretty(value).map_err(|e| e.to_string())?
     );
@@ -187,7 +224,7 @@ fn done(json: bool, text: &str, value: Value) -> Outcome {
     if json {
         return print_json(&value);
     }
-    println!("{text}");
+    out!("{text}");
     Ok(())
 }
 
@@ -249,7 +286,7 @@ fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
             time(run.updated_at),
         ]);
     }
-    println!("{table}");
+    out!("{}", table.trim_fmt());
     Ok(())
 }
 
@@ -263,19 +300,19 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
         value["pending_calls"] = Value::Array(pending.iter().map(pending_json).collect());
         return print_json(&value);
     }
-    println!("run       {}", run.id);
-    println!("agent     {}", run.agent);
-    println!("state     {}", run.state);
-    println!("input     {}", run.input);
+    out!("run       {}", run.id);
+    out!("agent     {}", run.agent);
+    out!("state     {}", run.state);
+    out!("input     {}", run.input);
     if let Some(output) = &run.output {
-        println!("output    {output}");
+        out!("output    {output}");
     }
     if let Some(error) = &run.error {
-        println!("error     {error}");
+        out!("error     {error}");
     }
-    println!("created   {}", time(run.created_at));
-    println!("updated   {}", time(run.updated_at));
-    println!("lease     {}", describe_lease(&lease));
+    out!("created   {}", time(run.created_at));
+    out!("updated   {}", time(run.updated_at));
+    out!("lease     {}", describe_lease(&lease));
     if !pending.is_empty() {
         let mut table = table(&["CALL", "STEP", "TOOL", "ARGS", "WAITS FOR"]);
         for call in &pending {
@@ -288,7 +325,7 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
                 reason,
             ]);
         }
-        println!("\n{table}");
+        out!("\n{}", table.trim_fmt());
     }
     Ok(())
 }
@@ -316,7 +353,7 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
             .map_err(|e| e.to_string())?;
         if json {
             for event in &events {
-                println!("{}", event_json(event));
+                out!("{}", event_json(event));
             }
         } else if !events.is_empty() {
             let mut table = if printed_table {
@@ -335,7 +372,7 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
                     event.payload.to_string(),
                 ]);
             }
-            println!("{table}");
+            out!("{}", table.trim_fmt());
             printed_table = true;
         }
         last = events.last().map_or(last, |event| event.seq);
@@ -362,7 +399,7 @@ fn lease(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     if json {
         return print_json(&json!({ "run_id": run_id, "lease": lease_json(&lease) }));
     }
-    println!("{}", describe_lease(&lease));
+    out!("{}", describe_lease(&lease));
     Ok(())
 }
 
@@ -391,12 +428,12 @@ fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome 
 fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
     let before = SchemaStatus::of(path).map_err(|e| e.to_string())?;
     if before.found > before.supported {
-        return Err(format!(
+        return Err(Failure::Message(format!(
             "{} has schema version {}, newer than the {} this agentrt knows; it was left unchanged",
             path.display(),
             before.found,
             before.supported
-        ));
+        )));
     }
     if apply && before.pending() > 0 {
         let options = StoreOptions {
@@ -443,26 +480,26 @@ fn doctor(path: &Path, json: bool) -> Outcome {
             "ok": health.is_ok(),
         }))?;
     } else {
-        println!("schema version  {} (current)", health.schema.found);
+        out!("schema version  {} (current)", health.schema.found);
         for (name, value) in &health.settings {
-            println!("{name:<15} {value}");
+            out!("{name:<15} {value}");
         }
-        println!(
+        out!(
             "defensive       {}",
             if health.defensive { "on" } else { "off" }
         );
-        println!("integrity       {}", health.integrity.join("; "));
-        println!("stale leases    {}", health.stale_leases.len());
+        out!("integrity       {}", health.integrity.join("; "));
+        out!("stale leases    {}", health.stale_leases.len());
         for (run_id, lease) in &health.stale_leases {
-            println!(
+            out!(
                 "  {run_id}: {} expired at {}",
                 lease.owner,
                 time(lease.expires_at)
             );
         }
-        println!("unleased runs   {}", health.running_without_lease.len());
+        out!("unleased runs   {}", health.running_without_lease.len());
         for run_id in &health.running_without_lease {
-            println!("  {run_id}");
+            out!("  {run_id}");
         }
     }
     if health.integrity != ["ok"] {

@@ -214,6 +214,10 @@ impl Store {
     /// refused and left unchanged.
     pub fn open_with(path: impl AsRef<Path>, options: StoreOptions) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
+        if path.as_os_str() == ":memory:" {
+            // SQLite's name for a private in-memory database: one connection, the whole database.
+            return Store::in_memory_with(options);
+        }
         match SchemaStatus::of(&path) {
             Ok(status) if status.found > status.supported => {
                 return Err(Error::SchemaTooNew {
@@ -608,6 +612,14 @@ mod tests {
             .execute("DELETE FROM runs", [])
             .unwrap_err();
         assert!(err.to_string().contains("readonly"), "{err}");
+    }
+
+    #[test]
+    fn the_path_memory_opens_an_in_memory_store() {
+        let store = Store::open(":memory:").unwrap();
+        assert_eq!(store.path(), None);
+        assert!(!Path::new(":memory:").exists());
+        assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
     }
 
     #[test]

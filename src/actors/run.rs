@@ -182,6 +182,8 @@ struct RunLoop {
     steps: Vec<StepRow>,
     /// What the model sees: built from the finished steps, in order.
     messages: Vec<ChatMessage>,
+    /// Every step before this index is finished.
+    cursor: usize,
 }
 
 impl RunLoop {
@@ -316,6 +318,7 @@ impl RunLoop {
             input,
             steps: Vec::new(),
             messages: Vec::new(),
+            cursor: 0,
         };
         for step in steps {
             run.push_step(step);
@@ -365,10 +368,10 @@ impl RunLoop {
     }
 
     fn index_of(&self, step: u32) -> usize {
-        self.steps
-            .iter()
-            .position(|s| s.step == step)
-            .expect("the loop knows its steps")
+        // Steps are numbered from 1 without gaps, and kept in order.
+        let index = step as usize - 1;
+        debug_assert_eq!(self.steps[index].step, step);
+        index
     }
 
     /// Sets a step's state (and attempt), folding a finished step into the conversation.
@@ -425,10 +428,13 @@ impl RunLoop {
             if self.env.lease_lost.borrow().is_some() {
                 return self.stopped().await;
             }
+            // Finished steps stay finished: start the search where the last one left off.
+            while self.steps.get(self.cursor).is_some_and(|s| s.state == StepState::Finished) {
+                self.cursor += 1;
+            }
             let next = match self
                 .steps
-                .iter()
-                .find(|s| s.state != StepState::Finished)
+                .get(self.cursor)
                 .cloned()
             {
                 None => self.begin_model_step().await?,

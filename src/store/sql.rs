@@ -535,20 +535,20 @@ pub(crate) fn finish_model_step(
     };
 
     // Call ids address approvals: keep them unique within the run.
+    // Ids this response repeats, or that an earlier step of the run took (looked up through
+    // the (run_id, call_id) unique index, so a long run does not read all its calls).
     let mut taken: HashSet<String> = HashSet::new();
-    {
-        let mut existing = tx.prepare_cached(
-            "SELECT call_id FROM steps WHERE run_id = ?1 AND call_id IS NOT NULL",
-        )?;
-        let mut rows = existing.query([run_id.as_str()])?;
-        while let Some(row) = rows.next()? {
-            taken.insert(row.get(0)?);
-        }
-    }
     let mut recorded = response.clone();
     let mut created = Vec::with_capacity(recorded.tool_calls.len());
     for (offset, call) in recorded.tool_calls.iter_mut().enumerate() {
         let tool_step = step + 1 + offset as u32;
+        let used_before = !call.id.is_empty()
+            && tx
+                .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")?
+                .exists(params![run_id.as_str(), call.id])?;
+        if used_before {
+            taken.insert(call.id.clone());
+        }
         if call.id.is_empty() || taken.contains(&call.id) {
             call.id = format!("call-{tool_step}");
         }

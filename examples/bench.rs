@@ -1,0 +1,353 @@
+//! Benchmarks: what a step costs against SQLite's own limit, and what the lease costs.
+//! Prints one JSON line per measurement, then one summary line per comparison. Each comparison
+//! runs its two sides interleaved, round after round, in this one process, so that a noisy
+//! machine affects both alike; figures are reported as ratios with their spread.
+//!
+//! ```text
+//! cargo run --release --example bench -- --rounds 5
+//! ```
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use agentrt::{
+    Agent, Config, Model, ModelError, ModelRequest, ModelResponse, MoveInfo, MoveObserver,
+    Outcome, RequireApprovalFor, StartRun, Store, StoreOptions, Supervisor, Synchronous, Tool,
+    ToolCall, ToolContext, ToolError, async_trait,
+};
+use clap::Parser;
+use serde_json::{Value, json};
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Rounds of each A/B comparison.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Steps of the single run (workload a).
+    #[arg(long, default_value_t = 1000)]
+    steps: u32,
+    /// Concurrent runs of workload b.
+    #[arg(long, default_value_t = 1000)]
+    runs: usize,
+    /// Only these workloads (a, b, c, e); all when empty.
+    #[arg(long)]
+    only: Vec<String>,
+}
+
+/// Asks for the no-op tool `steps` times, then answers: one step is one model call and one
+/// tool call. Records, per run, the time between its model calls: the step latency.
+#[derive(Clone)]
+struct LoopModel {
+    steps: u32,
+    last: Arc<Mutex<HashMap<String, Instant>>>,
+    latencies: Arc<Mutex<Vec<Duration>>>,
+}
+
+impl LoopModel {
+    fn new(steps: u32) -> Self {
+        LoopModel { steps, last: Arc::default(), latencies: Arc::default() }
+    }
+}
+
+#[async_trait(?Send)]
+impl Model for LoopModel {
+    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+        let now = Instant::now();
+        if let Some(before) = self.last.lock().unwrap().insert(request.run_id.to_string(), now) {
+            self.latencies.lock().unwrap().push(now - before);
+        }
+        // Each turn adds a response and one tool result.
+        let turn = (request.messages.len() / 2) as u32;
+        Ok(if turn < self.steps {
+            ModelResponse::calls(vec![ToolCall::new(format!("c{turn}"), "noop", json!({}))])
+        } else {
+            ModelResponse::answer("done")
+        })
+    }
+}
+
+/// Does nothing: the step's cost is agentrt's.
+struct Noop;
+
+#[async_trait(?Send)]
+impl Tool for Noop {
+    fn name(&self) -> &str {
+        "noop"
+    }
+
+    async fn call(&self, _: &ToolContext, _: &Value) -> Result<Value, ToolError> {
+        Ok(Value::Null)
+    }
+}
+
+/// Holds every call until the benchmark ends (workload e's running runs).
+struct Hold(Arc<tokio::sync::Notify>, Arc<AtomicUsize>);
+
+#[async_trait(?Send)]
+impl Tool for Hold {
+    fn name(&self) -> &str {
+        "noop"
+    }
+
+    async fn call(&self, _: &ToolContext, _: &Value) -> Result<Value, ToolError> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        self.0.notified().await;
+        Ok(Value::Null)
+    }
+}
+
+#[derive(Clone, Default)]
+struct Commits(Arc<AtomicUsize>);
+
+impl MoveObserver for Commits {
+    fn after_commit(&self, _: &MoveInfo) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn options(sync: Synchronous) -> StoreOptions {
+    StoreOptions { synchronous: sync, ..StoreOptions::default() }
+}
+
+/// Workload a, agentrt's side: one run of `steps` steps; (steps/s, commits per step).
+fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64, f64) {
+    let path = dir.join(format!("agentrt-{}.db", rand::random::<u32>()));
+    let store = Store::open_with(&path, options(sync)).unwrap();
+    let commits = Commits::default();
+    let config = Config::default().lease_ttl(ttl).observer(commits.clone());
+    let agent = Agent::new(LoopModel::new(steps)).tool(Noop).max_steps(u32::MAX);
+    let elapsed = actix::System::new().block_on(async move {
+        let sup = Supervisor::builder(store).config(config).agent("bench", agent).start().unwrap();
+        let started = Instant::now();
+        let reply = sup.send(StartRun::new("bench", json!({}))).await.unwrap().unwrap();
+        assert!(matches!(reply.outcome, Outcome::Succeeded { .. }));
+        started.elapsed()
+    });
+    let _ = std::fs::remove_file(&path);
+    (steps as f64 / elapsed.as_secs_f64(), commits.0.load(Ordering::SeqCst) as f64 / steps as f64)
+}
+
+/// Workload a, the baseline: plain rusqlite doing the same commits with the same rows
+/// (agentrt's schema, its pragmas, four transactions per step), with nothing around them.
+fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
+    let path = dir.join(format!("baseline-{}.db", rand::random::<u32>()));
+    drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
+    let mut conn = rusqlite::Connection::open(&path).unwrap();
+    let sync_name = match sync {
+        Synchronous::Normal => "NORMAL",
+        Synchronous::Full => "FULL",
+        Synchronous::Extra => "EXTRA",
+    };
+    conn.execute_batch(&format!("PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync_name}; PRAGMA foreign_keys = ON;")).unwrap();
+    let ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let started = Instant::now();
+    let run = "baseline";
+    let mut seq = 0i64;
+    let mut event = |tx: &rusqlite::Transaction<'_>, kind: &str, step: Option<u32>, payload: &str| {
+        seq += 1;
+        tx.prepare_cached("INSERT INTO events (run_id, seq, kind, at, step, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+            .unwrap()
+            .execute(rusqlite::params![run, seq, kind, ms(), step, payload])
+            .unwrap();
+    };
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+    tx.execute(
+        "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner, lease_expires_at) VALUES (?1, 'bench', '{}', 'RUNNING', ?2, ?2, 'owner', ?2)",
+        rusqlite::params![run, ms()],
+    )
+    .unwrap();
+    event(&tx, "run.started", None, "{}");
+    tx.commit().unwrap();
+    let touch = |tx: &rusqlite::Transaction<'_>| {
+        tx.prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = 'owner'")
+            .unwrap()
+            .execute(rusqlite::params![run, ms()])
+            .unwrap();
+    };
+    for i in 0..steps {
+        let (model_step, tool_step) = (2 * i + 1, 2 * i + 2);
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        touch(&tx);
+        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, model_step]).unwrap();
+        event(&tx, "step.model_started", Some(model_step), r#"{"attempt":1}"#);
+        tx.commit().unwrap();
+
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        touch(&tx);
+        let response = format!(r#"{{"tool_calls":[{{"id":"c{i}","name":"noop","args":{{}}}}]}}"#);
+        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args) VALUES (?1, ?2, 'tool', 'pending', 0, ?3, 'noop', '{}')").unwrap().execute(rusqlite::params![run, tool_step, format!("c{i}")]).unwrap();
+        tx.prepare_cached("UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, model_step, response]).unwrap();
+        event(&tx, "step.model_finished", Some(model_step), &response);
+        tx.commit().unwrap();
+
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        touch(&tx);
+        event(&tx, "policy.decided", Some(tool_step), r#"{"decision":"allow"}"#);
+        tx.prepare_cached("UPDATE steps SET state = 'in_flight', attempt = 1 WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, tool_step]).unwrap();
+        event(&tx, "step.tool_started", Some(tool_step), r#"{"attempt":1}"#);
+        tx.commit().unwrap();
+
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        touch(&tx);
+        tx.prepare_cached("UPDATE steps SET state = 'finished', result = '{\"ok\":null}' WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, tool_step]).unwrap();
+        event(&tx, "step.tool_finished", Some(tool_step), r#"{"output":null}"#);
+        tx.commit().unwrap();
+    }
+    let elapsed = started.elapsed();
+    drop(conn);
+    let _ = std::fs::remove_file(&path);
+    steps as f64 / elapsed.as_secs_f64()
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    values[values.len() / 2]
+}
+
+fn summary(name: &str, extra: Value, ratios: &mut [f64]) {
+    let (min, max) = (ratios.iter().cloned().fold(f64::MAX, f64::min), ratios.iter().cloned().fold(0.0, f64::max));
+    let mut line = json!({ "summary": name, "median_ratio": median(ratios), "min_ratio": min, "max_ratio": max, "rounds": ratios.len() });
+    line.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    println!("{line}");
+}
+
+/// a: one run against the baseline, at FULL then NORMAL.
+fn workload_a(args: &Args, dir: &Path) {
+    for sync in [Synchronous::Full, Synchronous::Normal] {
+        let mut ratios = Vec::new();
+        let mut commits = 0.0;
+        for round in 0..args.rounds {
+            // Alternate which side goes first.
+            let (ours, base) = if round % 2 == 0 {
+                let ours = agentrt_run(dir, sync, args.steps, Duration::from_secs(30));
+                (ours, baseline_run(dir, sync, args.steps))
+            } else {
+                let base = baseline_run(dir, sync, args.steps);
+                (agentrt_run(dir, sync, args.steps, Duration::from_secs(30)), base)
+            };
+            commits = ours.1;
+            ratios.push(ours.0 / base);
+            println!("{}", json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1 }));
+        }
+        summary("a_one_run_vs_baseline", json!({ "sync": format!("{sync:?}"), "commits_per_step": commits }), &mut ratios);
+    }
+}
+
+/// c: the lease's cost per step: a 300 ms TTL (a renewal every 100 ms) against 30 s.
+fn workload_c(args: &Args, dir: &Path) {
+    let mut ratios = Vec::new();
+    for round in 0..args.rounds {
+        let short = agentrt_run(dir, Synchronous::Full, args.steps, Duration::from_millis(300)).0;
+        let long = agentrt_run(dir, Synchronous::Full, args.steps, Duration::from_secs(30)).0;
+        ratios.push(short / long);
+        println!("{}", json!({ "bench": "c_lease_ttl", "round": round, "ttl_300ms_steps_per_s": short, "ttl_30s_steps_per_s": long, "ratio": short / long }));
+    }
+    summary("c_ttl_300ms_vs_30s", json!({}), &mut ratios);
+}
+
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:").map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0)))
+        .unwrap_or(0)
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0)))
+        .unwrap_or(0)
+}
+
+/// b: many concurrent runs of 20 steps on one supervisor.
+fn workload_b(args: &Args, dir: &Path) {
+    for sync in [Synchronous::Full, Synchronous::Normal] {
+        let path = dir.join(format!("concurrent-{}.db", rand::random::<u32>()));
+        let store = Store::open_with(&path, options(sync)).unwrap();
+        let model = LoopModel::new(20);
+        let agent = Agent::new(model.clone()).tool(Noop).max_steps(100);
+        let runs = args.runs;
+        let elapsed = actix::System::new().block_on(async move {
+            let sup = Supervisor::builder(store).agent("bench", agent).start().unwrap();
+            let started = Instant::now();
+            // Spawned, so that every call is in flight at once (a `send` not polled waits
+            // outside a full mailbox).
+            let calls: Vec<_> = (0..runs).map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({}))))).collect();
+            for call in calls {
+                call.await.unwrap().unwrap().unwrap();
+            }
+            started.elapsed()
+        });
+        let mut latencies: Vec<f64> = model.latencies.lock().unwrap().iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+        latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
+        println!(
+            "{}",
+            json!({ "bench": "b_concurrent", "sync": format!("{sync:?}"), "runs": runs, "steps_per_run": 20, "steps_per_s": (runs * 20) as f64 / elapsed.as_secs_f64(), "p50_step_ms": pct(0.5), "p99_step_ms": pct(0.99), "peak_rss_kib": peak_rss_kib() })
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+/// e: memory per run: 10,000 runs waiting for approval, then 1,000 running at once.
+fn workload_e(dir: &Path) {
+    let path = dir.join("memory.db");
+    let store = Store::open(&path).unwrap();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let waiting_agent = Agent::new(LoopModel::new(1)).tool(Noop).policy(RequireApprovalFor::tools(["noop"]));
+    let running_agent = Agent::new(LoopModel::new(1)).tool(Hold(release.clone(), entered.clone()));
+    actix::System::new().block_on(async move {
+        let sup = Supervisor::builder(store).agent("waits", waiting_agent).agent("runs", running_agent).start().unwrap();
+        let before = rss_kib();
+        for chunk in 0..10 {
+            let calls: Vec<_> =
+                (0..1000).map(|i| actix_rt::spawn(sup.send(StartRun::new("waits", json!({ "n": chunk * 1000 + i }))))).collect();
+            for call in calls {
+                call.await.unwrap().unwrap().unwrap();
+            }
+        }
+        let after_waiting = rss_kib();
+        let calls: Vec<_> = (0..1000).map(|_| actix_rt::spawn(sup.send(StartRun::new("runs", json!({}))))).collect();
+        while entered.load(Ordering::SeqCst) < 1000 {
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+        let after_running = rss_kib();
+        release.notify_waiters();
+        for call in calls {
+            call.await.unwrap().unwrap().unwrap();
+        }
+        println!(
+            "{}",
+            json!({ "bench": "e_memory", "waiting_runs": 10000, "kib_per_waiting_run": (after_waiting.saturating_sub(before)) as f64 / 10000.0, "running_runs": 1000, "kib_per_running_run": (after_running.saturating_sub(after_waiting)) as f64 / 1000.0 })
+        );
+    });
+    let _ = std::fs::remove_file(&path);
+}
+
+fn main() {
+    let args = Args::parse();
+    let dir = tempfile::tempdir().unwrap();
+    let wants = |name: &str| args.only.is_empty() || args.only.iter().any(|only| only == name);
+    if wants("a") {
+        workload_a(&args, dir.path());
+    }
+    if wants("c") {
+        workload_c(&args, dir.path());
+    }
+    if wants("b") {
+        workload_b(&args, dir.path());
+    }
+    if wants("e") {
+        workload_e(dir.path());
+    }
+}

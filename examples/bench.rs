@@ -18,9 +18,9 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Config, Model, ModelError, ModelRequest, ModelResponse, MoveInfo, MoveObserver,
-    Outcome, RequireApprovalFor, StartRun, Store, StoreOptions, Supervisor, Synchronous, Tool,
-    ToolCall, ToolContext, ToolError, async_trait,
+    Agent, Config, Model, ModelError, ModelRequest, ModelResponse, MoveInfo, MoveObserver, Outcome,
+    RequireApprovalFor, StartRun, Store, StoreOptions, Supervisor, Synchronous, Tool, ToolCall,
+    ToolContext, ToolError, async_trait,
 };
 use clap::Parser;
 use serde_json::{Value, json};
@@ -52,7 +52,11 @@ struct LoopModel {
 
 impl LoopModel {
     fn new(steps: u32) -> Self {
-        LoopModel { steps, last: Arc::default(), latencies: Arc::default() }
+        LoopModel {
+            steps,
+            last: Arc::default(),
+            latencies: Arc::default(),
+        }
     }
 }
 
@@ -60,7 +64,12 @@ impl LoopModel {
 impl Model for LoopModel {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
         let now = Instant::now();
-        if let Some(before) = self.last.lock().unwrap().insert(request.run_id.to_string(), now) {
+        if let Some(before) = self
+            .last
+            .lock()
+            .unwrap()
+            .insert(request.run_id.to_string(), now)
+        {
             self.latencies.lock().unwrap().push(now - before);
         }
         // Each turn adds a response and one tool result.
@@ -113,7 +122,10 @@ impl MoveObserver for Commits {
 }
 
 fn options(sync: Synchronous) -> StoreOptions {
-    StoreOptions { synchronous: sync, ..StoreOptions::default() }
+    StoreOptions {
+        synchronous: sync,
+        ..StoreOptions::default()
+    }
 }
 
 /// Workload a, agentrt's side: one run of `steps` steps; (steps/s, commits per step).
@@ -122,16 +134,29 @@ fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64
     let store = Store::open_with(&path, options(sync)).unwrap();
     let commits = Commits::default();
     let config = Config::default().lease_ttl(ttl).observer(commits.clone());
-    let agent = Agent::new(LoopModel::new(steps)).tool(Noop).max_steps(u32::MAX);
+    let agent = Agent::new(LoopModel::new(steps))
+        .tool(Noop)
+        .max_steps(u32::MAX);
     let elapsed = actix::System::new().block_on(async move {
-        let sup = Supervisor::builder(store).config(config).agent("bench", agent).start().unwrap();
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("bench", agent)
+            .start()
+            .unwrap();
         let started = Instant::now();
-        let reply = sup.send(StartRun::new("bench", json!({}))).await.unwrap().unwrap();
+        let reply = sup
+            .send(StartRun::new("bench", json!({})))
+            .await
+            .unwrap()
+            .unwrap();
         assert!(matches!(reply.outcome, Outcome::Succeeded { .. }));
         started.elapsed()
     });
     let _ = std::fs::remove_file(&path);
-    (steps as f64 / elapsed.as_secs_f64(), commits.0.load(Ordering::SeqCst) as f64 / steps as f64)
+    (
+        steps as f64 / elapsed.as_secs_f64(),
+        commits.0.load(Ordering::SeqCst) as f64 / steps as f64,
+    )
 }
 
 /// Workload a, the baseline: plain rusqlite doing the same commits with the same rows
@@ -145,19 +170,32 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
         Synchronous::Full => "FULL",
         Synchronous::Extra => "EXTRA",
     };
-    conn.execute_batch(&format!("PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync_name}; PRAGMA foreign_keys = ON;")).unwrap();
-    let ms = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    conn.execute_batch(&format!(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync_name}; PRAGMA foreign_keys = ON;"
+    ))
+    .unwrap();
+    let ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
     let started = Instant::now();
     let run = "baseline";
     let mut seq = 0i64;
-    let mut event = |tx: &rusqlite::Transaction<'_>, kind: &str, step: Option<u32>, payload: &str| {
+    let mut event = |tx: &rusqlite::Transaction<'_>,
+                     kind: &str,
+                     step: Option<u32>,
+                     payload: &str| {
         seq += 1;
         tx.prepare_cached("INSERT INTO events (run_id, seq, kind, at, step, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
             .unwrap()
             .execute(rusqlite::params![run, seq, kind, ms(), step, payload])
             .unwrap();
     };
-    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .unwrap();
     tx.execute(
         "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner, lease_expires_at) VALUES (?1, 'bench', '{}', 'RUNNING', ?2, ?2, 'owner', ?2)",
         rusqlite::params![run, ms()],
@@ -173,31 +211,69 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     };
     for i in 0..steps {
         let (model_step, tool_step) = (2 * i + 1, 2 * i + 2);
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
         touch(&tx);
         tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, model_step]).unwrap();
-        event(&tx, "step.model_started", Some(model_step), r#"{"attempt":1}"#);
+        event(
+            &tx,
+            "step.model_started",
+            Some(model_step),
+            r#"{"attempt":1}"#,
+        );
         tx.commit().unwrap();
 
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
         touch(&tx);
         let response = format!(r#"{{"tool_calls":[{{"id":"c{i}","name":"noop","args":{{}}}}]}}"#);
         tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args) VALUES (?1, ?2, 'tool', 'pending', 0, ?3, 'noop', '{}')").unwrap().execute(rusqlite::params![run, tool_step, format!("c{i}")]).unwrap();
-        tx.prepare_cached("UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, model_step, response]).unwrap();
+        tx.prepare_cached(
+            "UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2",
+        )
+        .unwrap()
+        .execute(rusqlite::params![run, model_step, response])
+        .unwrap();
         event(&tx, "step.model_finished", Some(model_step), &response);
         tx.commit().unwrap();
 
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
         touch(&tx);
-        event(&tx, "policy.decided", Some(tool_step), r#"{"decision":"allow"}"#);
-        tx.prepare_cached("UPDATE steps SET state = 'in_flight', attempt = 1 WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, tool_step]).unwrap();
-        event(&tx, "step.tool_started", Some(tool_step), r#"{"attempt":1}"#);
+        event(
+            &tx,
+            "policy.decided",
+            Some(tool_step),
+            r#"{"decision":"allow"}"#,
+        );
+        tx.prepare_cached(
+            "UPDATE steps SET state = 'in_flight', attempt = 1 WHERE run_id = ?1 AND step = ?2",
+        )
+        .unwrap()
+        .execute(rusqlite::params![run, tool_step])
+        .unwrap();
+        event(
+            &tx,
+            "step.tool_started",
+            Some(tool_step),
+            r#"{"attempt":1}"#,
+        );
         tx.commit().unwrap();
 
-        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).unwrap();
+        let tx = conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
         touch(&tx);
         tx.prepare_cached("UPDATE steps SET state = 'finished', result = '{\"ok\":null}' WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, tool_step]).unwrap();
-        event(&tx, "step.tool_finished", Some(tool_step), r#"{"output":null}"#);
+        event(
+            &tx,
+            "step.tool_finished",
+            Some(tool_step),
+            r#"{"output":null}"#,
+        );
         tx.commit().unwrap();
     }
     let elapsed = started.elapsed();
@@ -212,9 +288,14 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 fn summary(name: &str, extra: Value, ratios: &mut [f64]) {
-    let (min, max) = (ratios.iter().cloned().fold(f64::MAX, f64::min), ratios.iter().cloned().fold(0.0, f64::max));
+    let (min, max) = (
+        ratios.iter().cloned().fold(f64::MAX, f64::min),
+        ratios.iter().cloned().fold(0.0, f64::max),
+    );
     let mut line = json!({ "summary": name, "median_ratio": median(ratios), "min_ratio": min, "max_ratio": max, "rounds": ratios.len() });
-    line.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    line.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
     println!("{line}");
 }
 
@@ -230,13 +311,23 @@ fn workload_a(args: &Args, dir: &Path) {
                 (ours, baseline_run(dir, sync, args.steps))
             } else {
                 let base = baseline_run(dir, sync, args.steps);
-                (agentrt_run(dir, sync, args.steps, Duration::from_secs(30)), base)
+                (
+                    agentrt_run(dir, sync, args.steps, Duration::from_secs(30)),
+                    base,
+                )
             };
             commits = ours.1;
             ratios.push(ours.0 / base);
-            println!("{}", json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1 }));
+            println!(
+                "{}",
+                json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1 })
+            );
         }
-        summary("a_one_run_vs_baseline", json!({ "sync": format!("{sync:?}"), "commits_per_step": commits }), &mut ratios);
+        summary(
+            "a_one_run_vs_baseline",
+            json!({ "sync": format!("{sync:?}"), "commits_per_step": commits }),
+            &mut ratios,
+        );
     }
 }
 
@@ -244,10 +335,19 @@ fn workload_a(args: &Args, dir: &Path) {
 fn workload_c(args: &Args, dir: &Path) {
     let mut ratios = Vec::new();
     for round in 0..args.rounds {
-        let short = agentrt_run(dir, Synchronous::Full, args.steps, Duration::from_millis(300)).0;
+        let short = agentrt_run(
+            dir,
+            Synchronous::Full,
+            args.steps,
+            Duration::from_millis(300),
+        )
+        .0;
         let long = agentrt_run(dir, Synchronous::Full, args.steps, Duration::from_secs(30)).0;
         ratios.push(short / long);
-        println!("{}", json!({ "bench": "c_lease_ttl", "round": round, "ttl_300ms_steps_per_s": short, "ttl_30s_steps_per_s": long, "ratio": short / long }));
+        println!(
+            "{}",
+            json!({ "bench": "c_lease_ttl", "round": round, "ttl_300ms_steps_per_s": short, "ttl_30s_steps_per_s": long, "ratio": short / long })
+        );
     }
     summary("c_ttl_300ms_vs_30s", json!({}), &mut ratios);
 }
@@ -256,7 +356,10 @@ fn peak_rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:").map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0)))
+        .find_map(|line| {
+            line.strip_prefix("VmHWM:")
+                .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
+        })
         .unwrap_or(0)
 }
 
@@ -264,37 +367,80 @@ fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0)))
+        .find_map(|line| {
+            line.strip_prefix("VmRSS:")
+                .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
+        })
         .unwrap_or(0)
 }
 
-/// b: many concurrent runs of 20 steps on one supervisor.
+/// One side of workload b: `runs` concurrent runs of 20 steps; (steps/s, p50 ms, p99 ms).
+fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) -> (f64, f64, f64) {
+    let path = dir.join(format!("concurrent-{}.db", rand::random::<u32>()));
+    let store = Store::open_with(&path, options(sync)).unwrap();
+    let model = LoopModel::new(20);
+    let agent = Agent::new(model.clone()).tool(Noop).max_steps(100);
+    let config = Config::default().group_commit(group_commit);
+    let elapsed = actix::System::new().block_on(async move {
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("bench", agent)
+            .start()
+            .unwrap();
+        let started = Instant::now();
+        // Spawned, so that every call is in flight at once (a `send` not polled waits outside
+        // a full mailbox).
+        let calls: Vec<_> = (0..runs)
+            .map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({})))))
+            .collect();
+        for call in calls {
+            call.await.unwrap().unwrap().unwrap();
+        }
+        started.elapsed()
+    });
+    let _ = std::fs::remove_file(&path);
+    let mut latencies: Vec<f64> = model
+        .latencies
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_secs_f64() * 1000.0)
+        .collect();
+    latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
+    (
+        (runs * 20) as f64 / elapsed.as_secs_f64(),
+        pct(0.5),
+        pct(0.99),
+    )
+}
+
+/// b: many concurrent runs of 20 steps on one supervisor, group commit on against off.
 fn workload_b(args: &Args, dir: &Path) {
     for sync in [Synchronous::Full, Synchronous::Normal] {
-        let path = dir.join(format!("concurrent-{}.db", rand::random::<u32>()));
-        let store = Store::open_with(&path, options(sync)).unwrap();
-        let model = LoopModel::new(20);
-        let agent = Agent::new(model.clone()).tool(Noop).max_steps(100);
-        let runs = args.runs;
-        let elapsed = actix::System::new().block_on(async move {
-            let sup = Supervisor::builder(store).agent("bench", agent).start().unwrap();
-            let started = Instant::now();
-            // Spawned, so that every call is in flight at once (a `send` not polled waits
-            // outside a full mailbox).
-            let calls: Vec<_> = (0..runs).map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({}))))).collect();
-            for call in calls {
-                call.await.unwrap().unwrap().unwrap();
-            }
-            started.elapsed()
-        });
-        let mut latencies: Vec<f64> = model.latencies.lock().unwrap().iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-        latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
-        println!(
-            "{}",
-            json!({ "bench": "b_concurrent", "sync": format!("{sync:?}"), "runs": runs, "steps_per_run": 20, "steps_per_s": (runs * 20) as f64 / elapsed.as_secs_f64(), "p50_step_ms": pct(0.5), "p99_step_ms": pct(0.99), "peak_rss_kib": peak_rss_kib() })
+        let mut ratios = Vec::new();
+        for round in 0..args.rounds.min(3) {
+            let (on, off) = if round % 2 == 0 {
+                let on = concurrent(dir, sync, args.runs, true);
+                (on, concurrent(dir, sync, args.runs, false))
+            } else {
+                let off = concurrent(dir, sync, args.runs, false);
+                (concurrent(dir, sync, args.runs, true), off)
+            };
+            ratios.push(on.0 / off.0);
+            println!(
+                "{}",
+                json!({ "bench": "b_concurrent", "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": 20, "round": round,
+                        "group_commit_steps_per_s": on.0, "group_commit_p50_ms": on.1, "group_commit_p99_ms": on.2,
+                        "single_commit_steps_per_s": off.0, "single_commit_p50_ms": off.1, "single_commit_p99_ms": off.2,
+                        "ratio": on.0 / off.0, "peak_rss_kib": peak_rss_kib() })
+            );
+        }
+        summary(
+            "b_group_commit_vs_off",
+            json!({ "sync": format!("{sync:?}"), "runs": args.runs }),
+            &mut ratios,
         );
-        let _ = std::fs::remove_file(&path);
     }
 }
 
@@ -304,7 +450,9 @@ fn workload_e(dir: &Path) {
     let store = Store::open(&path).unwrap();
     let release = Arc::new(tokio::sync::Notify::new());
     let entered = Arc::new(AtomicUsize::new(0));
-    let waiting_agent = Agent::new(LoopModel::new(1)).tool(Noop).policy(RequireApprovalFor::tools(["noop"]));
+    let waiting_agent = Agent::new(LoopModel::new(1))
+        .tool(Noop)
+        .policy(RequireApprovalFor::tools(["noop"]));
     let running_agent = Agent::new(LoopModel::new(1)).tool(Hold(release.clone(), entered.clone()));
     actix::System::new().block_on(async move {
         let sup = Supervisor::builder(store).agent("waits", waiting_agent).agent("runs", running_agent).start().unwrap();

@@ -159,6 +159,10 @@ pub enum Error {
     #[error("the store actor is not running (was its actix system stopped?)")]
     StoreUnavailable,
 
+    /// A group of moves could not be committed: none of them was applied.
+    #[error("committing the moves failed, nothing was written: {0}")]
+    CommitFailed(String),
+
     /// An SQLite error.
     #[error("database error: {0}")]
     Database(#[source] rusqlite::Error),

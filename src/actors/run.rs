@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use super::{
     lease_keeper::{Hold, LeaseKeeper, LeaseLost, Release},
-    store::{ApplyMove, ReadState, ReleaseLease, StoreActor},
+    store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
     agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
@@ -82,7 +82,7 @@ pub(crate) struct Execute {
     pub run_id: RunId,
     pub job: Job,
     pub agents: Agents,
-    pub store: Addr<StoreActor>,
+    pub store: StoreHandle,
     pub keeper: Addr<LeaseKeeper>,
     pub holder: Holder,
 }
@@ -133,6 +133,7 @@ impl Handler<Execute> for RunActor {
                 // Paused and finished runs released the lease in their move; any other return
                 // releases it here, so another process need not wait out the TTL.
                 let released = store
+                    .addr()
                     .send(ReleaseLease {
                         run_id: run_id.clone(),
                         owner,
@@ -164,7 +165,7 @@ enum Next {
 /// What a loop works with besides the run itself.
 struct Env {
     run_id: RunId,
-    store: Addr<StoreActor>,
+    store: StoreHandle,
     keeper: Addr<LeaseKeeper>,
     holder: Holder,
     recipient: Recipient<LeaseLost>,
@@ -208,7 +209,7 @@ impl RunLoop {
                 let create = ApplyMove::new("create_run", &run_id, move |tx, now| {
                     sql::create_run(tx, now, &id, &name, &value, &holder)
                 });
-                let expires_at = send(&env.store, create).await?;
+                let expires_at = env.store.apply(create).await?;
                 tracing::info!(agent = %agent, "run started");
                 let run = RunLoop::new(env, found, input, Vec::new());
                 run.hold(expires_at);
@@ -216,8 +217,11 @@ impl RunLoop {
             }
             Job::Resume => {
                 let id = run_id.clone();
-                let snapshot =
-                    send(&env.store, ReadState::new(move |conn| sql::load(conn, &id))).await?;
+                let snapshot = send(
+                    env.store.addr(),
+                    ReadState::new(move |conn| sql::load(conn, &id)),
+                )
+                .await?;
                 tracing::Span::current().record("agent", snapshot.run.agent.as_str());
                 let agent = find(&snapshot.run.agent)?;
                 match snapshot.run.state {
@@ -233,7 +237,7 @@ impl RunLoop {
                         let take = ApplyMove::new("take_over", &run_id, move |tx, now| {
                             sql::take_over(tx, now, &id, &holder)
                         });
-                        let (interrupted, expires_at) = send(&env.store, take).await?;
+                        let (interrupted, expires_at) = env.store.apply(take).await?;
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold(expires_at);
                         for step in &mut run.steps {
@@ -303,7 +307,7 @@ impl RunLoop {
     async fn read_run(&self) -> Result<crate::types::Run> {
         let id = self.run_id.clone();
         send(
-            &self.env.store,
+            self.env.store.addr(),
             ReadState::new(move |conn| sql::run(conn, &id)),
         )
         .await
@@ -395,13 +399,10 @@ impl RunLoop {
         + 'static,
     ) -> Result<R> {
         let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
-        send(
-            &self.env.store,
-            ApplyMove::new(name, &self.run_id, move |tx, now| {
-                apply(tx, now, &run_id, &holder)
-            }),
-        )
-        .await
+        let apply = ApplyMove::new(name, &self.run_id, move |tx, now| {
+            apply(tx, now, &run_id, &holder)
+        });
+        self.env.store.apply(apply).await
     }
 
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
@@ -429,14 +430,14 @@ impl RunLoop {
                 return self.stopped().await;
             }
             // Finished steps stay finished: start the search where the last one left off.
-            while self.steps.get(self.cursor).is_some_and(|s| s.state == StepState::Finished) {
-                self.cursor += 1;
-            }
-            let next = match self
+            while self
                 .steps
                 .get(self.cursor)
-                .cloned()
+                .is_some_and(|s| s.state == StepState::Finished)
             {
+                self.cursor += 1;
+            }
+            let next = match self.steps.get(self.cursor).cloned() {
                 None => self.begin_model_step().await?,
                 Some(step) => match (step.kind, step.state) {
                     (StepKind::Model, StepState::InFlight) => {

@@ -1,14 +1,22 @@
-//! `StoreActor`: the only writer. A sync actor on its own thread that applies each move in one
-//! `BEGIN IMMEDIATE` transaction, so nothing blocking runs on the arbiters that host runs.
+//! `StoreActor`: the only writer. A sync actor on its own thread that applies the moves
+//! submitted to it, so nothing blocking runs on the arbiters that host runs. Moves that arrive
+//! while a commit is syncing are committed together (group commit): one `BEGIN IMMEDIATE`
+//! transaction, a savepoint per move, each caller answered only after the commit.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 use rusqlite::{Connection, Transaction};
 
+use tokio::sync::oneshot;
+
 use crate::{
     clock::Clock,
-    error::Result,
+    error::{Error, Result},
     store::{
         Now, Store,
         sql::{self, Renewal},
@@ -52,22 +60,65 @@ pub(crate) struct StoreActor {
     store: Store,
     clock: Arc<dyn Clock>,
     observer: Option<Arc<dyn MoveObserver>>,
+    queue: Queue,
+    group_commit: bool,
 }
 
+/// Moves waiting for the store actor, in the order they were submitted.
+type Queue = Arc<Mutex<Vec<Box<dyn Pending>>>>;
+
 impl StoreActor {
-    /// Starts the actor on a thread of its own.
+    /// Starts the actor on a thread of its own; moves reach it through the returned handle.
     pub(crate) fn start(
         store: Store,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
-    ) -> Addr<StoreActor> {
+        group_commit: bool,
+    ) -> StoreHandle {
+        let queue = Queue::default();
+        let shared = queue.clone();
         // The factory runs again if the actor stops; it only clones handles, so a restart
-        // yields the same actor on the same connection.
-        SyncArbiter::start(1, move || StoreActor {
+        // yields the same actor on the same connection and queue.
+        let addr = SyncArbiter::start(1, move || StoreActor {
             store: store.clone(),
             clock: clock.clone(),
             observer: observer.clone(),
-        })
+            queue: shared.clone(),
+            group_commit,
+        });
+        StoreHandle { addr, queue }
+    }
+
+    /// Commits `batch` as one group: observed before and after, each caller answered only
+    /// after the commit.
+    fn commit(&self, mut batch: Vec<Box<dyn Pending>>) {
+        if let Some(observer) = &self.observer {
+            // Before the transaction opens: an observer that stops here holds no lock.
+            batch
+                .iter()
+                .for_each(|pending| observer.before_apply(pending.info()));
+        }
+        match self
+            .store
+            .transact_group(&*self.clock, &mut batch, |pending, tx, now| {
+                pending.apply(tx, now)
+            }) {
+            Ok(applied) => {
+                for (pending, applied) in batch.into_iter().zip(applied) {
+                    if applied && let Some(observer) = &self.observer {
+                        observer.after_commit(pending.info());
+                    }
+                    pending.answer(None);
+                }
+            }
+            Err(err) => {
+                tracing::error!(%err, moves = batch.len(), "a group commit failed");
+                let message = err.to_string();
+                for pending in batch {
+                    pending.answer(Some(&message));
+                }
+            }
+        }
     }
 }
 
@@ -75,7 +126,42 @@ impl Actor for StoreActor {
     type Context = SyncContext<Self>;
 }
 
-/// One state move: `apply` runs inside its own transaction, committed only if it succeeds.
+/// How the rest of the supervisor reaches its store actor.
+#[derive(Clone)]
+pub(crate) struct StoreHandle {
+    addr: Addr<StoreActor>,
+    queue: Queue,
+}
+
+impl StoreHandle {
+    /// Submits a move; completes with its result once it committed (or was refused).
+    pub(crate) fn apply<R: Send + 'static>(
+        &self,
+        mv: ApplyMove<R>,
+    ) -> impl Future<Output = Result<R>> + 'static {
+        let (reply, answer) = oneshot::channel();
+        let pending = PendingMove {
+            info: mv.info,
+            apply: Some(mv.apply),
+            result: None,
+            reply,
+        };
+        self.queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .push(Box::new(pending));
+        self.addr.do_send(Drain);
+        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
+    }
+
+    /// The actor, for messages other than moves.
+    pub(crate) fn addr(&self) -> &Addr<StoreActor> {
+        &self.addr
+    }
+}
+
+/// One state move: `apply` runs inside a transaction (its own, or a savepoint of a group
+/// commit), committed only if it succeeds.
 pub(crate) struct ApplyMove<R> {
     info: MoveInfo,
     apply: ApplyFn<R>,
@@ -98,26 +184,78 @@ impl<R> ApplyMove<R> {
     }
 }
 
-impl<R: Send + 'static> Message for ApplyMove<R> {
-    type Result = Result<R>;
+/// A submitted move, type-erased for the queue.
+trait Pending: Send {
+    fn info(&self) -> &MoveInfo;
+    /// Applies the move inside the group's transaction, keeping its result; false when it
+    /// was refused.
+    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool;
+    /// Answers the caller: its own result, unless the group failed to commit.
+    fn answer(self: Box<Self>, commit_failed: Option<&str>);
 }
 
-impl<R: Send + 'static> Handler<ApplyMove<R>> for StoreActor {
-    type Result = Result<R>;
+struct PendingMove<R> {
+    info: MoveInfo,
+    apply: Option<ApplyFn<R>>,
+    result: Option<Result<R>>,
+    reply: oneshot::Sender<Result<R>>,
+}
 
-    fn handle(&mut self, msg: ApplyMove<R>, _: &mut SyncContext<Self>) -> Result<R> {
-        if let Some(observer) = &self.observer {
-            observer.before_apply(&msg.info);
+impl<R: Send> Pending for PendingMove<R> {
+    fn info(&self) -> &MoveInfo {
+        &self.info
+    }
+
+    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool {
+        let apply = self.apply.take().expect("a move is applied once");
+        let result = apply(tx, now);
+        if let Err(err) = &result {
+            tracing::debug!(r#move = self.info.name, run_id = %self.info.run_id, %err, "move refused");
         }
-        let result = self.store.transact(&*self.clock, msg.apply);
-        match (&result, &self.observer) {
-            (Ok(_), Some(observer)) => observer.after_commit(&msg.info),
-            (Err(err), _) => {
-                tracing::debug!(r#move = msg.info.name, run_id = %msg.info.run_id, %err, "move refused")
+        let applied = result.is_ok();
+        self.result = Some(result);
+        applied
+    }
+
+    fn answer(self: Box<Self>, commit_failed: Option<&str>) {
+        let result = match (self.result, commit_failed) {
+            (Some(Err(err)), _) => Err(err),
+            (Some(Ok(value)), None) => Ok(value),
+            (_, Some(message)) => Err(Error::CommitFailed(message.to_owned())),
+            (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
+        };
+        // The caller may be gone (its system stopped): nobody to answer.
+        let _ = self.reply.send(result);
+    }
+}
+
+/// Apply what the queue holds.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Drain;
+
+impl Handler<Drain> for StoreActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Drain, _: &mut SyncContext<Self>) {
+        let batch = std::mem::take(
+            &mut *self
+                .queue
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        if batch.is_empty() {
+            // An earlier Drain took these moves with its own.
+            return;
+        }
+        if self.group_commit {
+            // Everything that arrived while the last commit was syncing: one commit.
+            self.commit(batch);
+        } else {
+            for pending in batch {
+                self.commit(vec![pending]);
             }
-            (Ok(_), None) => {}
         }
-        result
     }
 }
 

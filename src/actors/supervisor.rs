@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::{
     lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
-    store::{ApplyMove, MoveObserver, ReadState, StoreActor},
+    store::{ApplyMove, MoveObserver, ReadState, StoreActor, StoreHandle},
 };
 use crate::{
     agent::{Agent, Cancellation},
@@ -49,6 +49,10 @@ pub struct Config {
     /// Told of every move the supervisor's store actor applies, before and after; none by
     /// default.
     pub observer: Option<Arc<dyn MoveObserver>>,
+    /// Commit the moves that arrive together (from different runs) in one transaction, each in
+    /// a savepoint of its own and each caller answered after the commit (default true). Off,
+    /// every move is a transaction and a commit of its own.
+    pub group_commit: bool,
 }
 
 impl Default for Config {
@@ -58,6 +62,7 @@ impl Default for Config {
             lease_owner: None,
             lease_ttl: DEFAULT_LEASE_TTL,
             observer: None,
+            group_commit: true,
         }
     }
 }
@@ -78,6 +83,12 @@ impl Config {
     /// Sets the move observer.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
         self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Turns group commit on or off.
+    pub fn group_commit(mut self, on: bool) -> Self {
+        self.group_commit = on;
         self
     }
 
@@ -121,7 +132,7 @@ fn lease_owner(name: Option<&str>) -> String {
 /// Build it with [`Supervisor::builder`] inside a running actix system.
 pub struct Supervisor {
     store: Store,
-    store_actor: Addr<StoreActor>,
+    store_actor: StoreHandle,
     keeper: Addr<LeaseKeeper>,
     /// The keeper's thread; stopped with the supervisor.
     keeper_arbiter: Arbiter,
@@ -166,12 +177,13 @@ impl SupervisorBuilder {
             self.store.clone(),
             self.config.clock.clone(),
             self.config.observer.clone(),
+            self.config.group_commit,
         );
         // A renewal waits for a busy database at most one period, so a stalled tick cannot
         // outlive the lease it renews.
         let renewer = match self.store.renewal_connection(LeaseKeeper::period(ttl))? {
             Some(conn) => Renewer::Connection(conn),
-            None => Renewer::Store(store_actor.clone()),
+            None => Renewer::Store(store_actor.addr().clone()),
         };
         let keeper_arbiter = Arbiter::new();
         let owner = holder.owner.clone();
@@ -214,6 +226,7 @@ impl Supervisor {
             );
             let read = self
                 .store_actor
+                .addr()
                 .send(ReadState::new(move |conn| sql::lease(conn, &id)));
             return Box::pin(
                 async move {
@@ -393,20 +406,22 @@ impl Handler<CancelRun> for Supervisor {
         let id = run_id.clone();
         let cancel =
             self.store_actor
-                .send(ApplyMove::new("cancel_run", &run_id, move |tx, now| {
+                .apply(ApplyMove::new("cancel_run", &run_id, move |tx, now| {
                     sql::cancel_run(tx, now, &id, &reason)
                 }));
-        Box::pin(async move { cancel.await? }.into_actor(self).map(
-            move |result, this: &mut Supervisor, _| {
-                if result.is_ok() {
-                    if let Some((_, cancellation)) = this.executing.get(&run_id) {
-                        cancellation.fire();
+        Box::pin(
+            cancel
+                .into_actor(self)
+                .map(move |result, this: &mut Supervisor, _| {
+                    if result.is_ok() {
+                        if let Some((_, cancellation)) = this.executing.get(&run_id) {
+                            cancellation.fire();
+                        }
+                        tracing::info!(%run_id, "run cancelled");
                     }
-                    tracing::info!(%run_id, "run cancelled");
-                }
-                result
-            },
-        ))
+                    result
+                }),
+        )
     }
 }
 
@@ -422,12 +437,12 @@ impl Handler<RecordApproval> for Supervisor {
     fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
-        let record = self.store_actor.send(ApplyMove::new(
+        let record = self.store_actor.apply(ApplyMove::new(
             "record_approval",
             &run_id,
             move |tx, now| sql::record_approval(tx, now, &approval),
         ));
-        Box::pin(async move { record.await? }.into_actor(self))
+        Box::pin(record.into_actor(self))
     }
 }
 

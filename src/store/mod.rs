@@ -153,6 +153,11 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
     if role != Role::Reader {
         pragmas.push(("synchronous", options.synchronous.as_str()));
     }
+    if role == Role::Writer {
+        // 64 MiB of page cache: the pages every move touches (the tails of the events and steps
+        // trees, the runs being moved) stay in memory instead of being read back from the OS.
+        pragmas.push(("cache_size", "-65536"));
+    }
     if role == Role::Reader {
         // Inspection and the consumer's queries cannot write behind the StoreActor's back.
         pragmas.push(("query_only", "ON"));
@@ -420,6 +425,34 @@ impl Store {
         let value = f(&tx, &mut now)?;
         tx.commit()?;
         Ok(value)
+    }
+
+    /// Runs `moves` as one group commit: one `BEGIN IMMEDIATE` transaction, each move in a
+    /// savepoint of its own (all-or-nothing; a refused move is rolled back alone) with its own
+    /// clock reading, one commit for all. Returns, per move, whether it was applied; an error
+    /// means nothing was committed.
+    pub(crate) fn transact_group<T>(
+        &self,
+        clock: &dyn Clock,
+        moves: &mut [T],
+        mut apply: impl FnMut(&mut T, &Transaction<'_>, &mut Now<'_>) -> bool,
+    ) -> Result<Vec<bool>> {
+        let mut conn = lock(&self.inner.writer);
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut applied = Vec::with_capacity(moves.len());
+        for group_move in moves.iter_mut() {
+            tx.execute_batch("SAVEPOINT agentrt_move")?;
+            let mut now = Now { clock, read: None };
+            let ok = apply(group_move, &tx, &mut now);
+            tx.execute_batch(if ok {
+                "RELEASE agentrt_move"
+            } else {
+                "ROLLBACK TO agentrt_move; RELEASE agentrt_move"
+            })?;
+            applied.push(ok);
+        }
+        tx.commit()?;
+        Ok(applied)
     }
 
     /// Runs `f` on the writer connection outside any move: reads that must see every committed

@@ -1689,6 +1689,32 @@ mod tests {
     }
 
     #[test]
+    fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static STATEMENTS: AtomicUsize = AtomicUsize::new(0);
+        fn count(_: &str) {
+            STATEMENTS.fetch_add(1, Ordering::SeqCst);
+        }
+        let me = holder("me/000000000001", 30_000);
+        for held in [1, 100, 10_000] {
+            let mut conn = Connection::open_in_memory().unwrap();
+            crate::store::migrations().to_latest(&mut conn).unwrap();
+            let tx = conn.transaction().unwrap();
+            let ids: Vec<RunId> = (0..held).map(|i| RunId::from(format!("r{i}"))).collect();
+            for id in &ids {
+                create_run(&tx, &mut Now { clock: &SystemClock, read: None }, id, "a", &json!({}), &me).unwrap();
+            }
+            tx.commit().unwrap();
+            conn.trace(Some(count));
+            STATEMENTS.store(0, Ordering::SeqCst);
+            let renewal = renew(&conn, &me.owner, &ids, me.ttl).unwrap();
+            conn.trace(None);
+            assert_eq!(renewal.renewed.len(), held);
+            assert_eq!(STATEMENTS.load(Ordering::SeqCst), 1, "{held} runs held");
+        }
+    }
+
+    #[test]
     fn a_renewal_is_one_compare_and_set_on_the_owner_that_skips_expired_and_foreign_leases() {
         let me = holder("me/000000000001", 30_000);
         let store = Store::in_memory().unwrap();

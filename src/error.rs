@@ -178,6 +178,15 @@ impl Error {
         )
     }
 
+    /// True when SQLite found the database locked by another connection.
+    pub(crate) fn is_busy(&self) -> bool {
+        matches!(
+            self,
+            Error::Database(rusqlite::Error::SqliteFailure(failure, _))
+                if matches!(failure.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+        )
+    }
+
     /// True when a run or a call named by the caller does not exist.
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::RunNotFound(_) | Error::CallNotFound { .. })

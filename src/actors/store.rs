@@ -14,6 +14,7 @@ use rusqlite::{Connection, Transaction};
 
 use tokio::sync::oneshot;
 
+use super::lease_keeper::RenewalPending;
 use crate::{
     clock::Clock,
     error::{Error, Result},
@@ -62,6 +63,7 @@ pub(crate) struct StoreActor {
     observer: Option<Arc<dyn MoveObserver>>,
     queue: Queue,
     group_commit: bool,
+    renewal: RenewalPending,
 }
 
 /// Moves waiting for the store actor, in the order they were submitted.
@@ -74,6 +76,7 @@ impl StoreActor {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
         group_commit: bool,
+        renewal: RenewalPending,
     ) -> StoreHandle {
         let queue = Queue::default();
         let shared = queue.clone();
@@ -85,6 +88,7 @@ impl StoreActor {
             observer: observer.clone(),
             queue: shared.clone(),
             group_commit,
+            renewal: renewal.clone(),
         });
         StoreHandle { addr, queue }
     }
@@ -98,6 +102,7 @@ impl StoreActor {
                 .iter()
                 .for_each(|pending| observer.before_apply(pending.info()));
         }
+        self.renewal.yield_to_renewal();
         match self
             .store
             .transact_group(&*self.clock, &mut batch, |pending, tx, now| {

@@ -14,7 +14,7 @@ use actix::{
 use serde_json::Value;
 
 use super::{
-    lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
+    lease_keeper::{HeldLeases, LeaseKeeper, RenewalPending, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
     store::{ApplyMove, MoveObserver, ReadState, StoreActor, StoreHandle},
 };
@@ -173,22 +173,24 @@ impl SupervisorBuilder {
             owner: lease_owner(self.config.lease_owner.as_deref()).into(),
             ttl,
         };
+        let pending = RenewalPending::default();
         let store_actor = StoreActor::start(
             self.store.clone(),
             self.config.clock.clone(),
             self.config.observer.clone(),
             self.config.group_commit,
+            pending.clone(),
         );
         // A renewal waits for a busy database at most one period, so a stalled tick cannot
         // outlive the lease it renews.
-        let renewer = match self.store.renewal_connection(LeaseKeeper::period(ttl))? {
+        let renewer = match self.store.renewal_connection(Duration::ZERO)? {
             Some(conn) => Renewer::Connection(conn),
             None => Renewer::Store(store_actor.addr().clone()),
         };
         let keeper_arbiter = Arbiter::new();
         let owner = holder.owner.clone();
         let keeper = LeaseKeeper::start_in_arbiter(&keeper_arbiter.handle(), move |_| {
-            LeaseKeeper::new(owner, ttl, renewer)
+            LeaseKeeper::new(owner, ttl, renewer, pending)
         });
         tracing::info!(owner = %holder.owner, ?ttl, "supervisor starting");
         Ok(Supervisor {

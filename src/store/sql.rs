@@ -1702,7 +1702,18 @@ mod tests {
             let tx = conn.transaction().unwrap();
             let ids: Vec<RunId> = (0..held).map(|i| RunId::from(format!("r{i}"))).collect();
             for id in &ids {
-                create_run(&tx, &mut Now { clock: &SystemClock, read: None }, id, "a", &json!({}), &me).unwrap();
+                create_run(
+                    &tx,
+                    &mut Now {
+                        clock: &SystemClock,
+                        read: None,
+                    },
+                    id,
+                    "a",
+                    &json!({}),
+                    &me,
+                )
+                .unwrap();
             }
             tx.commit().unwrap();
             conn.trace(Some(count));

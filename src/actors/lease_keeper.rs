@@ -364,7 +364,7 @@ mod tests {
                 &pending,
             )
             .unwrap();
-            assert_eq!(renewal.renewed, [run_id.clone()]);
+            assert_eq!(renewal.renewed, std::slice::from_ref(&run_id));
         }
         stop.store(true, Ordering::SeqCst);
         busy.join().unwrap();

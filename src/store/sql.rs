@@ -1692,8 +1692,10 @@ mod tests {
     fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static STATEMENTS: AtomicUsize = AtomicUsize::new(0);
-        fn count(_: &str) {
-            STATEMENTS.fetch_add(1, Ordering::SeqCst);
+        fn count(event: rusqlite::trace::TraceEvent<'_>) {
+            if let rusqlite::trace::TraceEvent::Stmt(..) = event {
+                STATEMENTS.fetch_add(1, Ordering::SeqCst);
+            }
         }
         let me = holder("me/000000000001", 30_000);
         for held in [1, 100, 10_000] {
@@ -1716,10 +1718,10 @@ mod tests {
                 .unwrap();
             }
             tx.commit().unwrap();
-            conn.trace(Some(count));
+            conn.trace_v2(rusqlite::trace::TraceEventCodes::SQLITE_TRACE_STMT, Some(count));
             STATEMENTS.store(0, Ordering::SeqCst);
             let renewal = renew(&conn, &me.owner, &ids, me.ttl).unwrap();
-            conn.trace(None);
+            conn.trace_v2(rusqlite::trace::TraceEventCodes::empty(), None);
             assert_eq!(renewal.renewed.len(), held);
             assert_eq!(STATEMENTS.load(Ordering::SeqCst), 1, "{held} runs held");
         }

@@ -1718,7 +1718,10 @@ mod tests {
                 .unwrap();
             }
             tx.commit().unwrap();
-            conn.trace_v2(rusqlite::trace::TraceEventCodes::SQLITE_TRACE_STMT, Some(count));
+            conn.trace_v2(
+                rusqlite::trace::TraceEventCodes::SQLITE_TRACE_STMT,
+                Some(count),
+            );
             STATEMENTS.store(0, Ordering::SeqCst);
             let renewal = renew(&conn, &me.owner, &ids, me.ttl).unwrap();
             conn.trace_v2(rusqlite::trace::TraceEventCodes::empty(), None);

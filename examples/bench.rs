@@ -36,9 +36,12 @@ struct Args {
     /// Concurrent runs of workload b.
     #[arg(long, default_value_t = 1000)]
     runs: usize,
-    /// Only these workloads (a, b, c, e); all when empty.
+    /// Only these workloads (a, b, c, e, f); all when empty.
     #[arg(long)]
     only: Vec<String>,
+    /// Runs the child of workload f on this database (used by the parent process).
+    #[arg(long, hide = true)]
+    child: Option<std::path::PathBuf>,
 }
 
 /// Asks for the no-op tool `steps` times, then answers: one step is one model call and one
@@ -482,8 +485,127 @@ fn workload_e(dir: &Path) {
     let _ = std::fs::remove_file(&path);
 }
 
+/// f's child: runs one run until its tool is in flight, says so, and waits to be killed.
+fn takeover_child(path: &Path) {
+    let store = Store::open(path).unwrap();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let entered = Arc::new(AtomicUsize::new(0));
+    let agent = Agent::new(LoopModel::new(2)).tool(Hold(release, entered.clone()));
+    actix::System::new().block_on(async move {
+        let config = Config::default().lease_ttl(TAKEOVER_TTL);
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("bench", agent)
+            .start()
+            .unwrap();
+        actix_rt::spawn(sup.send(StartRun::new("bench", json!({})).with_id("victim")));
+        while entered.load(Ordering::SeqCst) == 0 {
+            actix_rt::time::sleep(Duration::from_millis(5)).await;
+        }
+        println!("READY");
+        std::future::pending::<()>().await;
+    });
+}
+
+const TAKEOVER_TTL: Duration = Duration::from_secs(1);
+
+/// f: takeover latency after SIGKILL, from the dead owner's lease expiry to the new owner's
+/// first step (the reconciliation of the interrupted call).
+fn workload_f(args: &Args, dir: &Path) {
+    use std::io::BufRead;
+    let mut latencies = Vec::new();
+    for round in 0..args.rounds {
+        let path = dir.join(format!("takeover-{round}.db"));
+        drop(Store::open(&path).unwrap());
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .arg("--child")
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        assert!(
+            stdout
+                .lines()
+                .map_while(Result::ok)
+                .any(|line| line == "READY"),
+            "the child reports"
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let store = Store::open(&path).unwrap();
+        let run_id = agentrt::RunId::from("victim");
+        let expires_at = store
+            .lease(&run_id)
+            .unwrap()
+            .expect("the dead child's lease")
+            .expires_at;
+        let agent = Agent::new(LoopModel::new(2)).tool(Noop);
+        let reader = store.clone();
+        actix::System::new().block_on(async move {
+            let config = Config::default().lease_ttl(TAKEOVER_TTL);
+            let sup = Supervisor::builder(store)
+                .config(config)
+                .agent("bench", agent)
+                .start()
+                .unwrap();
+            // A consumer's recovery loop: resume, and on RunLeased retry after its expiry.
+            agentrt_resume_when_free(&sup, &run_id).await;
+        });
+        let events = reader.events(&agentrt::RunId::from("victim")).unwrap();
+        let first_step = events
+            .iter()
+            .skip_while(|e| e.kind != agentrt::EventKind::LeaseTakenOver)
+            .find(|e| e.kind == agentrt::EventKind::StepReconciled)
+            .expect("the new owner reconciled the interrupted call");
+        let latency = first_step
+            .at
+            .duration_since(expires_at)
+            .unwrap_or_default()
+            .as_secs_f64()
+            * 1000.0;
+        latencies.push(latency);
+        println!(
+            "{}",
+            json!({ "bench": "f_takeover", "round": round, "ttl_ms": TAKEOVER_TTL.as_millis() as u64, "expiry_to_first_step_ms": latency })
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+    let median = median(&mut latencies);
+    println!(
+        "{}",
+        json!({ "summary": "f_takeover_latency_ms", "median": median, "min": latencies.first(), "max": latencies.last(), "renewal_period_ms": TAKEOVER_TTL.as_millis() as u64 / 3 })
+    );
+}
+
+/// Resumes until the run is free (the dead child's lease expired), as a consumer would.
+async fn agentrt_resume_when_free(sup: &actix::Addr<Supervisor>, run_id: &agentrt::RunId) {
+    loop {
+        match sup
+            .send(agentrt::ResumeRun::new(run_id.clone()))
+            .await
+            .unwrap()
+        {
+            Err(agentrt::Error::RunLeased { expires_at, .. }) => {
+                let wait = expires_at
+                    .duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default();
+                actix_rt::time::sleep(wait + Duration::from_millis(1)).await;
+            }
+            other => {
+                other.unwrap();
+                return;
+            }
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
+    if let Some(path) = &args.child {
+        takeover_child(path);
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let wants = |name: &str| args.only.is_empty() || args.only.iter().any(|only| only == name);
     if wants("a") {
@@ -497,5 +619,8 @@ fn main() {
     }
     if wants("e") {
         workload_e(dir.path());
+    }
+    if wants("f") {
+        workload_f(&args, dir.path());
     }
 }

@@ -353,6 +353,51 @@ fn workload_c(args: &Args, dir: &Path) {
         );
     }
     summary("c_ttl_300ms_vs_30s", json!({}), &mut ratios);
+
+    // The guard itself: the move's stamp with its lease condition against the same statement
+    // without it, at synchronous=OFF so that the statement, not the disk, is measured.
+    let path = dir.join("guard.db");
+    drop(Store::open(&path).unwrap());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch("PRAGMA synchronous = OFF;").unwrap();
+    conn.execute("INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner, lease_expires_at) VALUES ('g', 'a', '{}', 'RUNNING', 0, 0, 'me', 9223372036854775807)", []).unwrap();
+    let time = |sql: &str| {
+        let started = Instant::now();
+        for i in 0..20_000i64 {
+            conn.execute_batch("BEGIN IMMEDIATE").unwrap();
+            assert_eq!(
+                conn.prepare_cached(sql)
+                    .unwrap()
+                    .execute(rusqlite::params![i, 1_700_000_000_000i64])
+                    .unwrap(),
+                1
+            );
+            conn.execute_batch("COMMIT").unwrap();
+        }
+        started.elapsed().as_secs_f64()
+    };
+    let guarded = "UPDATE runs SET updated_at = ?1 WHERE id = 'g' AND state = 'RUNNING' AND lease_owner = 'me' AND (?2 IS NULL OR lease_expires_at > ?2)";
+    let plain = "UPDATE runs SET updated_at = ?1 WHERE id = 'g' AND state = 'RUNNING' AND ?2 = ?2";
+    let mut ratios = Vec::new();
+    for round in 0..args.rounds {
+        let (with, without) = if round % 2 == 0 {
+            let w = time(guarded);
+            (w, time(plain))
+        } else {
+            let p = time(plain);
+            (time(guarded), p)
+        };
+        ratios.push(with / without);
+        println!(
+            "{}",
+            json!({ "bench": "c_guarded_move", "round": round, "guarded_s": with, "unguarded_s": without, "ratio": with / without })
+        );
+    }
+    summary(
+        "c_guarded_vs_unguarded_move_time",
+        json!({ "moves": 20_000 }),
+        &mut ratios,
+    );
 }
 
 fn peak_rss_kib() -> u64 {

@@ -5,7 +5,9 @@ use std::{path::Path, time::Duration};
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, RequireApprovalFor, RunId, RunState, StartRun, Store,
     Supervisor, ToolCall,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
+    testkit::{
+        Behaviour, RecordingTool, ScriptedModel, TempStore, database_at_schema, with_system,
+    },
 };
 use assert_cmd::Command;
 use predicates::prelude::*;
@@ -238,24 +240,10 @@ fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     assert_eq!(report["settings"]["trusted_schema"], json!("0"));
 }
 
-/// A database at schema 4, before the lease.
-fn schema_4(path: &Path) {
-    let conn = rusqlite::Connection::open(path).unwrap();
-    for sql in [
-        include_str!("../migrations/0001_runs.sql"),
-        include_str!("../migrations/0002_steps.sql"),
-        include_str!("../migrations/0003_events.sql"),
-        include_str!("../migrations/0004_approvals.sql"),
-    ] {
-        conn.execute_batch(sql).unwrap();
-    }
-    conn.execute_batch("PRAGMA user_version = 4").unwrap();
-}
-
 #[test]
 fn migrate_reports_and_applies_only_on_request() {
     let db = TempStore::new();
-    schema_4(&db.path());
+    database_at_schema(&db.path(), 4);
     let bytes = std::fs::read(db.path()).unwrap();
     agentrt(&db.path())
         .arg("migrate")

@@ -6,7 +6,9 @@ use std::time::{Duration, SystemTime};
 use agentrt::{
     Agent, Config, DEFAULT_LEASE_TTL, Error, EventKind, ModelResponse, Outcome, ResumeRun, RunId,
     SCHEMA_VERSION, Store, Supervisor, ToolCall,
-    testkit::{CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
+    testkit::{
+        CountingClock, RecordingTool, ScriptedModel, TempStore, database_at_schema, with_system,
+    },
 };
 use serde_json::json;
 
@@ -14,15 +16,8 @@ const PRE_LEASE_OWNER: &str = "agentrt:pre-lease-version";
 
 /// Writes a database as agentrt's schema 4 left it: a run RUNNING with its tool call in flight.
 fn write_schema_4_database(path: &std::path::Path) {
+    database_at_schema(path, 4);
     let conn = rusqlite::Connection::open(path).unwrap();
-    for sql in [
-        include_str!("../migrations/0001_runs.sql"),
-        include_str!("../migrations/0002_steps.sql"),
-        include_str!("../migrations/0003_events.sql"),
-        include_str!("../migrations/0004_approvals.sql"),
-    ] {
-        conn.execute_batch(sql).unwrap();
-    }
     conn.execute_batch(
         r#"
         INSERT INTO runs (id, agent, input, state, created_at, updated_at)

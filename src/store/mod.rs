@@ -27,7 +27,7 @@ include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// The migrations, in order, as `rusqlite_migration` applies them.
-fn migrations() -> Migrations<'static> {
+pub(crate) fn migrations() -> Migrations<'static> {
     Migrations::new(MIGRATIONS.iter().map(|(_, sql)| M::up(sql)).collect())
 }
 

@@ -560,3 +560,13 @@ impl actix::Handler<LeaseLost> for LeaseLostLog {
         self.count.send_modify(|count| *count += 1);
     }
 }
+
+/// Writes at `path` an empty database at schema `version` (the first `version` migrations
+/// only), as an older agentrt left it: to test an upgrade, add its rows with plain SQL and open
+/// it with [`Store::open`].
+pub fn database_at_schema(path: &Path, version: u32) {
+    let mut conn = rusqlite::Connection::open(path).expect("the file opens");
+    crate::store::migrations()
+        .to_version(&mut conn, version as usize)
+        .expect("the migrations apply");
+}

@@ -552,7 +552,10 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
             rusqlite_migration::MigrationDefinitionError::DatabaseTooFarAhead,
         ) => Error::SchemaTooNew {
             path: path.to_path_buf(),
-            found: 0,
+            // Another process upgraded the file since it was checked: say what it holds now.
+            found: conn
+                .pragma_query_value(None, "user_version", |row| row.get(0))
+                .unwrap_or(0),
             supported: SCHEMA_VERSION,
         },
         other => Error::Migration(other.to_string()),

@@ -400,26 +400,25 @@ fn workload_c(args: &Args, dir: &Path) {
     );
 }
 
-fn peak_rss_kib() -> u64 {
+/// A memory figure of this process from /proc/self/status (`VmHWM`: peak RSS, `VmRSS`: RSS).
+fn status_kib(field: &str) -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .unwrap_or_default()
         .lines()
         .find_map(|line| {
-            line.strip_prefix("VmHWM:")
+            line.strip_prefix(field)?
+                .strip_prefix(':')
                 .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
         })
         .unwrap_or(0)
 }
 
+fn peak_rss_kib() -> u64 {
+    status_kib("VmHWM")
+}
+
 fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|line| {
-            line.strip_prefix("VmRSS:")
-                .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
-        })
-        .unwrap_or(0)
+    status_kib("VmRSS")
 }
 
 /// One side of workload b: `runs` concurrent runs of 20 steps; (steps/s, p50 ms, p99 ms).

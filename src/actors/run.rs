@@ -498,66 +498,49 @@ impl RunLoop {
             input: &self.input,
             messages: &self.messages,
         };
-        let answer = AssertUnwindSafe(self.agent.model.complete(request)).catch_unwind();
+        let answer = AssertUnwindSafe(self.agent.model.complete(request))
+            .catch_unwind()
+            .instrument(span);
         // A model call has no side effect: on cancel it is dropped, not awaited.
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
             _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
         };
         let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
-        drop(span);
-        match answer {
-            Ok(response) => {
-                let recorded = response.clone();
-                let created = self
-                    .apply("finish_model_step", move |tx, now, id, holder| {
-                        sql::finish_model_step(
-                            tx,
-                            now,
-                            id,
-                            holder,
-                            step,
-                            attempt,
-                            ModelOutcome::Answered(&recorded),
-                        )
-                    })
-                    .await?;
-                // The stored response carries the call ids as made unique.
-                let stored = ModelResponse {
-                    text: response.text,
-                    tool_calls: created.iter().filter_map(|s| s.call.clone()).collect(),
-                };
-                let stored_json = serde_json::to_value(&stored).expect("a response serializes");
-                self.set_step(step, StepState::Finished, attempt, Some(stored_json));
-                if created.is_empty() {
-                    return Ok(Next::Return(Outcome::Succeeded {
-                        output: stored.text.unwrap_or_default(),
-                    }));
-                }
-                for row in created {
-                    self.push_step(row);
-                }
-                Ok(Next::Continue)
-            }
-            Err(error) => {
-                let message = error.0.clone();
-                self.apply("finish_model_step", move |tx, now, id, holder| {
-                    sql::finish_model_step(
-                        tx,
-                        now,
-                        id,
-                        holder,
-                        step,
-                        attempt,
-                        ModelOutcome::Failed(&message),
-                    )
-                })
-                .await?;
-                Ok(Next::Return(Outcome::Failed {
-                    error: format!("the model failed: {}", error.0),
-                }))
-            }
+        let (outcome, failure) = match answer {
+            Ok(response) => (ModelOutcome::Answered(response), None),
+            Err(error) => (ModelOutcome::Failed(error.0.clone()), Some(error.0)),
+        };
+        let text = match &outcome {
+            ModelOutcome::Answered(response) => response.text.clone(),
+            ModelOutcome::Failed(_) => None,
+        };
+        let created = self
+            .apply("finish_model_step", move |tx, now, id, holder| {
+                sql::finish_model_step(tx, now, id, holder, step, attempt, outcome)
+            })
+            .await?;
+        if let Some(error) = failure {
+            return Ok(Next::Return(Outcome::Failed {
+                error: format!("the model failed: {error}"),
+            }));
         }
+        // The stored response carries the call ids as made unique.
+        let stored = ModelResponse {
+            text,
+            tool_calls: created.iter().filter_map(|s| s.call.clone()).collect(),
+        };
+        let stored_json = serde_json::to_value(&stored).expect("a response serializes");
+        self.set_step(step, StepState::Finished, attempt, Some(stored_json));
+        if created.is_empty() {
+            return Ok(Next::Return(Outcome::Succeeded {
+                output: stored.text.unwrap_or_default(),
+            }));
+        }
+        for row in created {
+            self.push_step(row);
+        }
+        Ok(Next::Continue)
     }
 
     /// The policy's decision on a pending call, or its rejection when it cannot run at all.

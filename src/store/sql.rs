@@ -350,6 +350,18 @@ fn start_tool_attempt(
     attempt: u32,
     call: &ToolCall,
 ) -> Result<()> {
+    start_attempt(tx, run_id, step, from, attempt)?;
+    tool_started(tx, now, run_id, step, call, attempt + 1)
+}
+
+/// Moves a step in flight as its next attempt.
+fn start_attempt(
+    tx: &Transaction<'_>,
+    run_id: &RunId,
+    step: u32,
+    from: StepState,
+    attempt: u32,
+) -> Result<()> {
     move_step(
         tx,
         run_id,
@@ -360,8 +372,7 @@ fn start_tool_attempt(
         true,
         None,
         None,
-    )?;
-    tool_started(tx, now, run_id, step, call, attempt + 1)
+    )
 }
 
 /// Appends one event: its sequence number is the run's last plus one, inside the move's
@@ -485,9 +496,9 @@ pub(crate) fn begin_model_step(
 }
 
 /// How a model step ended.
-pub(crate) enum ModelOutcome<'a> {
-    Answered(&'a ModelResponse),
-    Failed(&'a str),
+pub(crate) enum ModelOutcome {
+    Answered(ModelResponse),
+    Failed(String),
 }
 
 /// Records the model's answer. Tool calls become pending steps (returned, numbered after this
@@ -499,7 +510,7 @@ pub(crate) fn finish_model_step(
     holder: &Holder,
     step: u32,
     attempt: u32,
-    outcome: ModelOutcome<'_>,
+    outcome: ModelOutcome,
 ) -> Result<Vec<StepRow>> {
     touch_held(
         tx,
@@ -534,11 +545,11 @@ pub(crate) fn finish_model_step(
         ModelOutcome::Answered(response) => response,
     };
 
-    // Call ids address approvals: keep them unique within the run.
-    // Ids this response repeats, or that an earlier step of the run took (looked up through
-    // the (run_id, call_id) unique index, so a long run does not read all its calls).
+    // Call ids address approvals: keep them unique within the run. Ids this response repeats,
+    // or that an earlier step took (looked up through the (run_id, call_id) unique index, so a
+    // long run does not read all its calls), are replaced.
     let mut taken: HashSet<String> = HashSet::new();
-    let mut recorded = response.clone();
+    let mut recorded = response;
     let mut created = Vec::with_capacity(recorded.tool_calls.len());
     for (offset, call) in recorded.tool_calls.iter_mut().enumerate() {
         let tool_step = step + 1 + offset as u32;
@@ -1097,17 +1108,7 @@ pub(crate) fn reconcile(
     )?;
     match (resolution, call) {
         (Resolution::Redispatch, _) => {
-            move_step(
-                tx,
-                run_id,
-                step,
-                from,
-                attempt,
-                StepState::InFlight,
-                true,
-                None,
-                None,
-            )?;
+            start_attempt(tx, run_id, step, from, attempt)?;
             append(
                 tx,
                 now,

@@ -115,12 +115,27 @@ impl Tool for Hold {
     }
 }
 
+/// Counts committed transactions and the moves they made durable.
 #[derive(Clone, Default)]
-struct Commits(Arc<AtomicUsize>);
+struct Commits {
+    transactions: Arc<AtomicUsize>,
+    moves: Arc<AtomicUsize>,
+}
 
 impl MoveObserver for Commits {
-    fn after_commit(&self, _: &MoveInfo) {
-        self.0.fetch_add(1, Ordering::Relaxed);
+    fn committed(&self, moves: &[&MoveInfo]) {
+        self.transactions.fetch_add(1, Ordering::Relaxed);
+        self.moves.fetch_add(moves.len(), Ordering::Relaxed);
+    }
+}
+
+impl Commits {
+    /// (commits, moves) per step.
+    fn per_step(&self, steps: usize) -> (f64, f64) {
+        (
+            self.transactions.load(Ordering::SeqCst) as f64 / steps as f64,
+            self.moves.load(Ordering::SeqCst) as f64 / steps as f64,
+        )
     }
 }
 
@@ -132,7 +147,7 @@ fn options(sync: Synchronous) -> StoreOptions {
 }
 
 /// Workload a, agentrt's side: one run of `steps` steps; (steps/s, commits per step).
-fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64, f64) {
+fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64, (f64, f64)) {
     let path = dir.join(format!("agentrt-{}.db", rand::random::<u32>()));
     let store = Store::open_with(&path, options(sync)).unwrap();
     let commits = Commits::default();
@@ -158,12 +173,17 @@ fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64
     let _ = std::fs::remove_file(&path);
     (
         steps as f64 / elapsed.as_secs_f64(),
-        commits.0.load(Ordering::SeqCst) as f64 / steps as f64,
+        commits.per_step(steps as usize),
     )
 }
 
-/// Workload a, the baseline: plain rusqlite doing the same commits with the same rows
-/// (agentrt's schema, its pragmas, four transactions per step), with nothing around them.
+/// Appends one event in the baseline.
+type EventFn<'a> = dyn FnMut(&rusqlite::Transaction<'_>, &str, Option<u32>, &str) + 'a;
+
+/// Workload a, the baseline: plain rusqlite doing the same commits with the same rows and
+/// statements (agentrt's schema, its pragmas, two transactions per step: the model's answer
+/// with the tool's decision and start, then the tool's outcome with the next model
+/// reservation), with nothing around them.
 fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     let path = dir.join(format!("baseline-{}.db", rand::random::<u32>()));
     drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
@@ -196,6 +216,17 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
             .execute(rusqlite::params![run, seq, kind, ms(), step, payload])
             .unwrap();
     };
+    let touch = |tx: &rusqlite::Transaction<'_>| {
+        tx.prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = 'owner'")
+            .unwrap()
+            .execute(rusqlite::params![run, ms()])
+            .unwrap();
+    };
+    let begin_model = |tx: &rusqlite::Transaction<'_>, event: &mut EventFn<'_>, step: u32| {
+        touch(tx);
+        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, step]).unwrap();
+        event(tx, "step.model_started", Some(step), r#"{"attempt":1}"#);
+    };
     let tx = conn
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .unwrap();
@@ -205,28 +236,10 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     )
     .unwrap();
     event(&tx, "run.started", None, "{}");
+    begin_model(&tx, &mut event, 1);
     tx.commit().unwrap();
-    let touch = |tx: &rusqlite::Transaction<'_>| {
-        tx.prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = 'owner'")
-            .unwrap()
-            .execute(rusqlite::params![run, ms()])
-            .unwrap();
-    };
     for i in 0..steps {
         let (model_step, tool_step) = (2 * i + 1, 2 * i + 2);
-        let tx = conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .unwrap();
-        touch(&tx);
-        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, model_step]).unwrap();
-        event(
-            &tx,
-            "step.model_started",
-            Some(model_step),
-            r#"{"attempt":1}"#,
-        );
-        tx.commit().unwrap();
-
         let tx = conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
             .unwrap();
@@ -240,11 +253,6 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
         .execute(rusqlite::params![run, model_step, response])
         .unwrap();
         event(&tx, "step.model_finished", Some(model_step), &response);
-        tx.commit().unwrap();
-
-        let tx = conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .unwrap();
         touch(&tx);
         event(
             &tx,
@@ -277,8 +285,29 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
             Some(tool_step),
             r#"{"output":null}"#,
         );
+        begin_model(&tx, &mut event, tool_step + 1);
         tx.commit().unwrap();
     }
+    // The final answer.
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .unwrap();
+    touch(&tx);
+    let last = 2 * steps + 1;
+    tx.prepare_cached(
+        "UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2",
+    )
+    .unwrap()
+    .execute(rusqlite::params![run, last, r#"{"text":"done"}"#])
+    .unwrap();
+    event(&tx, "step.model_finished", Some(last), r#"{"text":"done"}"#);
+    tx.execute(
+        "UPDATE runs SET state = 'SUCCEEDED', output = 'done', lease_owner = NULL, lease_expires_at = NULL WHERE id = ?1",
+        [run],
+    )
+    .unwrap();
+    event(&tx, "run.finished", None, r#"{"state":"SUCCEEDED"}"#);
+    tx.commit().unwrap();
     let elapsed = started.elapsed();
     drop(conn);
     let _ = std::fs::remove_file(&path);
@@ -319,11 +348,11 @@ fn workload_a(args: &Args, dir: &Path) {
                     base,
                 )
             };
-            commits = ours.1;
+            commits = ours.1.0;
             ratios.push(ours.0 / base);
             println!(
                 "{}",
-                json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1 })
+                json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1.0, "moves_per_step": ours.1.1 })
             );
         }
         summary(

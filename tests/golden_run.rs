@@ -1,10 +1,12 @@
 //! An ordinary run: its exact event sequence and its clock readings are a contract.
 
 use agentrt::{
-    Agent, Config, EventKind, ModelResponse, Outcome, RunState, StartRun, Supervisor, ToolCall,
+    Agent, Config, EventKind, ModelResponse, MoveInfo, MoveObserver, Outcome, RunState, StartRun,
+    Supervisor, ToolCall,
     testkit::{CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
+use std::sync::{Arc, Mutex};
 
 /// The event log of the run below: (seq, kind, step).
 pub const GOLDEN: &[(u64, &str, Option<u32>)] = &[
@@ -31,6 +33,25 @@ pub const GOLDEN: &[(u64, &str, Option<u32>)] = &[
 /// answer, per tool call a decision (with its start) and an outcome.
 const CLOCK_READINGS: u64 = 13;
 
+/// The 13 moves take 7 durable commits: a move that no side effect separates from the next
+/// commits with it. The insert with the first model reservation; each model answer with the
+/// decision (and start) of its first call; each tool outcome with the next call's decision or
+/// the next model reservation; the final answer alone.
+const COMMITS: usize = 7;
+
+/// Counts the transactions the store actor commits, and the moves in them.
+#[derive(Clone, Default)]
+struct Commits(Arc<Mutex<Vec<Vec<&'static str>>>>);
+
+impl MoveObserver for Commits {
+    fn committed(&self, moves: &[&MoveInfo]) {
+        self.0
+            .lock()
+            .unwrap()
+            .push(moves.iter().map(|m| m.name).collect());
+    }
+}
+
 #[test]
 fn scripted_run_succeeds_with_the_golden_event_sequence() {
     let db = TempStore::new();
@@ -49,7 +70,10 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
         .tool(lookup.clone())
         .tool(notify.clone());
     let store = db.open();
-    let config = Config::default().clock(clock.clone());
+    let commits = Commits::default();
+    let config = Config::default()
+        .clock(clock.clone())
+        .observer(commits.clone());
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store)
             .config(config)
@@ -77,6 +101,20 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
         .collect();
     assert_eq!(got, GOLDEN);
     assert_eq!(clock.reads(), CLOCK_READINGS);
+    let commits = commits.0.lock().unwrap().clone();
+    assert_eq!(
+        commits,
+        [
+            vec!["create_run", "begin_model_step"],
+            vec!["finish_model_step", "decide_tool"],
+            vec!["finish_tool", "begin_model_step"],
+            vec!["finish_model_step", "decide_tool"],
+            vec!["finish_tool", "decide_tool"],
+            vec!["finish_tool", "begin_model_step"],
+            vec!["finish_model_step"],
+        ][..]
+    );
+    assert_eq!(commits.len(), COMMITS);
 
     // Times come from the clock, one reading per move, never going back.
     assert!(events.windows(2).all(|w| w[0].at <= w[1].at));

@@ -2,7 +2,12 @@
 //! returns. Every move goes to the `StoreActor` before and after each side effect.
 
 use std::{
-    any::Any, cell::RefCell, collections::BTreeMap, panic::AssertUnwindSafe, rc::Rc, sync::Arc,
+    any::Any,
+    cell::RefCell,
+    collections::{BTreeMap, HashSet},
+    panic::AssertUnwindSafe,
+    rc::Rc,
+    sync::Arc,
 };
 
 use actix::{
@@ -185,6 +190,30 @@ struct RunLoop {
     messages: Vec<ChatMessage>,
     /// Every step before this index is finished.
     cursor: usize,
+    /// The ids of the run's tool calls, kept unique.
+    call_ids: HashSet<String>,
+}
+
+/// A move that no side effect precedes: planned (the policy asked, if it is a decision) before
+/// the move it follows commits, so that both commit together.
+#[derive(Clone)]
+enum Planned {
+    /// Reserve model step `step`: its request is the next side effect.
+    BeginModel { step: u32 },
+    /// The run reached its step limit.
+    Fail { error: String },
+    /// Record the policy's decision on pending tool step `step`, and act on it.
+    Decide {
+        step: u32,
+        call: ToolCall,
+        decision: ToolDecision,
+    },
+    /// A call that cannot run at all (an unknown tool, arguments that are not an object).
+    Reject {
+        step: u32,
+        call: ToolCall,
+        error: String,
+    },
 }
 
 impl RunLoop {
@@ -197,6 +226,8 @@ impl RunLoop {
                 .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
         };
         let run_id = env.run_id.clone();
+        // Where the loop goes after its first move, when it already made its second.
+        let mut first_next = Ok(Next::Continue);
         let mut run = match job {
             Job::Start { agent, input } => {
                 let found = find(&agent)?;
@@ -209,10 +240,13 @@ impl RunLoop {
                 let create = ApplyMove::new("create_run", &run_id, move |tx, now| {
                     sql::create_run(tx, now, &id, &name, &value, &holder)
                 });
-                let expires_at = env.store.apply(create).await?;
+                let mut run = RunLoop::new(env, found, input, Vec::new());
+                // The first model step's reservation commits with the insert.
+                let next = run.plan();
+                let (expires_at, next) = run.commit_with(create, next).await?;
                 tracing::info!(agent = %agent, "run started");
-                let run = RunLoop::new(env, found, input, Vec::new());
                 run.hold(expires_at);
+                first_next = next;
                 run
             }
             Job::Resume => {
@@ -258,7 +292,12 @@ impl RunLoop {
                 }
             }
         };
-        match run.drive().await {
+        let result = match first_next {
+            Ok(Next::Continue) => run.drive().await,
+            Ok(Next::Return(outcome)) => Ok(outcome),
+            Err(err) => Err(err),
+        };
+        match result {
             // An operator cancelled the run: the loop stops at its next write.
             Err(Error::RunState {
                 state: RunState::Cancelled,
@@ -323,6 +362,7 @@ impl RunLoop {
             steps: Vec::new(),
             messages: Vec::new(),
             cursor: 0,
+            call_ids: HashSet::new(),
         };
         for step in steps {
             run.push_step(step);
@@ -341,6 +381,9 @@ impl RunLoop {
 
     /// Adds a step; a finished one joins the conversation.
     fn push_step(&mut self, step: StepRow) {
+        if let Some(call) = &step.call {
+            self.call_ids.insert(call.id.clone());
+        }
         self.steps.push(step);
         self.on_finished(self.steps.len() - 1);
     }
@@ -390,7 +433,21 @@ impl RunLoop {
         self.on_finished(index);
     }
 
-    /// Sends one move of this run's loop, under its lease.
+    /// A move of this run's loop, under its lease.
+    fn move_of<R: Send + 'static>(
+        &self,
+        name: &'static str,
+        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
+        + Send
+        + 'static,
+    ) -> ApplyMove<R> {
+        let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
+        ApplyMove::new(name, &self.run_id, move |tx, now| {
+            apply(tx, now, &run_id, &holder)
+        })
+    }
+
+    /// Commits one move of this run's loop on its own.
     async fn apply<R: Send + 'static>(
         &self,
         name: &'static str,
@@ -398,11 +455,7 @@ impl RunLoop {
         + Send
         + 'static,
     ) -> Result<R> {
-        let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
-        let apply = ApplyMove::new(name, &self.run_id, move |tx, now| {
-            apply(tx, now, &run_id, &holder)
-        });
-        self.env.store.apply(apply).await
+        self.env.store.apply(self.move_of(name, apply)).await
     }
 
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
@@ -429,30 +482,29 @@ impl RunLoop {
             if self.env.lease_lost.borrow().is_some() {
                 return self.stopped().await;
             }
-            // Finished steps stay finished: start the search where the last one left off.
-            while self
-                .steps
-                .get(self.cursor)
-                .is_some_and(|s| s.state == StepState::Finished)
-            {
-                self.cursor += 1;
-            }
-            let next = match self.steps.get(self.cursor).cloned() {
-                None => self.begin_model_step().await?,
-                Some(step) => match (step.kind, step.state) {
-                    (StepKind::Model, StepState::InFlight) => {
-                        self.call_model(step.step, step.attempt).await?
+            let next = match self.plan() {
+                Err(err) => return Err(err),
+                Ok(Some(planned)) => {
+                    let mv = self.planned_move(&planned);
+                    self.env.store.apply(mv).await?;
+                    self.after_planned(planned)?
+                }
+                Ok(None) => {
+                    let step = self.steps[self.cursor].clone();
+                    match (step.kind, step.state) {
+                        (StepKind::Model, StepState::InFlight) => {
+                            self.call_model(step.step, step.attempt).await?
+                        }
+                        (StepKind::Tool, StepState::InFlight) => self.call_tool(&step).await?,
+                        (_, StepState::Interrupted) => self.reconcile(&step).await?,
+                        (kind, state) => {
+                            return Err(Error::Corrupt(format!(
+                                "run {} is RUNNING with {kind:?} step {} {state:?}",
+                                self.run_id, step.step
+                            )));
+                        }
                     }
-                    (StepKind::Tool, StepState::Pending) => self.decide(&step).await?,
-                    (StepKind::Tool, StepState::InFlight) => self.call_tool(&step).await?,
-                    (_, StepState::Interrupted) => self.reconcile(&step).await?,
-                    (kind, state) => {
-                        return Err(Error::Corrupt(format!(
-                            "run {} is RUNNING with {kind:?} step {} {state:?}",
-                            self.run_id, step.step
-                        )));
-                    }
-                },
+                }
             };
             if let Next::Return(outcome) = next {
                 return Ok(outcome);
@@ -460,34 +512,151 @@ impl RunLoop {
         }
     }
 
-    async fn begin_model_step(&mut self) -> Result<Next> {
-        let step = self.steps.len() as u32 + 1;
-        if step > self.agent.max_steps {
-            let error = format!(
-                "the run reached its limit of {} steps without a final answer",
-                self.agent.max_steps
-            );
-            let message = error.clone();
-            self.apply("fail_run", move |tx, now, id, holder| {
-                sql::fail_run(tx, now, id, holder, &message)
-            })
-            .await?;
-            return Ok(Next::Return(Outcome::Failed { error }));
+    /// The next move when no side effect comes before it: reserving the next model step (or
+    /// failing the run at its step limit), or deciding the next pending tool call (the policy
+    /// is asked now). `None` when the next step is a side effect (a call in flight) or a
+    /// reconciliation.
+    fn plan(&mut self) -> Result<Option<Planned>> {
+        // Finished steps stay finished: start the search where the last one left off.
+        while self
+            .steps
+            .get(self.cursor)
+            .is_some_and(|s| s.state == StepState::Finished)
+        {
+            self.cursor += 1;
         }
-        self.apply("begin_model_step", move |tx, now, id, holder| {
-            sql::begin_model_step(tx, now, id, holder, step)
-        })
-        .await?;
-        self.push_step(StepRow {
-            step,
-            kind: StepKind::Model,
-            state: StepState::InFlight,
-            attempt: 1,
-            call: None,
-            result: None,
-            waiting_for: None,
-        });
-        Ok(Next::Continue)
+        let Some(step) = self.steps.get(self.cursor) else {
+            let step = self.steps.len() as u32 + 1;
+            if step > self.agent.max_steps {
+                let error = format!(
+                    "the run reached its limit of {} steps without a final answer",
+                    self.agent.max_steps
+                );
+                return Ok(Some(Planned::Fail { error }));
+            }
+            return Ok(Some(Planned::BeginModel { step }));
+        };
+        if (step.kind, step.state) != (StepKind::Tool, StepState::Pending) {
+            return Ok(None);
+        }
+        let call = step.call.clone().expect("tool steps have a call");
+        let number = step.step;
+        let rejection = if !self.agent.tools.contains_key(&call.name) {
+            Some(format!("the agent has no tool named {:?}", call.name))
+        } else if !call.args.is_object() {
+            Some(format!(
+                "the arguments of a tool call must be a JSON object, not {}",
+                call.args
+            ))
+        } else {
+            None
+        };
+        if let Some(error) = rejection {
+            return Ok(Some(Planned::Reject {
+                step: number,
+                call,
+                error,
+            }));
+        }
+        let policy = self.agent.policy.clone();
+        let decision =
+            std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
+                .map_err(|panic| self.panicked(number, "the policy".into(), panic))?;
+        let decision = match decision {
+            Decision::Allow => ToolDecision::Allow {
+                reason: None,
+                by: None,
+                note: None,
+            },
+            Decision::Deny(reason) => ToolDecision::Deny {
+                reason,
+                by: None,
+                note: None,
+            },
+            Decision::RequireApproval(reason) => ToolDecision::RequireApproval { reason },
+        };
+        Ok(Some(Planned::Decide {
+            step: number,
+            call,
+            decision,
+        }))
+    }
+
+    /// The move that carries out `planned`, under the run's lease.
+    fn planned_move(&self, planned: &Planned) -> ApplyMove<()> {
+        match planned.clone() {
+            Planned::BeginModel { step } => self
+                .move_of("begin_model_step", move |tx, now, id, holder| {
+                    sql::begin_model_step(tx, now, id, holder, step)
+                }),
+            Planned::Fail { error } => self.move_of("fail_run", move |tx, now, id, holder| {
+                sql::fail_run(tx, now, id, holder, &error)
+            }),
+            Planned::Decide {
+                step,
+                call,
+                decision,
+            } => self.move_of("decide_tool", move |tx, now, id, holder| {
+                sql::decide_tool(tx, now, id, holder, step, &call, &decision)
+            }),
+            Planned::Reject { step, call, error } => {
+                self.move_of("reject_tool", move |tx, now, id, holder| {
+                    sql::reject_tool(tx, now, id, holder, step, &call, &error)
+                })
+            }
+        }
+    }
+
+    /// Brings the loop in step with a committed planned move.
+    fn after_planned(&mut self, planned: Planned) -> Result<Next> {
+        match planned {
+            Planned::BeginModel { step } => {
+                self.push_step(StepRow {
+                    step,
+                    kind: StepKind::Model,
+                    state: StepState::InFlight,
+                    attempt: 1,
+                    call: None,
+                    result: None,
+                    waiting_for: None,
+                });
+                Ok(Next::Continue)
+            }
+            Planned::Fail { error } => Ok(Next::Return(Outcome::Failed { error })),
+            Planned::Decide {
+                step,
+                call,
+                decision,
+            } => self.after_decision(step, 0, call, decision, ApprovalReason::Policy),
+            Planned::Reject { step, error, .. } => {
+                let result = serde_json::to_value(ToolResult::Error(error)).unwrap();
+                self.set_step(step, StepState::Finished, 0, Some(result));
+                Ok(Next::Continue)
+            }
+        }
+    }
+
+    /// Commits `first`, the move that ends a side effect, in one transaction with the move
+    /// that follows it when that one is planned (`next`, which the loop has already folded
+    /// into its state as if `first` committed): no side effect lies between them, so the
+    /// run pays one durable commit for both. Returns `first`'s result and where the loop goes
+    /// next: `Err` if the planned move could not be planned or was refused.
+    async fn commit_with<A: Send + 'static>(
+        &mut self,
+        first: ApplyMove<A>,
+        next: Result<Option<Planned>>,
+    ) -> Result<(A, Result<Next>)> {
+        match next {
+            Ok(Some(planned)) => {
+                let then = self.planned_move(&planned);
+                let (value, then) = self.env.store.apply_then(first, then).await?;
+                let next = then.and_then(|()| self.after_planned(planned));
+                Ok((value, next))
+            }
+            Ok(None) => Ok((self.env.store.apply(first).await?, Ok(Next::Continue))),
+            // A panicking policy: `first` is still recorded, then the call ends.
+            Err(err) => Ok((self.env.store.apply(first).await?, Err(err))),
+        }
     }
 
     async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
@@ -507,89 +676,76 @@ impl RunLoop {
             _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
         };
         let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
-        let (outcome, failure) = match answer {
-            Ok(response) => (ModelOutcome::Answered(response), None),
-            Err(error) => (ModelOutcome::Failed(error.0.clone()), Some(error.0)),
+        let mut response = match answer {
+            Ok(response) => response,
+            Err(error) => {
+                let outcome = ModelOutcome::Failed(error.0.clone());
+                self.apply("finish_model_step", move |tx, now, id, holder| {
+                    sql::finish_model_step(tx, now, id, holder, step, attempt, outcome)
+                })
+                .await?;
+                return Ok(Next::Return(Outcome::Failed {
+                    error: format!("the model failed: {}", error.0),
+                }));
+            }
         };
-        let text = match &outcome {
-            ModelOutcome::Answered(response) => response.text.clone(),
-            ModelOutcome::Failed(_) => None,
-        };
-        let created = self
-            .apply("finish_model_step", move |tx, now, id, holder| {
-                sql::finish_model_step(tx, now, id, holder, step, attempt, outcome)
+        self.make_call_ids_unique(step, &mut response);
+        let stored_json = serde_json::to_value(&response).expect("a response serializes");
+        let created: Vec<StepRow> = response
+            .tool_calls
+            .iter()
+            .zip(step + 1..)
+            .map(|(call, number)| StepRow {
+                step: number,
+                kind: StepKind::Tool,
+                state: StepState::Pending,
+                attempt: 0,
+                call: Some(call.clone()),
+                result: None,
+                waiting_for: None,
             })
-            .await?;
-        if let Some(error) = failure {
-            return Ok(Next::Return(Outcome::Failed {
-                error: format!("the model failed: {error}"),
-            }));
-        }
-        // The stored response carries the call ids as made unique.
-        let stored = ModelResponse {
-            text,
-            tool_calls: created.iter().filter_map(|s| s.call.clone()).collect(),
-        };
-        let stored_json = serde_json::to_value(&stored).expect("a response serializes");
+            .collect();
+        let output = response.text.clone().unwrap_or_default();
+        let first = self.move_of("finish_model_step", move |tx, now, id, holder| {
+            sql::finish_model_step(
+                tx,
+                now,
+                id,
+                holder,
+                step,
+                attempt,
+                ModelOutcome::Answered(response),
+            )
+        });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
-            return Ok(Next::Return(Outcome::Succeeded {
-                output: stored.text.unwrap_or_default(),
-            }));
+            self.env.store.apply(first).await?;
+            return Ok(Next::Return(Outcome::Succeeded { output }));
         }
         for row in created {
             self.push_step(row);
         }
-        Ok(Next::Continue)
+        // The first call's decision (and start) commits with the answer.
+        let next = self.plan();
+        let ((), next) = self.commit_with(first, next).await?;
+        next
     }
 
-    /// The policy's decision on a pending call, or its rejection when it cannot run at all.
-    async fn decide(&mut self, step: &StepRow) -> Result<Next> {
-        let call = step.call.clone().expect("tool steps have a call");
-        let number = step.step;
-        let rejection = if !self.agent.tools.contains_key(&call.name) {
-            Some(format!("the agent has no tool named {:?}", call.name))
-        } else if !call.args.is_object() {
-            Some(format!(
-                "the arguments of a tool call must be a JSON object, not {}",
-                call.args
-            ))
-        } else {
-            None
-        };
-        if let Some(error) = rejection {
-            let (c, e) = (call.clone(), error.clone());
-            self.apply("reject_tool", move |tx, now, id, holder| {
-                sql::reject_tool(tx, now, id, holder, number, &c, &e)
-            })
-            .await?;
-            let result = serde_json::to_value(ToolResult::Error(error)).unwrap();
-            self.set_step(number, StepState::Finished, 0, Some(result));
-            return Ok(Next::Continue);
+    /// Call ids address approvals: they are kept unique within the run. An empty id, or one
+    /// an earlier call of the run (or of this response) took, becomes `call-STEP`.
+    fn make_call_ids_unique(&mut self, step: u32, response: &mut ModelResponse) {
+        for (call, number) in response.tool_calls.iter_mut().zip(step + 1..) {
+            if call.id.is_empty() || self.call_ids.contains(&call.id) {
+                call.id = format!("call-{number}");
+                // Only a model that itself answers with ids like ours gets here.
+                let mut suffix = 1;
+                while self.call_ids.contains(&call.id) {
+                    suffix += 1;
+                    call.id = format!("call-{number}-{suffix}");
+                }
+            }
+            self.call_ids.insert(call.id.clone());
         }
-        let policy = self.agent.policy.clone();
-        let decision =
-            std::panic::catch_unwind(AssertUnwindSafe(|| policy.decide(&self.run_id, &call)))
-                .map_err(|panic| self.panicked(number, "the policy".into(), panic))?;
-        let decision = match decision {
-            Decision::Allow => ToolDecision::Allow {
-                reason: None,
-                by: None,
-                note: None,
-            },
-            Decision::Deny(reason) => ToolDecision::Deny {
-                reason,
-                by: None,
-                note: None,
-            },
-            Decision::RequireApproval(reason) => ToolDecision::RequireApproval { reason },
-        };
-        let (c, d) = (call.clone(), decision.clone());
-        self.apply("decide_tool", move |tx, now, id, holder| {
-            sql::decide_tool(tx, now, id, holder, number, &c, &d)
-        })
-        .await?;
-        self.after_decision(number, 0, call, decision, ApprovalReason::Policy)
     }
 
     /// Brings the loop in step with a recorded decision.
@@ -637,7 +793,7 @@ impl RunLoop {
         }
     }
 
-    /// Runs a started tool call and records its outcome.
+    /// Runs a started tool call and records its outcome, with the move that follows it.
     async fn call_tool(&mut self, step: &StepRow) -> Result<Next> {
         let call = step.call.clone().expect("tool steps have a call");
         let (number, attempt) = (step.step, step.attempt);
@@ -660,22 +816,23 @@ impl RunLoop {
                 }
             }
         };
-        let (call_id, recorded) = (call.id.clone(), result.clone());
-        let late = self
-            .apply("finish_tool", move |tx, now, id, holder| {
-                sql::finish_tool(tx, now, id, holder, number, attempt, &call_id, &recorded)
-            })
-            .await?;
+        let result_json = serde_json::to_value(&result).unwrap();
+        let call_id = call.id;
+        let first = self.move_of("finish_tool", move |tx, now, id, holder| {
+            sql::finish_tool(tx, now, id, holder, number, attempt, &call_id, &result)
+        });
+        self.set_step(number, StepState::Finished, attempt, Some(result_json));
+        // A lost lease plans nothing more: the outcome alone is offered.
+        let next = if self.env.lease_lost.borrow().is_some() {
+            Ok(None)
+        } else {
+            self.plan()
+        };
+        let (late, next) = self.commit_with(first, next).await?;
         if late {
             return self.cancelled().await.map(Next::Return);
         }
-        self.set_step(
-            number,
-            StepState::Finished,
-            attempt,
-            Some(serde_json::to_value(result).unwrap()),
-        );
-        Ok(Next::Continue)
+        next
     }
 
     /// Reconciles an interrupted step, exactly once: the decision and what it leads to are one

@@ -54,6 +54,14 @@ pub trait MoveObserver: Send + Sync + 'static {
     fn after_commit(&self, info: &MoveInfo) {
         let _ = info;
     }
+
+    /// One transaction committed, making `moves` durable together (in the order they were
+    /// applied): a group commit holds moves of many runs, and a run's loop commits a move
+    /// together with the one that follows it when no side effect lies between them. Called
+    /// after [`after_commit`](Self::after_commit) of each of them.
+    fn committed(&self, moves: &[&MoveInfo]) {
+        let _ = moves;
+    }
 }
 
 /// Owns the write side of a [`Store`] for one supervisor.
@@ -100,7 +108,8 @@ impl StoreActor {
             // Before the transaction opens: an observer that stops here holds no lock.
             batch
                 .iter()
-                .for_each(|pending| observer.before_apply(pending.info()));
+                .flat_map(|pending| pending.infos())
+                .for_each(|info| observer.before_apply(info));
         }
         self.renewal.yield_to_renewal();
         match self
@@ -108,11 +117,16 @@ impl StoreActor {
             .transact_group(&*self.clock, &mut batch, |pending, tx, now| {
                 pending.apply(tx, now)
             }) {
-            Ok(applied) => {
-                for (pending, applied) in batch.into_iter().zip(applied) {
-                    if applied && let Some(observer) = &self.observer {
-                        observer.after_commit(pending.info());
-                    }
+            Ok(_) => {
+                if let Some(observer) = &self.observer {
+                    let committed: Vec<&MoveInfo> =
+                        batch.iter().flat_map(|pending| pending.applied()).collect();
+                    committed
+                        .iter()
+                        .for_each(|info| observer.after_commit(info));
+                    observer.committed(&committed);
+                }
+                for pending in batch {
                     pending.answer(None);
                 }
             }
@@ -151,12 +165,37 @@ impl StoreHandle {
             result: None,
             reply,
         };
+        self.submit(Box::new(pending));
+        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
+    }
+
+    /// Submits `first` and `then` to be committed in one transaction, `then` applied only if
+    /// `first` was, each all-or-nothing with its own clock reading: for a move whose successor
+    /// is known before the commit and no side effect lies between them. Completes once they
+    /// committed, with `first`'s result (an error if it was refused) and `then`'s.
+    pub(crate) fn apply_then<A: Send + 'static, B: Send + 'static>(
+        &self,
+        first: ApplyMove<A>,
+        then: ApplyMove<B>,
+    ) -> impl Future<Output = Result<(A, Result<B>)>> + 'static {
+        let (reply, answer) = oneshot::channel();
+        let pending = PendingPair {
+            infos: [first.info, then.info],
+            first: Some(first.apply),
+            then: Some(then.apply),
+            result: None,
+            reply,
+        };
+        self.submit(Box::new(pending));
+        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
+    }
+
+    fn submit(&self, pending: Box<dyn Pending>) {
         self.queue
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(Box::new(pending));
+            .push(pending);
         self.addr.do_send(Drain);
-        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
     }
 
     /// The actor, for messages other than moves.
@@ -189,11 +228,14 @@ impl<R> ApplyMove<R> {
     }
 }
 
-/// A submitted move, type-erased for the queue.
+/// A submitted move (or pair of moves), type-erased for the queue.
 trait Pending: Send {
-    fn info(&self) -> &MoveInfo;
+    /// The moves it makes, in order.
+    fn infos(&self) -> &[MoveInfo];
+    /// The moves it made once applied.
+    fn applied(&self) -> &[MoveInfo];
     /// Applies the move inside the group's transaction, keeping its result; false when it
-    /// was refused.
+    /// was refused (and nothing of it must be kept).
     fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool;
     /// Answers the caller: its own result, unless the group failed to commit.
     fn answer(self: Box<Self>, commit_failed: Option<&str>);
@@ -207,31 +249,103 @@ struct PendingMove<R> {
 }
 
 impl<R: Send> Pending for PendingMove<R> {
-    fn info(&self) -> &MoveInfo {
-        &self.info
+    fn infos(&self) -> &[MoveInfo] {
+        std::slice::from_ref(&self.info)
+    }
+
+    fn applied(&self) -> &[MoveInfo] {
+        match self.result {
+            Some(Ok(_)) => self.infos(),
+            _ => &[],
+        }
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool {
         let apply = self.apply.take().expect("a move is applied once");
-        let result = apply(tx, now);
-        if let Err(err) = &result {
-            tracing::debug!(r#move = self.info.name, run_id = %self.info.run_id, %err, "move refused");
-        }
+        let result = refused_logged(&self.info, apply(tx, now));
         let applied = result.is_ok();
         self.result = Some(result);
         applied
     }
 
     fn answer(self: Box<Self>, commit_failed: Option<&str>) {
-        let result = match (self.result, commit_failed) {
-            (Some(Err(err)), _) => Err(err),
-            (Some(Ok(value)), None) => Ok(value),
-            (_, Some(message)) => Err(Error::CommitFailed(message.to_owned())),
-            (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
-        };
         // The caller may be gone (its system stopped): nobody to answer.
-        let _ = self.reply.send(result);
+        let _ = self.reply.send(final_result(self.result, commit_failed));
     }
+}
+
+/// Two moves of one run committed together; the second applied only if the first was, in a
+/// savepoint of its own so that its refusal keeps the first.
+struct PendingPair<A, B> {
+    infos: [MoveInfo; 2],
+    first: Option<ApplyFn<A>>,
+    then: Option<ApplyFn<B>>,
+    result: Option<Result<(A, Result<B>)>>,
+    reply: oneshot::Sender<Result<(A, Result<B>)>>,
+}
+
+impl<A: Send, B: Send> Pending for PendingPair<A, B> {
+    fn infos(&self) -> &[MoveInfo] {
+        &self.infos
+    }
+
+    fn applied(&self) -> &[MoveInfo] {
+        match &self.result {
+            Some(Ok((_, Ok(_)))) => &self.infos,
+            Some(Ok((_, Err(_)))) => &self.infos[..1],
+            _ => &[],
+        }
+    }
+
+    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool {
+        let first = self.first.take().expect("a move is applied once");
+        let then = self.then.take().expect("a move is applied once");
+        let result = refused_logged(&self.infos[0], first(tx, now)).and_then(|a| {
+            let mut then_now = now.next_move();
+            let b = in_savepoint(tx, |tx| then(tx, &mut then_now))?;
+            Ok((a, refused_logged(&self.infos[1], b)))
+        });
+        let applied = result.is_ok();
+        self.result = Some(result);
+        applied
+    }
+
+    fn answer(self: Box<Self>, commit_failed: Option<&str>) {
+        let _ = self.reply.send(final_result(self.result, commit_failed));
+    }
+}
+
+/// Runs `f` in a savepoint nested in the move's own: rolled back alone if it is refused. The
+/// outer error is the savepoint's own failure, which must fail the whole move.
+fn in_savepoint<R>(
+    tx: &Transaction<'_>,
+    f: impl FnOnce(&Transaction<'_>) -> Result<R>,
+) -> Result<Result<R>> {
+    tx.execute_batch("SAVEPOINT agentrt_then")?;
+    let result = f(tx);
+    tx.execute_batch(if result.is_ok() {
+        "RELEASE agentrt_then"
+    } else {
+        "ROLLBACK TO agentrt_then; RELEASE agentrt_then"
+    })?;
+    Ok(result)
+}
+
+/// What a caller is answered: its move's refusal, or its result if the group committed.
+fn final_result<R>(result: Option<Result<R>>, commit_failed: Option<&str>) -> Result<R> {
+    match (result, commit_failed) {
+        (Some(Err(err)), _) => Err(err),
+        (Some(Ok(value)), None) => Ok(value),
+        (_, Some(message)) => Err(Error::CommitFailed(message.to_owned())),
+        (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
+    }
+}
+
+fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
+    if let Err(err) = &result {
+        tracing::debug!(r#move = info.name, run_id = %info.run_id, %err, "move refused");
+    }
+    result
 }
 
 /// Apply what the queue holds.

@@ -493,10 +493,18 @@ pub(crate) struct Now<'a> {
     read: Option<i64>,
 }
 
-impl Now<'_> {
+impl<'a> Now<'a> {
     /// Milliseconds since the Unix epoch.
     pub(crate) fn millis(&mut self) -> i64 {
         *self.read.get_or_insert_with(|| to_millis(self.clock.now()))
+    }
+
+    /// The time of the next move committed in the same transaction: its own reading.
+    pub(crate) fn next_move(&self) -> Now<'a> {
+        Now {
+            clock: self.clock,
+            read: None,
+        }
     }
 }
 

@@ -501,8 +501,9 @@ pub(crate) enum ModelOutcome {
     Failed(String),
 }
 
-/// Records the model's answer. Tool calls become pending steps (returned, numbered after this
-/// one); a final answer finishes the run; a model error fails it.
+/// Records the model's answer. Tool calls (their ids already unique within the run) become
+/// pending steps numbered after this one; a final answer finishes the run; a model error fails
+/// it.
 pub(crate) fn finish_model_step(
     tx: &Transaction<'_>,
     now: &mut Now<'_>,
@@ -511,7 +512,7 @@ pub(crate) fn finish_model_step(
     step: u32,
     attempt: u32,
     outcome: ModelOutcome,
-) -> Result<Vec<StepRow>> {
+) -> Result<()> {
     touch_held(
         tx,
         now,
@@ -540,30 +541,14 @@ pub(crate) fn finish_model_step(
                 None,
                 Some(&format!("the model failed: {error}")),
             )?;
-            return Ok(Vec::new());
+            return Ok(());
         }
         ModelOutcome::Answered(response) => response,
     };
 
-    // Call ids address approvals: keep them unique within the run. Ids this response repeats,
-    // or that an earlier step took (looked up through the (run_id, call_id) unique index, so a
-    // long run does not read all its calls), are replaced.
-    let mut taken: HashSet<String> = HashSet::new();
-    let mut recorded = response;
-    let mut created = Vec::with_capacity(recorded.tool_calls.len());
-    for (offset, call) in recorded.tool_calls.iter_mut().enumerate() {
-        let tool_step = step + 1 + offset as u32;
-        let used_before = !call.id.is_empty()
-            && tx
-                .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")?
-                .exists(params![run_id.as_str(), call.id])?;
-        if used_before {
-            taken.insert(call.id.clone());
-        }
-        if call.id.is_empty() || taken.contains(&call.id) {
-            call.id = format!("call-{tool_step}");
-        }
-        taken.insert(call.id.clone());
+    // The loop made the call ids unique within the run (the unique index on (run_id, call_id)
+    // refuses a duplicate).
+    for (call, tool_step) in response.tool_calls.iter().zip(step + 1..) {
         tx.prepare_cached(
             "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
              VALUES (?1, ?2, 'tool', 'pending', 0, ?3, ?4, ?5)",
@@ -575,17 +560,8 @@ pub(crate) fn finish_model_step(
             call.name,
             call.args.to_string()
         ])?;
-        created.push(StepRow {
-            step: tool_step,
-            kind: StepKind::Tool,
-            state: StepState::Pending,
-            attempt: 0,
-            call: Some(call.clone()),
-            result: None,
-            waiting_for: None,
-        });
     }
-    let recorded_json = serde_json::to_value(&recorded).expect("a response serializes");
+    let recorded_json = serde_json::to_value(&response).expect("a response serializes");
     close_step(
         tx,
         run_id,
@@ -602,8 +578,8 @@ pub(crate) fn finish_model_step(
         Some(step),
         recorded_json,
     )?;
-    if recorded.tool_calls.is_empty() {
-        let output = recorded.text.clone().unwrap_or_default();
+    if response.tool_calls.is_empty() {
+        let output = response.text.clone().unwrap_or_default();
         finish_run(
             tx,
             now,
@@ -614,7 +590,7 @@ pub(crate) fn finish_model_step(
             None,
         )?;
     }
-    Ok(created)
+    Ok(())
 }
 
 /// Moves a RUNNING run to a finished state and writes `run.finished`.

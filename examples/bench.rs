@@ -39,6 +39,9 @@ struct Args {
     /// Only these workloads (a, b, c, e, f); all when empty.
     #[arg(long)]
     only: Vec<String>,
+    /// Only this durability setting for workloads a and b (full, normal); both when absent.
+    #[arg(long)]
+    sync: Option<String>,
     /// Runs the child of workload f on this database (used by the parent process).
     #[arg(long, hide = true)]
     child: Option<std::path::PathBuf>,
@@ -188,13 +191,9 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     let path = dir.join(format!("baseline-{}.db", rand::random::<u32>()));
     drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
     let mut conn = rusqlite::Connection::open(&path).unwrap();
-    let sync_name = match sync {
-        Synchronous::Normal => "NORMAL",
-        Synchronous::Full => "FULL",
-        Synchronous::Extra => "EXTRA",
-    };
     conn.execute_batch(&format!(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {sync_name}; PRAGMA foreign_keys = ON;"
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;",
+        sync.as_str()
     ))
     .unwrap();
     let ms = || {
@@ -314,6 +313,18 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     steps as f64 / elapsed.as_secs_f64()
 }
 
+/// The durability settings a and b measure.
+fn syncs(args: &Args) -> Vec<Synchronous> {
+    [Synchronous::Full, Synchronous::Normal]
+        .into_iter()
+        .filter(|sync| {
+            args.sync
+                .as_deref()
+                .is_none_or(|only| only.eq_ignore_ascii_case(sync.as_str()))
+        })
+        .collect()
+}
+
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(|a, b| a.partial_cmp(b).unwrap());
     values[values.len() / 2]
@@ -333,7 +344,7 @@ fn summary(name: &str, extra: Value, ratios: &mut [f64]) {
 
 /// a: one run against the baseline, at FULL then NORMAL.
 fn workload_a(args: &Args, dir: &Path) {
-    for sync in [Synchronous::Full, Synchronous::Normal] {
+    for sync in syncs(args) {
         let mut ratios = Vec::new();
         let mut commits = 0.0;
         for round in 0..args.rounds {
@@ -493,7 +504,7 @@ fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) ->
 
 /// b: many concurrent runs of 20 steps on one supervisor, group commit on against off.
 fn workload_b(args: &Args, dir: &Path) {
-    for sync in [Synchronous::Full, Synchronous::Normal] {
+    for sync in syncs(args) {
         let mut ratios = Vec::new();
         for round in 0..args.rounds.min(3) {
             let (on, off) = if round % 2 == 0 {

@@ -44,7 +44,8 @@ pub enum Synchronous {
 }
 
 impl Synchronous {
-    fn as_str(self) -> &'static str {
+    /// The value of SQLite's `synchronous` pragma: `NORMAL`, `FULL` or `EXTRA`.
+    pub fn as_str(self) -> &'static str {
         match self {
             Synchronous::Normal => "NORMAL",
             Synchronous::Full => "FULL",
@@ -157,6 +158,9 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
         // 64 MiB of page cache: the pages every move touches (the tails of the events and steps
         // trees, the runs being moved) stay in memory instead of being read back from the OS.
         pragmas.push(("cache_size", "-65536"));
+        // The savepoint of each move journals the pages it changes: in memory, not in a
+        // temporary file written through the kernel.
+        pragmas.push(("temp_store", "MEMORY"));
     }
     if role == Role::Reader {
         // Inspection and the consumer's queries cannot write behind the StoreActor's back.

@@ -42,6 +42,9 @@ struct Args {
     /// Only this durability setting for workloads a and b (full, normal); both when absent.
     #[arg(long)]
     sync: Option<String>,
+    /// Runs only one side of workload b (group commit on or off), for a profiler.
+    #[arg(long, hide = true)]
+    profile_b: Option<bool>,
     /// Runs the child of workload f on this database (used by the parent process).
     #[arg(long, hide = true)]
     child: Option<std::path::PathBuf>,
@@ -504,6 +507,17 @@ fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) ->
 
 /// b: many concurrent runs of 20 steps on one supervisor, group commit on against off.
 fn workload_b(args: &Args, dir: &Path) {
+    if let Some(on) = args.profile_b {
+        // One side only, for a profiler: no comparison.
+        for sync in syncs(args) {
+            let (steps_per_s, p50, p99) = concurrent(dir, sync, args.runs, on);
+            println!(
+                "{}",
+                json!({ "bench": "b_one_side", "group_commit": on, "sync": sync.as_str(), "runs": args.runs, "steps_per_s": steps_per_s, "p50_ms": p50, "p99_ms": p99 })
+            );
+        }
+        return;
+    }
     for sync in syncs(args) {
         let mut ratios = Vec::new();
         for round in 0..args.rounds.min(3) {

@@ -321,13 +321,12 @@ fn in_savepoint<R>(
     tx: &Transaction<'_>,
     f: impl FnOnce(&Transaction<'_>) -> Result<R>,
 ) -> Result<Result<R>> {
-    tx.execute_batch("SAVEPOINT agentrt_then")?;
+    tx.prepare_cached("SAVEPOINT agentrt_then")?.execute([])?;
     let result = f(tx);
-    tx.execute_batch(if result.is_ok() {
-        "RELEASE agentrt_then"
-    } else {
-        "ROLLBACK TO agentrt_then; RELEASE agentrt_then"
-    })?;
+    if result.is_err() {
+        tx.prepare_cached("ROLLBACK TO agentrt_then")?.execute([])?;
+    }
+    tx.prepare_cached("RELEASE agentrt_then")?.execute([])?;
     Ok(result)
 }
 

@@ -386,8 +386,11 @@ fn append(
     payload: Value,
 ) -> Result<()> {
     tx.prepare_cached(
+        // A scalar subquery, not INSERT ... SELECT: reading the table being inserted into would
+        // make SQLite stage the row in a temporary table.
         "INSERT INTO events (run_id, seq, kind, at, step, payload)
-         SELECT ?1, COALESCE(MAX(seq), 0) + 1, ?2, ?3, ?4, ?5 FROM events WHERE run_id = ?1",
+         VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?1),
+                 ?2, ?3, ?4, ?5)",
     )?
     .execute(params![
         run_id.as_str(),

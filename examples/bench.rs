@@ -42,6 +42,9 @@ struct Args {
     /// Only this durability setting for workloads a and b (full, normal); both when absent.
     #[arg(long)]
     sync: Option<String>,
+    /// Runs only agentrt's side of workload a, for a profiler.
+    #[arg(long, hide = true)]
+    profile_a: bool,
     /// Runs only one side of workload b (group commit on or off), for a profiler.
     #[arg(long, hide = true)]
     profile_b: Option<bool>,
@@ -347,6 +350,17 @@ fn summary(name: &str, extra: Value, ratios: &mut [f64]) {
 
 /// a: one run against the baseline, at FULL then NORMAL.
 fn workload_a(args: &Args, dir: &Path) {
+    if args.profile_a {
+        for sync in syncs(args) {
+            let (steps_per_s, (commits, moves)) =
+                agentrt_run(dir, sync, args.steps, Duration::from_secs(30));
+            println!(
+                "{}",
+                json!({ "bench": "a_one_side", "sync": sync.as_str(), "steps": args.steps, "steps_per_s": steps_per_s, "commits_per_step": commits, "moves_per_step": moves })
+            );
+        }
+        return;
+    }
     for sync in syncs(args) {
         let mut ratios = Vec::new();
         let mut commits = 0.0;

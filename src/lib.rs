@@ -22,8 +22,8 @@ pub use actors::{
     lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},
     store::{MoveInfo, MoveObserver},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent, ResumeRun, StartRun,
-        Supervisor, SupervisorBuilder,
+        CancelRun, Config, DEFAULT_COMMIT_SPIN, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent,
+        ResumeRun, StartRun, Supervisor, SupervisorBuilder,
     },
 };
 pub use agent::{

@@ -6,7 +6,7 @@
 use std::{
     future::Future,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
@@ -70,8 +70,17 @@ pub(crate) struct StoreActor {
     clock: Arc<dyn Clock>,
     observer: Option<Arc<dyn MoveObserver>>,
     queue: Queue,
-    group_commit: bool,
+    policy: CommitPolicy,
     renewal: RenewalPending,
+}
+
+/// How the store actor commits the moves it is sent.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CommitPolicy {
+    /// Moves that arrive together share one transaction.
+    pub group: bool,
+    /// How long to watch for the next move after a commit before parking the thread.
+    pub spin: Duration,
 }
 
 /// Moves waiting for the store actor, in the order they were submitted.
@@ -83,7 +92,7 @@ impl StoreActor {
         store: Store,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
-        group_commit: bool,
+        policy: CommitPolicy,
         renewal: RenewalPending,
     ) -> StoreHandle {
         let queue = Queue::default();
@@ -95,7 +104,7 @@ impl StoreActor {
             clock: clock.clone(),
             observer: observer.clone(),
             queue: shared.clone(),
-            group_commit,
+            policy,
             renewal: renewal.clone(),
         });
         StoreHandle { addr, queue }
@@ -347,6 +356,31 @@ fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
     result
 }
 
+impl StoreActor {
+    /// What arrived during the last commit, or within the spin after it: a loop answered by
+    /// that commit sends its next move within microseconds, and catching it here saves two
+    /// thread wake-ups (ours, and the Drain's).
+    fn next_batch(&self) -> Vec<Box<dyn Pending>> {
+        let until = Instant::now() + self.policy.spin;
+        loop {
+            let batch = self.take_queue();
+            if !batch.is_empty() || Instant::now() >= until {
+                return batch;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    fn take_queue(&self) -> Vec<Box<dyn Pending>> {
+        std::mem::take(
+            &mut *self
+                .queue
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        )
+    }
+}
+
 /// Apply what the queue holds.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -356,23 +390,18 @@ impl Handler<Drain> for StoreActor {
     type Result = ();
 
     fn handle(&mut self, _: Drain, _: &mut SyncContext<Self>) {
-        let batch = std::mem::take(
-            &mut *self
-                .queue
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
-        if batch.is_empty() {
-            // An earlier Drain took these moves with its own.
-            return;
-        }
-        if self.group_commit {
-            // Everything that arrived while the last commit was syncing: one commit.
-            self.commit(batch);
-        } else {
-            for pending in batch {
-                self.commit(vec![pending]);
+        // Empty when an earlier Drain took these moves with its own.
+        let mut batch = self.take_queue();
+        while !batch.is_empty() {
+            if self.policy.group {
+                // Everything that arrived while the last commit was syncing: one commit.
+                self.commit(batch);
+            } else {
+                for pending in batch {
+                    self.commit(vec![pending]);
+                }
             }
+            batch = self.next_batch();
         }
     }
 }

@@ -449,6 +449,16 @@ impl Store {
     ) -> Result<Vec<bool>> {
         let mut conn = lock(&self.inner.writer);
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        if let [only] = moves {
+            // Alone in its transaction, a move needs no savepoint: refused, it is rolled back
+            // with the transaction.
+            let mut now = Now { clock, read: None };
+            let ok = apply(only, &tx, &mut now);
+            if ok {
+                tx.commit()?;
+            }
+            return Ok(vec![ok]);
+        }
         let mut applied = Vec::with_capacity(moves.len());
         for group_move in moves.iter_mut() {
             tx.prepare_cached("SAVEPOINT agentrt_move")?.execute([])?;

@@ -198,7 +198,8 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
     let mut conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(&format!(
-        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;",
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;
+         PRAGMA wal_autocheckpoint = 0; PRAGMA temp_store = MEMORY;",
         sync.as_str()
     ))
     .unwrap();
@@ -207,6 +208,15 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()
             .as_millis() as i64
+    };
+    // agentrt's checkpoint schedule: once per 100 ms of commits, between transactions.
+    let mut last_checkpoint = Instant::now();
+    let mut checkpoint_if_due = |conn: &rusqlite::Connection| {
+        if last_checkpoint.elapsed() >= Duration::from_millis(100) {
+            last_checkpoint = Instant::now();
+            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                .unwrap();
+        }
     };
     let started = Instant::now();
     let run = "baseline";
@@ -278,6 +288,7 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
             r#"{"attempt":1}"#,
         );
         tx.commit().unwrap();
+        checkpoint_if_due(&conn);
 
         let tx = conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
@@ -292,6 +303,7 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
         );
         begin_model(&tx, &mut event, tool_step + 1);
         tx.commit().unwrap();
+        checkpoint_if_due(&conn);
     }
     // The final answer.
     let tx = conn

@@ -72,7 +72,11 @@ pub(crate) struct StoreActor {
     queue: Queue,
     policy: CommitPolicy,
     renewal: RenewalPending,
+    last_checkpoint: Instant,
 }
+
+/// How often the store actor checkpoints while it commits.
+const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
 
 /// How the store actor commits the moves it is sent.
 #[derive(Debug, Clone, Copy)]
@@ -106,6 +110,7 @@ impl StoreActor {
             queue: shared.clone(),
             policy,
             renewal: renewal.clone(),
+            last_checkpoint: Instant::now(),
         });
         StoreHandle { addr, queue }
     }
@@ -357,6 +362,22 @@ fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
 }
 
 impl StoreActor {
+    /// Copies the write-ahead log into the database file at most once per
+    /// [`CHECKPOINT_PERIOD`] while moves are committed, between two groups. SQLite's own rule
+    /// (a copy inside whichever commit takes the log past 1,000 pages) copies after nearly
+    /// every group when a thousand runs each add pages of their own; once per period, a page
+    /// that many moves changed is copied once.
+    fn checkpoint_if_due(&mut self) {
+        if self.last_checkpoint.elapsed() < CHECKPOINT_PERIOD {
+            return;
+        }
+        self.last_checkpoint = Instant::now();
+        if let Err(err) = self.store.checkpoint() {
+            // The next period tries again; the log only grows meanwhile.
+            tracing::warn!(%err, "a checkpoint failed");
+        }
+    }
+
     /// What arrived during the last commit, or within the spin after it: a loop answered by
     /// that commit sends its next move within microseconds, and catching it here saves two
     /// thread wake-ups (ours, and the Drain's).
@@ -401,6 +422,7 @@ impl Handler<Drain> for StoreActor {
                     self.commit(vec![pending]);
                 }
             }
+            self.checkpoint_if_due();
             batch = self.next_batch();
         }
     }

@@ -151,6 +151,11 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
         // Readers never block the writer, and the writer never blocks readers.
         pragmas.push(("journal_mode", "WAL"));
     }
+    if file && role != Role::Reader {
+        // The store actor checkpoints on its own schedule (between groups, once per period),
+        // not inside whichever commit (a move, a renewal) takes the log past 1,000 pages.
+        pragmas.push(("wal_autocheckpoint", "0"));
+    }
     if role != Role::Reader {
         pragmas.push(("synchronous", options.synchronous.as_str()));
     }
@@ -472,6 +477,15 @@ impl Store {
         }
         tx.commit()?;
         Ok(applied)
+    }
+
+    /// Copies what the write-ahead log holds into the database file, without waiting for
+    /// readers or blocking writers (a `PASSIVE` checkpoint); nothing to do in memory.
+    pub(crate) fn checkpoint(&self) -> Result<()> {
+        if self.inner.path.is_some() {
+            lock(&self.inner.writer).query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+        }
+        Ok(())
     }
 
     /// Runs `f` on the writer connection outside any move: reads that must see every committed

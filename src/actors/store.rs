@@ -73,10 +73,14 @@ pub(crate) struct StoreActor {
     policy: CommitPolicy,
     renewal: RenewalPending,
     last_checkpoint: Instant,
+    checkpoint_took: Duration,
 }
 
-/// How often the store actor checkpoints while it commits.
+/// How often the store actor checkpoints while it commits, at most.
 const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
+
+/// How long the store actor lets the log grow, at most, however long its copies take.
+const MAX_CHECKPOINT_PERIOD: Duration = Duration::from_secs(2);
 
 /// How the store actor commits the moves it is sent.
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +115,7 @@ impl StoreActor {
             policy,
             renewal: renewal.clone(),
             last_checkpoint: Instant::now(),
+            checkpoint_took: Duration::ZERO,
         });
         StoreHandle { addr, queue }
     }
@@ -368,14 +373,19 @@ impl StoreActor {
     /// every group when a thousand runs each add pages of their own; once per period, a page
     /// that many moves changed is copied once.
     fn checkpoint_if_due(&mut self) {
-        if self.last_checkpoint.elapsed() < CHECKPOINT_PERIOD {
+        // A copy that took long waits longer for the next one: the writer spends at most a
+        // twentieth of its time copying, and a heavy load's copies take in more moves each.
+        let period = (self.checkpoint_took * 19).clamp(CHECKPOINT_PERIOD, MAX_CHECKPOINT_PERIOD);
+        if self.last_checkpoint.elapsed() < period {
             return;
         }
-        self.last_checkpoint = Instant::now();
+        let started = Instant::now();
         if let Err(err) = self.store.checkpoint() {
             // The next period tries again; the log only grows meanwhile.
             tracing::warn!(%err, "a checkpoint failed");
         }
+        self.last_checkpoint = Instant::now();
+        self.checkpoint_took = self.last_checkpoint - started;
     }
 
     /// What arrived during the last commit, or within the spin after it: a loop answered by

@@ -437,7 +437,7 @@ impl RunLoop {
     fn move_of<R: Send + 'static>(
         &self,
         name: &'static str,
-        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
+        mut apply: impl FnMut(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
         + Send
         + 'static,
     ) -> ApplyMove<R> {
@@ -451,7 +451,7 @@ impl RunLoop {
     async fn apply<R: Send + 'static>(
         &self,
         name: &'static str,
-        apply: impl FnOnce(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
+        apply: impl FnMut(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
         + Send
         + 'static,
     ) -> Result<R> {
@@ -681,7 +681,7 @@ impl RunLoop {
             Err(error) => {
                 let outcome = ModelOutcome::Failed(error.0.clone());
                 self.apply("finish_model_step", move |tx, now, id, holder| {
-                    sql::finish_model_step(tx, now, id, holder, step, attempt, outcome)
+                    sql::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
                 })
                 .await?;
                 return Ok(Next::Return(Outcome::Failed {
@@ -706,16 +706,9 @@ impl RunLoop {
             })
             .collect();
         let output = response.text.clone().unwrap_or_default();
+        let outcome = ModelOutcome::Answered(response);
         let first = self.move_of("finish_model_step", move |tx, now, id, holder| {
-            sql::finish_model_step(
-                tx,
-                now,
-                id,
-                holder,
-                step,
-                attempt,
-                ModelOutcome::Answered(response),
-            )
+            sql::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
         });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {

@@ -19,13 +19,15 @@ use crate::{
     clock::Clock,
     error::{Error, Result},
     store::{
-        Now, Store,
+        Isolation, Now, Store,
         sql::{self, Renewal},
     },
     types::RunId,
 };
 
-type ApplyFn<R> = Box<dyn FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send>;
+/// A move's work. It may be applied twice (see [`Store::transact_group`]), with the same
+/// clock reading and on the same state each time.
+type ApplyFn<R> = Box<dyn FnMut(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send>;
 type ReadFn<R> = Box<dyn FnOnce(&Connection) -> Result<R> + Send>;
 
 /// A move the store actor is about to apply, or has committed.
@@ -131,12 +133,13 @@ impl StoreActor {
                 .for_each(|info| observer.before_apply(info));
         }
         self.renewal.yield_to_renewal();
+        let clock = &*self.clock;
         match self
             .store
-            .transact_group(&*self.clock, &mut batch, |pending, tx, now| {
-                pending.apply(tx, now)
+            .transact_group(&mut batch, |pending, tx, isolation| {
+                pending.apply(tx, clock, isolation)
             }) {
-            Ok(_) => {
+            Ok(()) => {
                 if let Some(observer) = &self.observer {
                     let committed: Vec<&MoveInfo> =
                         batch.iter().flat_map(|pending| pending.applied()).collect();
@@ -180,7 +183,8 @@ impl StoreHandle {
         let (reply, answer) = oneshot::channel();
         let pending = PendingMove {
             info: mv.info,
-            apply: Some(mv.apply),
+            apply: mv.apply,
+            reading: None,
             result: None,
             reply,
         };
@@ -200,8 +204,9 @@ impl StoreHandle {
         let (reply, answer) = oneshot::channel();
         let pending = PendingPair {
             infos: [first.info, then.info],
-            first: Some(first.apply),
-            then: Some(then.apply),
+            first: first.apply,
+            then: then.apply,
+            readings: [None; 2],
             result: None,
             reply,
         };
@@ -223,8 +228,7 @@ impl StoreHandle {
     }
 }
 
-/// One state move: `apply` runs inside a transaction (its own, or a savepoint of a group
-/// commit), committed only if it succeeds.
+/// One state move: `apply` runs inside a group's transaction, committed only if it succeeds.
 pub(crate) struct ApplyMove<R> {
     info: MoveInfo,
     apply: ApplyFn<R>,
@@ -235,7 +239,7 @@ impl<R> ApplyMove<R> {
     pub(crate) fn new(
         name: &'static str,
         run_id: &RunId,
-        apply: impl FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send + 'static,
+        apply: impl FnMut(&Transaction<'_>, &mut Now<'_>) -> Result<R> + Send + 'static,
     ) -> Self {
         ApplyMove {
             info: MoveInfo {
@@ -253,16 +257,19 @@ trait Pending: Send {
     fn infos(&self) -> &[MoveInfo];
     /// The moves it made once applied.
     fn applied(&self) -> &[MoveInfo];
-    /// Applies the move inside the group's transaction, keeping its result; false when it
-    /// was refused (and nothing of it must be kept).
-    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool;
+    /// Applies the move inside the group's transaction, keeping its result (replacing the one
+    /// of an earlier attempt); false when it was refused, or when only part of it stands and
+    /// the group must be applied again with savepoints.
+    fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool;
     /// Answers the caller: its own result, unless the group failed to commit.
     fn answer(self: Box<Self>, commit_failed: Option<&str>);
 }
 
 struct PendingMove<R> {
     info: MoveInfo,
-    apply: Option<ApplyFn<R>>,
+    apply: ApplyFn<R>,
+    /// The clock reading of an earlier attempt.
+    reading: Option<i64>,
     result: Option<Result<R>>,
     reply: oneshot::Sender<Result<R>>,
 }
@@ -279,9 +286,10 @@ impl<R: Send> Pending for PendingMove<R> {
         }
     }
 
-    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool {
-        let apply = self.apply.take().expect("a move is applied once");
-        let result = refused_logged(&self.info, apply(tx, now));
+    fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, _: Isolation) -> bool {
+        let mut now = Now::resume(clock, self.reading);
+        let result = refused_logged(&self.info, (self.apply)(tx, &mut now));
+        self.reading = now.reading();
         let applied = result.is_ok();
         self.result = Some(result);
         applied
@@ -297,8 +305,10 @@ impl<R: Send> Pending for PendingMove<R> {
 /// savepoint of its own so that its refusal keeps the first.
 struct PendingPair<A, B> {
     infos: [MoveInfo; 2],
-    first: Option<ApplyFn<A>>,
-    then: Option<ApplyFn<B>>,
+    first: ApplyFn<A>,
+    then: ApplyFn<B>,
+    /// The clock readings of an earlier attempt.
+    readings: [Option<i64>; 2],
     result: Option<Result<(A, Result<B>)>>,
     reply: oneshot::Sender<Result<(A, Result<B>)>>,
 }
@@ -316,17 +326,37 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
         }
     }
 
-    fn apply(&mut self, tx: &Transaction<'_>, now: &mut Now<'_>) -> bool {
-        let first = self.first.take().expect("a move is applied once");
-        let then = self.then.take().expect("a move is applied once");
-        let result = refused_logged(&self.infos[0], first(tx, now)).and_then(|a| {
-            let mut then_now = now.next_move();
-            let b = in_savepoint(tx, |tx| then(tx, &mut then_now))?;
-            Ok((a, refused_logged(&self.infos[1], b)))
-        });
-        let applied = result.is_ok();
-        self.result = Some(result);
-        applied
+    fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool {
+        let mut now = Now::resume(clock, self.readings[0]);
+        let first = refused_logged(&self.infos[0], (self.first)(tx, &mut now));
+        self.readings[0] = now.reading();
+        let a = match first {
+            Ok(a) => a,
+            Err(err) => {
+                self.result = Some(Err(err));
+                return false;
+            }
+        };
+        let mut now = Now::resume(clock, self.readings[1]);
+        let then = &mut self.then;
+        let b = match isolation {
+            Isolation::Shared => Ok(then(tx, &mut now)),
+            Isolation::Savepoint => in_savepoint(tx, |tx| then(tx, &mut now)),
+        };
+        self.readings[1] = now.reading();
+        let b = match b {
+            Ok(b) => refused_logged(&self.infos[1], b),
+            // The savepoint itself failed: nothing of the pair may stand.
+            Err(err) => {
+                self.result = Some(Err(err));
+                return false;
+            }
+        };
+        // Without a savepoint of its own, a refused second move cannot be rolled back alone:
+        // the group is applied again with savepoints.
+        let stands = b.is_ok() || isolation == Isolation::Savepoint;
+        self.result = Some(Ok((a, b)));
+        stands
     }
 
     fn answer(self: Box<Self>, commit_failed: Option<&str>) {
@@ -497,5 +527,117 @@ impl Handler<ReleaseLease> for StoreActor {
     fn handle(&mut self, msg: ReleaseLease, _: &mut SyncContext<Self>) -> Result<bool> {
         self.store
             .read(|conn| sql::release(conn, &msg.run_id, &msg.owner))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use super::*;
+
+    /// Counts its readings.
+    #[derive(Default)]
+    struct Counting(AtomicU64);
+
+    impl Clock for Counting {
+        fn now(&self) -> std::time::SystemTime {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            std::time::SystemTime::now()
+        }
+    }
+
+    /// The number of moves of each committed group.
+    #[derive(Default)]
+    struct Groups(Mutex<Vec<usize>>);
+
+    impl MoveObserver for Groups {
+        fn committed(&self, moves: &[&MoveInfo]) {
+            self.0.lock().unwrap().push(moves.len());
+        }
+    }
+
+    /// A move that writes `value` (reading the clock), then is refused if `refuse`.
+    fn write(value: i64, refuse: bool) -> ApplyMove<()> {
+        ApplyMove::new("write", &RunId::from("r"), move |tx, now| {
+            tx.execute(
+                "INSERT INTO scratch (value, at) VALUES (?1, ?2)",
+                [value, now.millis()],
+            )?;
+            if refuse {
+                return Err(Error::InvalidInput("refused after writing".into()));
+            }
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn a_move_refused_in_a_group_is_rolled_back_alone_and_no_move_reads_the_clock_twice() {
+        let store = Store::in_memory().unwrap();
+        store
+            .read(
+                |conn| Ok(conn.execute_batch("CREATE TABLE scratch (value INTEGER, at INTEGER)")?),
+            )
+            .unwrap();
+        let clock = Arc::new(Counting::default());
+        let groups = Arc::new(Groups::default());
+        let (committed, values) = actix::System::new().block_on({
+            let (store, clock, groups) = (store.clone(), clock.clone(), groups.clone());
+            async move {
+                let handle = StoreActor::start(
+                    store,
+                    clock,
+                    Some(groups.clone()),
+                    CommitPolicy {
+                        group: true,
+                        spin: Duration::ZERO,
+                    },
+                    RenewalPending::default(),
+                );
+                // Hold the store thread until every move is queued: they form one group.
+                let (release, gate) = std::sync::mpsc::channel::<()>();
+                handle.addr().do_send(ReadState::new(move |_| {
+                    gate.recv().ok();
+                    Ok(())
+                }));
+                let moves = vec![
+                    actix_rt::spawn(handle.apply(write(1, false))),
+                    actix_rt::spawn(handle.apply(write(2, true))),
+                    actix_rt::spawn(handle.apply(write(3, false))),
+                ];
+                let pair = actix_rt::spawn(handle.apply_then(write(4, false), write(5, true)));
+                actix_rt::task::yield_now().await;
+                release.send(()).unwrap();
+                let mut committed = Vec::new();
+                for mv in moves {
+                    committed.push(mv.await.unwrap().is_ok());
+                }
+                let (_, then) = pair.await.unwrap().unwrap();
+                committed.push(then.is_ok());
+                let values = handle
+                    .addr()
+                    .send(ReadState::new(|conn| {
+                        let mut stmt = conn.prepare("SELECT value FROM scratch ORDER BY value")?;
+                        let values = stmt
+                            .query_map([], |row| row.get::<_, i64>(0))?
+                            .collect::<rusqlite::Result<Vec<_>>>()?;
+                        Ok(values)
+                    }))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                (committed, values)
+            }
+        });
+        assert_eq!(committed, [true, false, true, false]);
+        // The refused move's row is gone, the others' stand (the pair's first move too).
+        assert_eq!(values, [1, 3, 4]);
+        assert_eq!(
+            *groups.0.lock().unwrap(),
+            [3],
+            "one group, three moves committed"
+        );
+        // The group was applied twice (without savepoints, then with): one reading per move.
+        assert_eq!(clock.0.load(Ordering::SeqCst), 5);
     }
 }

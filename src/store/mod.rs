@@ -442,41 +442,35 @@ impl Store {
         Ok(value)
     }
 
-    /// Runs `moves` as one group commit: one `BEGIN IMMEDIATE` transaction, each move in a
-    /// savepoint of its own (all-or-nothing; a refused move is rolled back alone) with its own
-    /// clock reading, one commit for all. Returns, per move, whether it was applied; an error
-    /// means nothing was committed.
+    /// Runs `moves` as one group commit: one `BEGIN IMMEDIATE` transaction and one commit
+    /// for all, each move all-or-nothing. They are first applied straight into the transaction,
+    /// which is all it takes when none is refused (the usual case); if one is, the transaction
+    /// is rolled back and the group applied again with each move in a savepoint of its own, so
+    /// that a refused move is rolled back alone. `apply` must therefore give the same result
+    /// when called again on the same state. An error means nothing was committed.
     pub(crate) fn transact_group<T>(
         &self,
-        clock: &dyn Clock,
         moves: &mut [T],
-        mut apply: impl FnMut(&mut T, &Transaction<'_>, &mut Now<'_>) -> bool,
-    ) -> Result<Vec<bool>> {
+        mut apply: impl FnMut(&mut T, &Transaction<'_>, Isolation) -> bool,
+    ) -> Result<()> {
         let mut conn = lock(&self.inner.writer);
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        if let [only] = moves {
-            // Alone in its transaction, a move needs no savepoint: refused, it is rolled back
-            // with the transaction.
-            let mut now = Now { clock, read: None };
-            let ok = apply(only, &tx, &mut now);
-            if ok {
-                tx.commit()?;
-            }
-            return Ok(vec![ok]);
+        if moves
+            .iter_mut()
+            .all(|group_move| apply(group_move, &tx, Isolation::Shared))
+        {
+            return Ok(tx.commit()?);
         }
-        let mut applied = Vec::with_capacity(moves.len());
+        drop(tx); // rolls back
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         for group_move in moves.iter_mut() {
             tx.prepare_cached("SAVEPOINT agentrt_move")?.execute([])?;
-            let mut now = Now { clock, read: None };
-            let ok = apply(group_move, &tx, &mut now);
-            if !ok {
+            if !apply(group_move, &tx, Isolation::Savepoint) {
                 tx.prepare_cached("ROLLBACK TO agentrt_move")?.execute([])?;
             }
             tx.prepare_cached("RELEASE agentrt_move")?.execute([])?;
-            applied.push(ok);
         }
-        tx.commit()?;
-        Ok(applied)
+        Ok(tx.commit()?)
     }
 
     /// Copies what the write-ahead log holds into the database file, without waiting for
@@ -520,6 +514,15 @@ impl Health {
     }
 }
 
+/// How the moves of a group commit are kept apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// Straight into the group's transaction: a refusal rolls the whole group back.
+    Shared,
+    /// In a savepoint of its own: a refusal rolls back this move alone.
+    Savepoint,
+}
+
 /// The time of one move, read from the clock on first use only.
 pub(crate) struct Now<'a> {
     clock: &'a dyn Clock,
@@ -527,17 +530,19 @@ pub(crate) struct Now<'a> {
 }
 
 impl<'a> Now<'a> {
+    /// The time of a move applied again: the reading it took before, if any.
+    pub(crate) fn resume(clock: &'a dyn Clock, read: Option<i64>) -> Self {
+        Now { clock, read }
+    }
+
+    /// The reading taken, if any.
+    pub(crate) fn reading(&self) -> Option<i64> {
+        self.read
+    }
+
     /// Milliseconds since the Unix epoch.
     pub(crate) fn millis(&mut self) -> i64 {
         *self.read.get_or_insert_with(|| to_millis(self.clock.now()))
-    }
-
-    /// The time of the next move committed in the same transaction: its own reading.
-    pub(crate) fn next_move(&self) -> Now<'a> {
-        Now {
-            clock: self.clock,
-            read: None,
-        }
     }
 }
 

@@ -514,7 +514,7 @@ pub(crate) fn finish_model_step(
     holder: &Holder,
     step: u32,
     attempt: u32,
-    outcome: ModelOutcome,
+    outcome: &ModelOutcome,
 ) -> Result<()> {
     touch_held(
         tx,
@@ -564,7 +564,7 @@ pub(crate) fn finish_model_step(
             call.args.to_string()
         ])?;
     }
-    let recorded_json = serde_json::to_value(&response).expect("a response serializes");
+    let recorded_json = serde_json::to_value(response).expect("a response serializes");
     close_step(
         tx,
         run_id,

@@ -19,7 +19,7 @@ use crate::{
     clock::Clock,
     error::{Error, Result},
     store::{
-        Isolation, Now, Store,
+        Isolation, Now, Store, log_pages,
         sql::{self, Renewal},
     },
     types::RunId,
@@ -83,6 +83,9 @@ const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
 
 /// How long the store actor lets the log grow, at most, however long its copies take.
 const MAX_CHECKPOINT_PERIOD: Duration = Duration::from_secs(2);
+
+/// How large the store actor lets the log grow, at most, in pages (32 MiB of 4 KiB pages).
+const MAX_LOG_PAGES: u32 = 8000;
 
 /// How the store actor commits the moves it is sent.
 #[derive(Debug, Clone, Copy)]
@@ -397,16 +400,16 @@ fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
 }
 
 impl StoreActor {
-    /// Copies the write-ahead log into the database file at most once per
-    /// [`CHECKPOINT_PERIOD`] while moves are committed, between two groups. SQLite's own rule
-    /// (a copy inside whichever commit takes the log past 1,000 pages) copies after nearly
-    /// every group when a thousand runs each add pages of their own; once per period, a page
-    /// that many moves changed is copied once.
+    /// Copies the write-ahead log into the database file between two groups, at most once
+    /// per [`CHECKPOINT_PERIOD`] while moves are committed, or when the log passes
+    /// [`MAX_LOG_PAGES`]. SQLite's own rule (a copy inside whichever commit takes the log past
+    /// 1,000 pages) copies after nearly every group when a thousand runs each add pages of
+    /// their own; once per period, a page that many moves changed is copied once.
     fn checkpoint_if_due(&mut self) {
         // A copy that took long waits longer for the next one: the writer spends at most a
         // twentieth of its time copying, and a heavy load's copies take in more moves each.
         let period = (self.checkpoint_took * 19).clamp(CHECKPOINT_PERIOD, MAX_CHECKPOINT_PERIOD);
-        if self.last_checkpoint.elapsed() < period {
+        if self.last_checkpoint.elapsed() < period && log_pages() < MAX_LOG_PAGES {
             return;
         }
         let started = Instant::now();

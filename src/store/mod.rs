@@ -264,6 +264,8 @@ impl Store {
         let mut writer =
             Connection::open_with_flags(&path, flags).map_err(|err| on_open(err.into(), &path))?;
         configure(&writer, &options, true, Role::Writer).map_err(|err| on_open(err, &path))?;
+        // After the pragmas: `wal_autocheckpoint` installs a hook of its own.
+        writer.wal_hook(Some(note_log_size));
         if options.migrate {
             migrate(&mut writer, &path)?;
         }
@@ -512,6 +514,23 @@ impl Health {
     pub fn is_ok(&self) -> bool {
         self.integrity == ["ok"] && self.schema.pending() == 0
     }
+}
+
+thread_local! {
+    /// The pages in the write-ahead log after the last commit of a writer on this thread.
+    static LOG_PAGES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// The writer's commit hook: notes the log's size for [`log_pages`].
+fn note_log_size(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite::Result<()> {
+    LOG_PAGES.set(pages.max(0) as u32);
+    Ok(())
+}
+
+/// The pages in the write-ahead log after the last commit made on this thread by a writer
+/// connection (the store actor's thread: its own commits).
+pub(crate) fn log_pages() -> u32 {
+    LOG_PAGES.get()
 }
 
 /// How the moves of a group commit are kept apart.

@@ -227,7 +227,7 @@ pub struct Event {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {
     /// The call's id. agentrt keeps ids unique within a run: an empty or repeated id is
-    /// replaced by `call-STEP`.
+    /// replaced by `call-STEP` (`call-STEP-2`, `-3`, ... if the model itself used that one).
     pub id: String,
     /// The tool's name.
     pub name: String,

@@ -315,6 +315,43 @@ fn a_run_that_reaches_its_step_limit_fails() {
 }
 
 #[test]
+fn repeated_and_empty_call_ids_are_made_unique_within_the_run() {
+    let db = TempStore::new();
+    let model = ScriptedModel::new(vec![
+        // Step 2 keeps its id; step 3 repeats it; step 4 has none, and `call-4` is taken.
+        ModelResponse::calls(vec![
+            ToolCall::new("call-4", "lookup", json!({})),
+            ToolCall::new("call-4", "lookup", json!({})),
+            ToolCall::new("", "lookup", json!({})),
+        ]),
+        // Step 6 repeats an id of an earlier step.
+        ModelResponse::calls(vec![ToolCall::new("call-3", "lookup", json!({}))]),
+        ModelResponse::answer("done"),
+    ]);
+    let tool = RecordingTool::new("lookup");
+    let agent = Agent::new(model).tool(tool.clone());
+    let reply = start(db.open(), agent, StartRun::new("a", json!({}))).unwrap();
+    assert!(matches!(reply.outcome, Outcome::Succeeded { .. }));
+    let ids: Vec<String> = tool.executions().into_iter().map(|e| e.call_id).collect();
+    assert_eq!(ids, ["call-4", "call-3", "call-4-2", "call-6"]);
+    // The stored answer carries the ids as made unique.
+    let store = db.open();
+    let answer = store
+        .events(&reply.run_id)
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == EventKind::ModelFinished)
+        .unwrap();
+    let stored: Vec<&str> = answer.payload["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|call| call["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(stored, ["call-4", "call-3", "call-4-2"]);
+}
+
+#[test]
 fn a_panicking_tool_ends_the_call_with_an_error_and_the_step_stays_in_flight() {
     let db = TempStore::new();
     let tool = RecordingTool::new("lookup").behaviour(Behaviour::Panic);

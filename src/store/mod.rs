@@ -28,8 +28,24 @@ pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// The migrations, in order, as `rusqlite_migration` applies them.
 pub(crate) fn migrations() -> Migrations<'static> {
-    Migrations::new(MIGRATIONS.iter().map(|(_, sql)| M::up(sql)).collect())
+    Migrations::new(
+        MIGRATIONS
+            .iter()
+            .map(|(name, sql)| {
+                if REBUILDS_A_TABLE.contains(name) {
+                    // Runs with foreign keys off (see `migrate`): check them before committing.
+                    M::up(sql).foreign_key_check()
+                } else {
+                    M::up(sql)
+                }
+            })
+            .collect(),
+    )
 }
+
+/// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
+/// they need foreign keys off while the old table is dropped.
+const REBUILDS_A_TABLE: &[&str] = &["0006_steps_state_check.sql"];
 
 /// SQLite's `synchronous` setting: how hard a commit waits for the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -609,7 +625,11 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
     // Two processes opening a new file at once: the second waits on the write lock instead of
     // failing to upgrade a read transaction.
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
+    // Foreign keys can only be switched outside a transaction; a migration that rebuilds a
+    // table checks them itself before it commits.
+    conn.pragma_update(None, "foreign_keys", false)?;
     let result = migrations().to_latest(conn);
+    conn.pragma_update(None, "foreign_keys", true)?;
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     result.map_err(|err| match err {
         rusqlite_migration::Error::RusqliteError { err, .. } => on_open(err.into(), path),
@@ -648,7 +668,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 5);
+        assert_eq!(SCHEMA_VERSION, 6);
     }
 
     #[test]

@@ -31,21 +31,37 @@ pub(crate) fn migrations() -> Migrations<'static> {
     Migrations::new(
         MIGRATIONS
             .iter()
-            .map(|(name, sql)| {
-                if REBUILDS_A_TABLE.contains(name) {
-                    // Runs with foreign keys off (see `migrate`): check them before committing.
-                    M::up(sql).foreign_key_check()
-                } else {
-                    M::up(sql)
-                }
-            })
+            .map(
+                |(name, sql)| match REBUILDS.iter().find(|(file, _)| file == name) {
+                    // Runs with foreign keys off (see `migrate`): the references of the tables it
+                    // touched are checked before it commits.
+                    Some((_, tables)) => M::up_with_hook(sql, move |tx: &rusqlite::Transaction| {
+                        check_references(tx, tables)
+                    }),
+                    None => M::up(sql),
+                },
+            )
             .collect(),
     )
 }
 
 /// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
-/// they need foreign keys off while the old table is dropped.
-const REBUILDS_A_TABLE: &[&str] = &["0006_steps_state_check.sql"];
+/// they need foreign keys off while the old table is dropped, and the references from and to
+/// the rebuilt table are checked afterwards (only those: the events table may be large).
+const REBUILDS: &[(&str, &[&str])] = &[("0006_steps_state_check.sql", &["steps", "approvals"])];
+
+/// Fails the migration if a row of `tables` refers to nothing.
+fn check_references(tx: &rusqlite::Transaction, tables: &[&str]) -> rusqlite_migration::HookResult {
+    for table in tables {
+        let mut stmt = tx.prepare(&format!("PRAGMA foreign_key_check({table})"))?;
+        if stmt.exists([])? {
+            return Err(rusqlite_migration::HookError::Hook(format!(
+                "table {table} refers to rows that do not exist"
+            )));
+        }
+    }
+    Ok(())
+}
 
 /// SQLite's `synchronous` setting: how hard a commit waits for the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -2,9 +2,9 @@
 //! outcome recorded, late, after `run.finished`.
 
 use agentrt::{
-    Agent, CancelRun, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
+    Agent, CancelRun, Config, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
     RunState, StartRun, Supervisor, ToolCall,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
+    testkit::{Behaviour, CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
 
@@ -28,8 +28,11 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
         Agent::new(model.clone()).tool(deploy.clone()),
         deploy.clone(),
     );
+    let clock = CountingClock::default();
+    let config = Config::default().clock(clock.clone());
     let reply = with_system(|| async move {
         let supervisor = Supervisor::builder(store)
+            .config(config)
             .agent("ops", agent)
             .start()
             .unwrap();
@@ -78,6 +81,48 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
         json!("CANCELLED")
     );
     assert_eq!(model.calls(), 1);
+    // One reading per committed move: the insert, the reservation, the answer, the decision
+    // with its start, the cancel, the late outcome. Nothing is attempted after the late one.
+    assert_eq!(clock.reads(), 6);
+}
+
+#[test]
+fn a_cancel_from_another_process_is_learnt_at_the_outcome_and_nothing_follows_it() {
+    let db = TempStore::new();
+    let deploy = RecordingTool::new("deploy").behaviour(Behaviour::BlockIgnoringCancel);
+    let (store, operator_store, running) = (db.open(), db.open(), deploy.clone());
+    let agent = Agent::new(deploy_then_answer()).tool(deploy.clone());
+    let clock = CountingClock::default();
+    let config = Config::default().clock(clock.clone());
+    let reply = with_system(|| async move {
+        let supervisor = Supervisor::builder(store)
+            .config(config)
+            .agent("ops", agent)
+            .start()
+            .unwrap();
+        let call =
+            actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
+        running.wait_executions(1).await;
+        // The CLI's cancel: this supervisor's loop is not told; its next write finds out.
+        operator_store
+            .cancel(&RunId::from("run-1"), "change freeze")
+            .unwrap();
+        running.release();
+        call.await.unwrap().unwrap()
+    })
+    .unwrap();
+    assert!(matches!(reply.outcome, Outcome::Cancelled { .. }));
+    assert_eq!(deploy.executions().len(), 1);
+    let events = db.open().events(&RunId::from("run-1")).unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(
+        (last.kind, last.payload["late"].clone()),
+        (EventKind::ToolFinished, json!(true))
+    );
+    // The insert, the reservation, the answer, the decision with its start, the late outcome
+    // (the CLI's cancel is stamped by the system clock): the decision on deploy-2, planned to
+    // commit with the outcome, was not attempted.
+    assert_eq!(clock.reads(), 5);
 }
 
 #[test]

@@ -742,3 +742,89 @@ fn two_supervisors_with_the_same_lease_owner_sweeping_racing_resumes_never_run_a
     }
     assert_no_run_leased(&store);
 }
+
+/// Holds the store thread before the first `take_over` is applied, until told to go on.
+struct HoldTakeover {
+    reached: std::sync::Mutex<Option<mpsc::Sender<()>>>,
+    go_on: std::sync::Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+impl agentrt::MoveObserver for HoldTakeover {
+    fn before_apply(&self, info: &agentrt::MoveInfo) {
+        if info.name != "take_over" {
+            return;
+        }
+        if let Some(reached) = self.reached.lock().unwrap().take() {
+            reached.send(()).unwrap();
+            let go_on = self.go_on.lock().unwrap().take().unwrap();
+            go_on.recv().unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_again() {
+    let db = TempStore::new();
+    let charge = RecordingTool::new("charge").behaviour(Behaviour::BlockIgnoringCancel);
+    let notify = RecordingTool::new("notify");
+    let agent = || {
+        Agent::new(two_calls("charge", "notify"))
+            .tool(charge.clone())
+            .tool(notify.clone())
+    };
+    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
+    let (agent_a, agent_b) = (agent(), agent());
+    let (reached_tx, reached) = mpsc::channel::<()>();
+    let (go_on, go_on_rx) = mpsc::channel();
+    let hold = HoldTakeover {
+        reached: std::sync::Mutex::new(Some(reached_tx)),
+        go_on: std::sync::Mutex::new(Some(go_on_rx)),
+    };
+    let (first, second) = with_system(|| async move {
+        let a = supervisor(store_a, fast_lease(), agent_a);
+        let call_a = start_and_let_the_lease_lapse(&a, &path, &probe).await;
+
+        // B reads the run (the charge in flight), then stops right before its takeover.
+        let b = supervisor(store_b, fast_lease().observer(hold), agent_b);
+        let resume =
+            actix_rt::spawn(
+                async move { resume_when_free(&b, &RunId::from("r1"), PATIENCE).await },
+            );
+        let reached = actix_rt::task::spawn_blocking(move || reached.recv_timeout(PATIENCE))
+            .await
+            .unwrap();
+        if reached.is_err() {
+            panic!("B never reached its takeover: {:?}", resume.await);
+        }
+
+        // Meanwhile A, whose lease lapsed but which nobody has taken over yet, records the
+        // charge's outcome and stops.
+        probe.release();
+        let first = call_a.await.unwrap();
+        go_on.send(()).unwrap();
+        // Were the charge started again, it would block (its gate was opened once): give up
+        // after the patience rather than hang.
+        let second = actix_rt::time::timeout(PATIENCE, resume)
+            .await
+            .unwrap_or_else(|_| panic!("B is stuck in a second charge: {:?}", probe.executions()));
+        (first, second.unwrap())
+    });
+    assert!(matches!(&first, Err(Error::LeaseLost { .. })), "{first:?}");
+    assert_eq!(
+        second.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+    assert_eq!(charge.executions().len(), 1, "the charge ran once");
+    assert_eq!(notify.executions().len(), 1);
+    let events = db.open().events(&RunId::from("r1")).unwrap();
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::StepInterrupted)
+            .count(),
+        0,
+        "nothing was in flight when B took over"
+    );
+}

@@ -243,7 +243,7 @@ impl RunLoop {
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 // The first model step's reservation commits with the insert.
                 let next = run.plan();
-                let (expires_at, next) = run.commit_with(create, next).await?;
+                let (expires_at, next) = run.commit_with(create, next, |_| true).await?;
                 tracing::info!(agent = %agent, "run started");
                 run.hold(expires_at);
                 first_next = next;
@@ -269,17 +269,16 @@ impl RunLoop {
                     RunState::Running => {
                         let (id, holder) = (run_id.clone(), env.holder.clone());
                         let take = ApplyMove::new("take_over", &run_id, move |tx, now| {
-                            sql::take_over(tx, now, &id, &holder)
+                            let (interrupted, expires_at) = sql::take_over(tx, now, &id, &holder)?;
+                            // The steps as the takeover leaves them, read in its transaction:
+                            // an owner whose lease lapsed may have written an outcome since
+                            // the read above, and that step must not run again.
+                            Ok((interrupted.len(), expires_at, sql::load(tx, &id)?))
                         });
-                        let (interrupted, expires_at) = env.store.apply(take).await?;
-                        let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
+                        let (interrupted, expires_at, snapshot) = env.store.apply(take).await?;
+                        let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold(expires_at);
-                        for step in &mut run.steps {
-                            if interrupted.contains(&step.step) {
-                                step.state = StepState::Interrupted;
-                            }
-                        }
-                        tracing::info!(interrupted = interrupted.len(), "run taken over");
+                        tracing::info!(interrupted, "run taken over");
                         run
                     }
                     state => {
@@ -639,18 +638,24 @@ impl RunLoop {
     /// Commits `first`, the move that ends a side effect, in one transaction with the move
     /// that follows it when that one is planned (`next`, which the loop has already folded
     /// into its state as if `first` committed): no side effect lies between them, so the
-    /// run pays one durable commit for both. Returns `first`'s result and where the loop goes
-    /// next: `Err` if the planned move could not be planned or was refused.
+    /// run pays one durable commit for both. The planned move is not attempted when `proceed`
+    /// says no of `first`'s result (the caller then acts on that result). Returns `first`'s
+    /// result and where the loop goes next: `Err` if the planned move could not be planned or
+    /// was refused.
     async fn commit_with<A: Send + 'static>(
         &mut self,
         first: ApplyMove<A>,
         next: Result<Option<Planned>>,
+        proceed: fn(&A) -> bool,
     ) -> Result<(A, Result<Next>)> {
         match next {
             Ok(Some(planned)) => {
                 let then = self.planned_move(&planned);
-                let (value, then) = self.env.store.apply_then(first, then).await?;
-                let next = then.and_then(|()| self.after_planned(planned));
+                let (value, then) = self.env.store.apply_then(first, then, proceed).await?;
+                let next = match then {
+                    Some(then) => then.and_then(|()| self.after_planned(planned)),
+                    None => Ok(Next::Continue),
+                };
                 Ok((value, next))
             }
             Ok(None) => Ok((self.env.store.apply(first).await?, Ok(Next::Continue))),
@@ -720,7 +725,7 @@ impl RunLoop {
         }
         // The first call's decision (and start) commits with the answer.
         let next = self.plan();
-        let ((), next) = self.commit_with(first, next).await?;
+        let ((), next) = self.commit_with(first, next, |_| true).await?;
         next
     }
 
@@ -815,13 +820,15 @@ impl RunLoop {
             sql::finish_tool(tx, now, id, holder, number, attempt, &call_id, &result)
         });
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
-        // A lost lease plans nothing more: the outcome alone is offered.
-        let next = if self.env.lease_lost.borrow().is_some() {
+        // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
+        // outcome alone is offered.
+        let next = if self.env.cancellation.is_cancelled() {
             Ok(None)
         } else {
             self.plan()
         };
-        let (late, next) = self.commit_with(first, next).await?;
+        // A late outcome (an operator cancelled the run) is followed by nothing.
+        let (late, next) = self.commit_with(first, next, |late| !late).await?;
         if late {
             return self.cancelled().await.map(Next::Return);
         }

@@ -42,8 +42,8 @@ pub struct MoveInfo {
 /// Watches the moves of a supervisor's store actor ([`Config::observer`]), on the store
 /// actor's thread: for metrics, tracing, or telling listeners that a run has new events.
 ///
-/// Both calls run on the thread that owns the write connection, between moves, with no
-/// transaction open: a slow observer delays every move of the supervisor.
+/// Every call runs on the thread that owns the write connection, with no transaction open: a
+/// slow observer delays every move of the supervisor.
 ///
 /// [`Config::observer`]: crate::Config::observer
 pub trait MoveObserver: Send + Sync + 'static {
@@ -77,6 +77,9 @@ pub(crate) struct StoreActor {
     last_checkpoint: Instant,
     checkpoint_took: Duration,
 }
+
+/// How long one Drain keeps committing before the actor's other messages get their turn.
+const DRAIN_SLICE: Duration = Duration::from_millis(5);
 
 /// How often the store actor checkpoints while it commits, at most.
 const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
@@ -149,7 +152,10 @@ impl StoreActor {
                     committed
                         .iter()
                         .for_each(|info| observer.after_commit(info));
-                    observer.committed(&committed);
+                    // A group whose every move was refused made nothing durable.
+                    if !committed.is_empty() {
+                        observer.committed(&committed);
+                    }
                 }
                 for pending in batch {
                     pending.answer(None);
@@ -196,19 +202,22 @@ impl StoreHandle {
     }
 
     /// Submits `first` and `then` to be committed in one transaction, `then` applied only if
-    /// `first` was, each all-or-nothing with its own clock reading: for a move whose successor
-    /// is known before the commit and no side effect lies between them. Completes once they
-    /// committed, with `first`'s result (an error if it was refused) and `then`'s.
+    /// `first` was and `proceed` says so of its result, each all-or-nothing with its own
+    /// clock reading: for a move whose successor is known before the commit and no side
+    /// effect lies between them. Completes once they committed, with `first`'s result (an
+    /// error if it was refused) and `then`'s (`None` if it was not attempted).
     pub(crate) fn apply_then<A: Send + 'static, B: Send + 'static>(
         &self,
         first: ApplyMove<A>,
         then: ApplyMove<B>,
-    ) -> impl Future<Output = Result<(A, Result<B>)>> + 'static {
+        proceed: fn(&A) -> bool,
+    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingPair {
             infos: [first.info, then.info],
             first: first.apply,
             then: then.apply,
+            proceed,
             readings: [None; 2],
             result: None,
             reply,
@@ -310,10 +319,12 @@ struct PendingPair<A, B> {
     infos: [MoveInfo; 2],
     first: ApplyFn<A>,
     then: ApplyFn<B>,
+    /// Whether `then` is attempted, given `first`'s result.
+    proceed: fn(&A) -> bool,
     /// The clock readings of an earlier attempt.
     readings: [Option<i64>; 2],
-    result: Option<Result<(A, Result<B>)>>,
-    reply: oneshot::Sender<Result<(A, Result<B>)>>,
+    result: Option<Result<(A, Option<Result<B>>)>>,
+    reply: oneshot::Sender<Result<(A, Option<Result<B>>)>>,
 }
 
 impl<A: Send, B: Send> Pending for PendingPair<A, B> {
@@ -323,8 +334,8 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
 
     fn applied(&self) -> &[MoveInfo] {
         match &self.result {
-            Some(Ok((_, Ok(_)))) => &self.infos,
-            Some(Ok((_, Err(_)))) => &self.infos[..1],
+            Some(Ok((_, Some(Ok(_))))) => &self.infos,
+            Some(Ok(_)) => &self.infos[..1],
             _ => &[],
         }
     }
@@ -340,6 +351,10 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
                 return false;
             }
         };
+        if !(self.proceed)(&a) {
+            self.result = Some(Ok((a, None)));
+            return true;
+        }
         let mut now = Now::resume(clock, self.readings[1]);
         let then = &mut self.then;
         let b = match isolation {
@@ -358,7 +373,7 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
         // Without a savepoint of its own, a refused second move cannot be rolled back alone:
         // the group is applied again with savepoints.
         let stands = b.is_ok() || isolation == Isolation::Savepoint;
-        self.result = Some(Ok((a, b)));
+        self.result = Some(Ok((a, Some(b))));
         stands
     }
 
@@ -435,6 +450,16 @@ impl StoreActor {
         }
     }
 
+    /// Puts `batch` back at the head of the queue.
+    fn requeue(&self, mut batch: Vec<Box<dyn Pending>>) {
+        let mut queue = self
+            .queue
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        batch.append(&mut queue);
+        *queue = batch;
+    }
+
     fn take_queue(&self) -> Vec<Box<dyn Pending>> {
         std::mem::take(
             &mut *self
@@ -453,10 +478,18 @@ struct Drain;
 impl Handler<Drain> for StoreActor {
     type Result = ();
 
-    fn handle(&mut self, _: Drain, _: &mut SyncContext<Self>) {
+    fn handle(&mut self, _: Drain, ctx: &mut SyncContext<Self>) {
         // Empty when an earlier Drain took these moves with its own.
         let mut batch = self.take_queue();
+        let started = Instant::now();
         while !batch.is_empty() {
+            if started.elapsed() >= DRAIN_SLICE {
+                // The other messages (reads, releases, renewals in memory) get their turn;
+                // these moves are first in the queue for the next Drain.
+                self.requeue(batch);
+                ctx.address().do_send(Drain);
+                return;
+            }
             if self.policy.group {
                 // Everything that arrived while the last commit was syncing: one commit.
                 self.commit(batch);
@@ -608,7 +641,8 @@ mod tests {
                     actix_rt::spawn(handle.apply(write(2, true))),
                     actix_rt::spawn(handle.apply(write(3, false))),
                 ];
-                let pair = actix_rt::spawn(handle.apply_then(write(4, false), write(5, true)));
+                let pair =
+                    actix_rt::spawn(handle.apply_then(write(4, false), write(5, true), |_| true));
                 actix_rt::task::yield_now().await;
                 release.send(()).unwrap();
                 let mut committed = Vec::new();
@@ -616,7 +650,7 @@ mod tests {
                     committed.push(mv.await.unwrap().is_ok());
                 }
                 let (_, then) = pair.await.unwrap().unwrap();
-                committed.push(then.is_ok());
+                committed.push(then.unwrap().is_ok());
                 let values = handle
                     .addr()
                     .send(ReadState::new(|conn| {

@@ -641,11 +641,23 @@ fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
     // Two processes opening a new file at once: the second waits on the write lock instead of
     // failing to upgrade a read transaction.
     conn.set_transaction_behavior(TransactionBehavior::Immediate);
-    // Foreign keys can only be switched outside a transaction; a migration that rebuilds a
-    // table checks them itself before it commits.
-    conn.pragma_update(None, "foreign_keys", false)?;
+    // A migration that rebuilds a table needs foreign keys off (they can only be switched
+    // outside a transaction) and checks them itself before it commits; the others run with
+    // them on.
+    let found: u32 = conn
+        .pragma_query_value(None, "user_version", |row| row.get(0))
+        .map_err(|err| on_open(err.into(), path))?;
+    let rebuilds = MIGRATIONS
+        .iter()
+        .skip(found as usize)
+        .any(|(name, _)| REBUILDS.iter().any(|(file, _)| file == name));
+    if rebuilds {
+        conn.pragma_update(None, "foreign_keys", false)?;
+    }
     let result = migrations().to_latest(conn);
-    conn.pragma_update(None, "foreign_keys", true)?;
+    if rebuilds {
+        conn.pragma_update(None, "foreign_keys", true)?;
+    }
     conn.set_transaction_behavior(TransactionBehavior::Deferred);
     result.map_err(|err| match err {
         rusqlite_migration::Error::RusqliteError { err, .. } => on_open(err.into(), path),

@@ -100,7 +100,31 @@ pub(crate) struct CommitPolicy {
 }
 
 /// Moves waiting for the store actor, in the order they were submitted.
-type Queue = Arc<Mutex<Vec<Box<dyn Pending>>>>;
+type Queue = Arc<MoveQueue>;
+
+#[derive(Default)]
+struct MoveQueue {
+    moves: Mutex<Vec<Box<dyn Pending>>>,
+    /// A Drain is in the actor's mailbox and has not taken the queue yet: a move submitted
+    /// meanwhile needs no Drain of its own. At most one Drain waits in the mailbox, so the
+    /// actor's other messages wait for at most one of them.
+    drain_sent: std::sync::atomic::AtomicBool,
+}
+
+impl MoveQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Box<dyn Pending>>> {
+        self.moves
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether a Drain must be sent: none is waiting.
+    fn needs_drain(&self) -> bool {
+        !self
+            .drain_sent
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+    }
+}
 
 impl StoreActor {
     /// Starts the actor on a thread of its own; moves reach it through the returned handle.
@@ -227,11 +251,10 @@ impl StoreHandle {
     }
 
     fn submit(&self, pending: Box<dyn Pending>) {
-        self.queue
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .push(pending);
-        self.addr.do_send(Drain);
+        self.queue.lock().push(pending);
+        if self.queue.needs_drain() {
+            self.addr.do_send(Drain);
+        }
     }
 
     /// The actor, for messages other than moves.
@@ -452,21 +475,13 @@ impl StoreActor {
 
     /// Puts `batch` back at the head of the queue.
     fn requeue(&self, mut batch: Vec<Box<dyn Pending>>) {
-        let mut queue = self
-            .queue
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut queue = self.queue.lock();
         batch.append(&mut queue);
         *queue = batch;
     }
 
     fn take_queue(&self) -> Vec<Box<dyn Pending>> {
-        std::mem::take(
-            &mut *self
-                .queue
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        )
+        std::mem::take(&mut *self.queue.lock())
     }
 }
 
@@ -479,6 +494,10 @@ impl Handler<Drain> for StoreActor {
     type Result = ();
 
     fn handle(&mut self, _: Drain, ctx: &mut SyncContext<Self>) {
+        // From here on, a move submitted after the queue is taken sends a Drain of its own.
+        self.queue
+            .drain_sent
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         // Empty when an earlier Drain took these moves with its own.
         let mut batch = self.take_queue();
         let started = Instant::now();
@@ -487,7 +506,9 @@ impl Handler<Drain> for StoreActor {
                 // The other messages (reads, releases, renewals in memory) get their turn;
                 // these moves are first in the queue for the next Drain.
                 self.requeue(batch);
-                ctx.address().do_send(Drain);
+                if self.queue.needs_drain() {
+                    ctx.address().do_send(Drain);
+                }
                 return;
             }
             if self.policy.group {

@@ -148,6 +148,15 @@ impl Commits {
     }
 }
 
+/// A supervisor running `agent` as `"bench"`.
+fn bench_supervisor(store: Store, config: Config, agent: Agent) -> actix::Addr<Supervisor> {
+    Supervisor::builder(store)
+        .config(config)
+        .agent("bench", agent)
+        .start()
+        .unwrap()
+}
+
 fn options(sync: Synchronous) -> StoreOptions {
     StoreOptions {
         synchronous: sync,
@@ -165,11 +174,7 @@ fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64
         .tool(Noop)
         .max_steps(u32::MAX);
     let elapsed = actix::System::new().block_on(async move {
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("bench", agent)
-            .start()
-            .unwrap();
+        let sup = bench_supervisor(store, config, agent);
         let started = Instant::now();
         let reply = sup
             .send(StartRun::new("bench", json!({})))
@@ -503,11 +508,7 @@ fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) ->
     let agent = Agent::new(model.clone()).tool(Noop).max_steps(100);
     let config = Config::default().group_commit(group_commit);
     let elapsed = actix::System::new().block_on(async move {
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("bench", agent)
-            .start()
-            .unwrap();
+        let sup = bench_supervisor(store, config, agent);
         let started = Instant::now();
         // Spawned, so that every call is in flight at once (a `send` not polled waits outside
         // a full mailbox).
@@ -622,11 +623,7 @@ fn takeover_child(path: &Path) {
     let agent = Agent::new(LoopModel::new(2)).tool(Hold(release, entered.clone()));
     actix::System::new().block_on(async move {
         let config = Config::default().lease_ttl(TAKEOVER_TTL);
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("bench", agent)
-            .start()
-            .unwrap();
+        let sup = bench_supervisor(store, config, agent);
         actix_rt::spawn(sup.send(StartRun::new("bench", json!({})).with_id("victim")));
         while entered.load(Ordering::SeqCst) == 0 {
             actix_rt::time::sleep(Duration::from_millis(5)).await;
@@ -673,11 +670,7 @@ fn workload_f(args: &Args, dir: &Path) {
         let reader = store.clone();
         actix::System::new().block_on(async move {
             let config = Config::default().lease_ttl(TAKEOVER_TTL);
-            let sup = Supervisor::builder(store)
-                .config(config)
-                .agent("bench", agent)
-                .start()
-                .unwrap();
+            let sup = bench_supervisor(store, config, agent);
             // A consumer's recovery loop: resume, and on RunLeased retry after its expiry.
             agentrt_resume_when_free(&sup, &run_id).await;
         });

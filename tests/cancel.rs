@@ -1,9 +1,10 @@
 //! An operator's cancel: no executor needed; a tool running at that moment still has its
 //! outcome recorded, late, after `run.finished`.
 
+use actix::Addr;
 use agentrt::{
     Agent, CancelRun, Config, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
-    RunState, StartRun, Supervisor, ToolCall,
+    RunOutcome, RunState, StartRun, Store, Supervisor, ToolCall,
     testkit::{Behaviour, CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
@@ -16,6 +17,27 @@ fn deploy_then_answer() -> ScriptedModel {
         ]),
         ModelResponse::answer("deployed"),
     ])
+}
+
+/// Starts run `run-1` of `agent` on a new supervisor and returns once `tool` is executing,
+/// with the pending call.
+async fn start_until_the_tool_runs(
+    store: Store,
+    config: Config,
+    agent: Agent,
+    tool: &RecordingTool,
+) -> (
+    Addr<Supervisor>,
+    tokio::task::JoinHandle<Result<agentrt::Result<RunOutcome>, actix::MailboxError>>,
+) {
+    let supervisor = Supervisor::builder(store)
+        .config(config)
+        .agent("ops", agent)
+        .start()
+        .unwrap();
+    let call = actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
+    tool.wait_executions(1).await;
+    (supervisor, call)
 }
 
 #[test]
@@ -31,14 +53,7 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
     let clock = CountingClock::default();
     let config = Config::default().clock(clock.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        let call =
-            actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
-        running.wait_executions(1).await;
+        let (supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;
         supervisor
             .send(CancelRun::new("run-1", "change freeze"))
             .await
@@ -95,14 +110,7 @@ fn a_cancel_from_another_process_is_learnt_at_the_outcome_and_nothing_follows_it
     let clock = CountingClock::default();
     let config = Config::default().clock(clock.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        let call =
-            actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
-        running.wait_executions(1).await;
+        let (_supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;
         // The CLI's cancel: this supervisor's loop is not told; its next write finds out.
         operator_store
             .cancel(&RunId::from("run-1"), "change freeze")

@@ -314,6 +314,13 @@ fn no_model_call_after_the_lease_is_lost() {
 
 /// What happened when supervisor A's lease lapsed mid-charge and supervisor B took the run
 /// over while A's charge still ran.
+/// An agent whose model asks for `charge`, then `notify`, then answers.
+fn charge_then_notify(charge: &RecordingTool, notify: &RecordingTool) -> Agent {
+    Agent::new(two_calls("charge", "notify"))
+        .tool(charge.clone())
+        .tool(notify.clone())
+}
+
 struct Takeover {
     first: agentrt::Result<RunOutcome>,
     second: agentrt::Result<RunOutcome>,
@@ -330,13 +337,11 @@ fn lapse_then_take_over() -> Takeover {
         .behaviour(Behaviour::BlockIgnoringCancel)
         .reconcile_hook(ReconcileHook::FromLog);
     let notify = RecordingTool::new("notify");
-    let agent = || {
-        Agent::new(two_calls("charge", "notify"))
-            .tool(charge.clone())
-            .tool(notify.clone())
-    };
     let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
-    let (agent_a, agent_b) = (agent(), agent());
+    let (agent_a, agent_b) = (
+        charge_then_notify(&charge, &notify),
+        charge_then_notify(&charge, &notify),
+    );
     let (first, second, owner_a) = with_system(|| async move {
         let a = supervisor(store_a, fast_lease(), agent_a);
         let call_a = start_and_let_the_lease_lapse(&a, &path, &probe).await;
@@ -767,13 +772,11 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
     let db = TempStore::new();
     let charge = RecordingTool::new("charge").behaviour(Behaviour::BlockIgnoringCancel);
     let notify = RecordingTool::new("notify");
-    let agent = || {
-        Agent::new(two_calls("charge", "notify"))
-            .tool(charge.clone())
-            .tool(notify.clone())
-    };
     let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
-    let (agent_a, agent_b) = (agent(), agent());
+    let (agent_a, agent_b) = (
+        charge_then_notify(&charge, &notify),
+        charge_then_notify(&charge, &notify),
+    );
     let (reached_tx, reached) = mpsc::channel::<()>();
     let (go_on, go_on_rx) = mpsc::channel();
     let hold = HoldTakeover {

@@ -711,7 +711,10 @@ impl RunLoop {
             })
             .collect();
         let output = response.text.clone().unwrap_or_default();
-        let outcome = ModelOutcome::Answered(response);
+        let outcome = ModelOutcome::Answered {
+            response,
+            recorded: stored_json.clone(),
+        };
         let first = self.move_of("finish_model_step", move |tx, now, id, holder| {
             sql::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
         });
@@ -815,9 +818,11 @@ impl RunLoop {
             }
         };
         let result_json = serde_json::to_value(&result).unwrap();
-        let call_id = call.id;
+        let (call_id, recorded) = (call.id, result_json.clone());
         let first = self.move_of("finish_tool", move |tx, now, id, holder| {
-            sql::finish_tool(tx, now, id, holder, number, attempt, &call_id, &result)
+            sql::finish_tool(
+                tx, now, id, holder, number, attempt, &call_id, &result, &recorded,
+            )
         });
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the

@@ -383,7 +383,7 @@ fn append(
     run_id: &RunId,
     kind: EventKind,
     step: Option<u32>,
-    payload: Value,
+    payload: &Value,
 ) -> Result<()> {
     tx.prepare_cached(
         // A scalar subquery, not INSERT ... SELECT: reading the table being inserted into would
@@ -416,7 +416,7 @@ fn tool_started(
         run_id,
         EventKind::ToolStarted,
         Some(step),
-        json!({
+        &json!({
             "call_id": call.id,
             "tool": call.name,
             "args": call.args,
@@ -463,7 +463,7 @@ pub(crate) fn create_run(
         run_id,
         EventKind::RunStarted,
         None,
-        json!({ "agent": agent, "input": input }),
+        &json!({ "agent": agent, "input": input }),
     )?;
     Ok(expires_at)
 }
@@ -494,13 +494,17 @@ pub(crate) fn begin_model_step(
         run_id,
         EventKind::ModelStarted,
         Some(step),
-        json!({ "attempt": 1 }),
+        &json!({ "attempt": 1 }),
     )
 }
 
 /// How a model step ended.
 pub(crate) enum ModelOutcome {
-    Answered(ModelResponse),
+    /// The answer, and its JSON as recorded (built by the loop, off the writer's thread).
+    Answered {
+        response: ModelResponse,
+        recorded: Value,
+    },
     Failed(String),
 }
 
@@ -524,7 +528,7 @@ pub(crate) fn finish_model_step(
         Need::Held,
         "the model's answer cannot be recorded",
     )?;
-    let response = match outcome {
+    let (response, recorded_json) = match outcome {
         ModelOutcome::Failed(error) => {
             close_step(tx, run_id, step, StepState::InFlight, attempt, None)?;
             append(
@@ -533,7 +537,7 @@ pub(crate) fn finish_model_step(
                 run_id,
                 EventKind::ModelFinished,
                 Some(step),
-                json!({ "error": error }),
+                &json!({ "error": error }),
             )?;
             finish_run(
                 tx,
@@ -546,7 +550,7 @@ pub(crate) fn finish_model_step(
             )?;
             return Ok(());
         }
-        ModelOutcome::Answered(response) => response,
+        ModelOutcome::Answered { response, recorded } => (response, recorded),
     };
 
     // The loop made the call ids unique within the run (the unique index on (run_id, call_id)
@@ -564,14 +568,13 @@ pub(crate) fn finish_model_step(
             call.args.to_string()
         ])?;
     }
-    let recorded_json = serde_json::to_value(response).expect("a response serializes");
     close_step(
         tx,
         run_id,
         step,
         StepState::InFlight,
         attempt,
-        Some(&recorded_json),
+        Some(recorded_json),
     )?;
     append(
         tx,
@@ -624,7 +627,7 @@ fn finish_run(
     if let Some(error) = error {
         payload["error"] = json!(error);
     }
-    append(tx, now, run_id, EventKind::RunFinished, None, payload)
+    append(tx, now, run_id, EventKind::RunFinished, None, &payload)
 }
 
 /// Fails a RUNNING run (e.g. it reached its step limit).
@@ -708,7 +711,7 @@ pub(crate) fn decide_tool(
         run_id,
         EventKind::PolicyDecided,
         Some(step),
-        decision.payload(call, "policy"),
+        &decision.payload(call, "policy"),
     )?;
     apply_decision(
         tx,
@@ -772,7 +775,7 @@ fn apply_decision(
                     run_id,
                     EventKind::ToolFinished,
                     Some(step),
-                    json!({ "call_id": call.id, "attempt": attempt, "error": format!("the call was denied: {why}"), "denied": true }),
+                    &json!({ "call_id": call.id, "attempt": attempt, "error": format!("the call was denied: {why}"), "denied": true }),
                 )?;
             }
             Ok(())
@@ -795,7 +798,7 @@ fn apply_decision(
                 run_id,
                 EventKind::RunWaiting,
                 Some(step),
-                json!({ "call_id": call.id, "tool": call.name, "reason": reason.as_str() }),
+                &json!({ "call_id": call.id, "tool": call.name, "reason": reason.as_str() }),
             )
         }
     }
@@ -828,7 +831,7 @@ pub(crate) fn reject_tool(
         run_id,
         EventKind::ToolFinished,
         Some(step),
-        json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true }),
+        &json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true }),
     )
 }
 
@@ -844,6 +847,7 @@ pub(crate) fn finish_tool(
     attempt: u32,
     call_id: &str,
     result: &ToolResult,
+    result_json: &Value,
 ) -> Result<bool> {
     // Written only while the loop holds the lease (or, late, once an operator cancelled):
     // otherwise the step stays in flight for the owner that took the run over.
@@ -856,14 +860,13 @@ pub(crate) fn finish_tool(
         }) => true,
         Err(err) => return Err(err),
     };
-    let result_json = serde_json::to_value(result).unwrap();
     close_step(
         tx,
         run_id,
         step,
         StepState::InFlight,
         attempt,
-        Some(&result_json),
+        Some(result_json),
     )?;
     let mut payload = json!({ "call_id": call_id, "attempt": attempt });
     match result {
@@ -879,7 +882,7 @@ pub(crate) fn finish_tool(
         run_id,
         EventKind::ToolFinished,
         Some(step),
-        payload,
+        &payload,
     )?;
     Ok(late)
 }
@@ -917,7 +920,7 @@ pub(crate) fn resume_waiting(
         run_id,
         EventKind::RunResumed,
         None,
-        json!({ "from": RunState::WaitingForApproval.as_str() }),
+        &json!({ "from": RunState::WaitingForApproval.as_str() }),
     )?;
     append(
         tx,
@@ -925,7 +928,7 @@ pub(crate) fn resume_waiting(
         run_id,
         EventKind::PolicyDecided,
         Some(step),
-        decision.payload(call, source),
+        &decision.payload(call, source),
     )?;
     apply_decision(
         tx,
@@ -993,7 +996,7 @@ pub(crate) fn take_over(
         run_id,
         EventKind::RunResumed,
         None,
-        json!({ "from": RunState::Running.as_str() }),
+        &json!({ "from": RunState::Running.as_str() }),
     )?;
     if let Some(previous) = &row.owner {
         append(
@@ -1002,7 +1005,7 @@ pub(crate) fn take_over(
             run_id,
             EventKind::LeaseTakenOver,
             None,
-            json!({
+            &json!({
                 "previous_owner": previous,
                 "previous_expires_at": row.expires_at,
                 "new_owner": &*holder.owner,
@@ -1027,7 +1030,7 @@ pub(crate) fn take_over(
             run_id,
             EventKind::StepInterrupted,
             Some(step),
-            json!({ "kind": kind, "attempt": attempt }),
+            &json!({ "kind": kind, "attempt": attempt }),
         )?;
         steps.push(step);
     }
@@ -1083,7 +1086,7 @@ pub(crate) fn reconcile(
         run_id,
         EventKind::StepReconciled,
         Some(step),
-        json!({ "attempt": attempt, "outcome": outcome, "action": action }),
+        &json!({ "attempt": attempt, "outcome": outcome, "action": action }),
     )?;
     match (resolution, call) {
         (Resolution::Redispatch, _) => {
@@ -1094,7 +1097,7 @@ pub(crate) fn reconcile(
                 run_id,
                 EventKind::ModelStarted,
                 Some(step),
-                json!({ "attempt": attempt + 1 }),
+                &json!({ "attempt": attempt + 1 }),
             )
         }
         (Resolution::Applied(output), Some(call)) => {
@@ -1106,7 +1109,7 @@ pub(crate) fn reconcile(
                 run_id,
                 EventKind::ToolFinished,
                 Some(step),
-                json!({ "call_id": call.id, "attempt": attempt, "output": output, "reconciled": true }),
+                &json!({ "call_id": call.id, "attempt": attempt, "output": output, "reconciled": true }),
             )
         }
         (Resolution::Retry { .. }, Some(call)) => {
@@ -1217,7 +1220,7 @@ pub(crate) fn record_approval(
         run_id,
         EventKind::ApprovalRecorded,
         Some(step),
-        payload,
+        &payload,
     )
 }
 
@@ -1250,7 +1253,7 @@ pub(crate) fn cancel_run(
         run_id,
         EventKind::RunFinished,
         None,
-        json!({ "state": "CANCELLED", "reason": reason }),
+        &json!({ "state": "CANCELLED", "reason": reason }),
     )
 }
 

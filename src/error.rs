@@ -163,6 +163,12 @@ pub enum Error {
     #[error("committing the moves failed, nothing was written: {0}")]
     CommitFailed(String),
 
+    /// Moves were committed, but syncing the write-ahead log to disk failed: they are visible
+    /// to readers and survive a crash of the process, but may not survive a power loss. A run
+    /// whose move got this error stops; resuming it reconciles whatever it had started.
+    #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
+    SyncFailed(String),
+
     /// An SQLite error.
     #[error("database error: {0}")]
     Database(#[source] rusqlite::Error),

@@ -5,7 +5,7 @@
 
 use std::{
     future::Future,
-    sync::{Arc, Mutex},
+    sync::{Arc, Condvar, Mutex, mpsc},
     time::{Duration, Instant},
 };
 
@@ -19,7 +19,7 @@ use crate::{
     clock::Clock,
     error::{Error, Result},
     store::{
-        Isolation, Now, Store, log_pages,
+        Isolation, LogSync, Now, Store, log_pages,
         sql::{self, Renewal},
     },
     types::RunId,
@@ -76,7 +76,54 @@ pub(crate) struct StoreActor {
     renewal: RenewalPending,
     last_checkpoint: Instant,
     checkpoint_took: Duration,
+    /// The syncer thread's queue: groups committed without their log sync, in commit order.
+    /// `None` when groups sync in their own commit (no group commit, `NORMAL`, `:memory:`).
+    syncer: Option<mpsc::Sender<Vec<Box<dyn Pending>>>>,
+    unsynced: Arc<Unsynced>,
 }
+
+/// Groups committed whose log sync has not completed yet: their callers wait, and the store
+/// actor's other messages wait for them (see [`StoreActor::wait_synced`]).
+#[derive(Default)]
+struct Unsynced {
+    groups: Mutex<usize>,
+    synced: Condvar,
+}
+
+impl Unsynced {
+    fn count(&self) -> std::sync::MutexGuard<'_, usize> {
+        self.groups
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn add(&self) {
+        *self.count() += 1;
+    }
+
+    fn done(&self, groups: usize) {
+        *self.count() -= groups;
+        self.synced.notify_all();
+    }
+
+    fn is_empty(&self) -> bool {
+        *self.count() == 0
+    }
+
+    fn wait_empty(&self) {
+        let mut count = self.count();
+        while *count > 0 {
+            count = self
+                .synced
+                .wait(count)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+}
+
+/// The fewest moves in each half when a batch is split so that its first half syncs while the
+/// second is applied.
+const MIN_HALF: usize = 8;
 
 /// How long one Drain keeps committing before the actor's other messages get their turn.
 const DRAIN_SLICE: Duration = Duration::from_millis(5);
@@ -137,8 +184,12 @@ impl StoreActor {
     ) -> StoreHandle {
         let queue = Queue::default();
         let shared = queue.clone();
+        let unsynced = Arc::new(Unsynced::default());
+        let syncer = (policy.group && store.defers_sync())
+            .then(|| spawn_syncer(store.clone(), observer.clone(), unsynced.clone()))
+            .flatten();
         // The factory runs again if the actor stops; it only clones handles, so a restart
-        // yields the same actor on the same connection and queue.
+        // yields the same actor on the same connection, queue and syncer.
         let addr = SyncArbiter::start(1, move || StoreActor {
             store: store.clone(),
             clock: clock.clone(),
@@ -148,13 +199,39 @@ impl StoreActor {
             renewal: renewal.clone(),
             last_checkpoint: Instant::now(),
             checkpoint_took: Duration::ZERO,
+            syncer: syncer.clone(),
+            unsynced: unsynced.clone(),
         });
         StoreHandle { addr, queue }
     }
 
+    /// Commits the moves at the head of `batch` as one group, each caller answered only once
+    /// the group is durable; returns the moves left for the next group.
+    ///
+    /// While other moves wait (the rest of the batch, the queue, a group still syncing), the
+    /// group's log sync is left to the syncer thread, and a large batch is split in two: the
+    /// first half's sync then overlaps the second half's statements, instead of this thread
+    /// waiting for the disk. A move alone syncs in its commit, which saves a thread hand-off.
+    fn commit_group(&mut self, mut batch: Vec<Box<dyn Pending>>) -> Vec<Box<dyn Pending>> {
+        let defer = self.syncer.is_some()
+            && (batch.len() > 1 || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
+        let rest = if defer && batch.len() >= 2 * MIN_HALF {
+            batch.split_off(batch.len() / 2)
+        } else {
+            Vec::new()
+        };
+        let sync = if defer {
+            LogSync::Deferred
+        } else {
+            LogSync::InCommit
+        };
+        self.commit(batch, sync);
+        rest
+    }
+
     /// Commits `batch` as one group: observed before and after, each caller answered only
-    /// after the commit.
-    fn commit(&self, mut batch: Vec<Box<dyn Pending>>) {
+    /// after the commit and its log sync.
+    fn commit(&self, mut batch: Vec<Box<dyn Pending>>, sync: LogSync) {
         if let Some(observer) = &self.observer {
             // Before the transaction opens: an observer that stops here holds no lock.
             batch
@@ -164,34 +241,106 @@ impl StoreActor {
         }
         self.renewal.yield_to_renewal();
         let clock = &*self.clock;
-        match self
+        let committed = self
             .store
-            .transact_group(&mut batch, |pending, tx, isolation| {
+            .transact_group(&mut batch, sync, |pending, tx, isolation| {
                 pending.apply(tx, clock, isolation)
-            }) {
-            Ok(()) => {
-                if let Some(observer) = &self.observer {
-                    let committed: Vec<&MoveInfo> =
-                        batch.iter().flat_map(|pending| pending.applied()).collect();
-                    committed
-                        .iter()
-                        .for_each(|info| observer.after_commit(info));
-                    // A group whose every move was refused made nothing durable.
-                    if !committed.is_empty() {
-                        observer.committed(&committed);
+            });
+        let failure = match committed {
+            Ok(()) if sync == LogSync::Deferred => {
+                if let Some(syncer) = &self.syncer {
+                    self.unsynced.add();
+                    match syncer.send(batch) {
+                        Ok(()) => return,
+                        // The syncer thread is gone: sync here.
+                        Err(mpsc::SendError(returned)) => {
+                            batch = returned;
+                            self.unsynced.done(1);
+                        }
                     }
                 }
-                for pending in batch {
-                    pending.answer(None);
+                self.store
+                    .sync_log()
+                    .err()
+                    .map(|err| GroupFailure::of(&err))
+            }
+            Ok(()) => None,
+            Err(err) => Some(GroupFailure::of(&err)),
+        };
+        finish_group(self.observer.as_deref(), batch, failure);
+    }
+
+    /// Waits until every group committed so far is durable: a read or a lease write answered
+    /// by this actor must not tell of a move that a power loss would undo.
+    fn wait_synced(&self) {
+        self.unsynced.wait_empty();
+    }
+}
+
+/// Tells the observer and the callers of a group what became of it.
+fn finish_group(
+    observer: Option<&dyn MoveObserver>,
+    batch: Vec<Box<dyn Pending>>,
+    failure: Option<GroupFailure>,
+) {
+    match &failure {
+        None => {
+            if let Some(observer) = observer {
+                let committed: Vec<&MoveInfo> =
+                    batch.iter().flat_map(|pending| pending.applied()).collect();
+                committed
+                    .iter()
+                    .for_each(|info| observer.after_commit(info));
+                // A group whose every move was refused made nothing durable.
+                if !committed.is_empty() {
+                    observer.committed(&committed);
                 }
             }
-            Err(err) => {
-                tracing::error!(%err, moves = batch.len(), "a group commit failed");
-                let message = err.to_string();
-                for pending in batch {
-                    pending.answer(Some(&message));
+        }
+        Some(failure) => {
+            tracing::error!(?failure, moves = batch.len(), "a group commit failed");
+        }
+    }
+    for pending in batch {
+        pending.answer(failure.as_ref());
+    }
+}
+
+/// Starts the thread that syncs the log for groups committed without a sync, and then answers
+/// their callers: one sync covers every group committed before it began, so while it runs the
+/// store actor goes on applying the next group. `None` if the thread cannot be started (each
+/// group then syncs in its own commit).
+fn spawn_syncer(
+    store: Store,
+    observer: Option<Arc<dyn MoveObserver>>,
+    unsynced: Arc<Unsynced>,
+) -> Option<mpsc::Sender<Vec<Box<dyn Pending>>>> {
+    let (groups, committed) = mpsc::channel::<Vec<Box<dyn Pending>>>();
+    let spawned = std::thread::Builder::new()
+        .name("agentrt-log-sync".into())
+        .spawn(move || {
+            // Ends when the last store actor holding the sender is gone, after the groups it
+            // sent.
+            while let Ok(first) = committed.recv() {
+                let mut synced: Vec<_> =
+                    std::iter::once(first).chain(committed.try_iter()).collect();
+                let failure = store.sync_log().err().map(|err| GroupFailure::of(&err));
+                let count = synced.len();
+                for batch in synced.drain(..) {
+                    finish_group(
+                        observer.as_deref(),
+                        batch,
+                        failure.as_ref().map(GroupFailure::copy),
+                    );
                 }
+                unsynced.done(count);
             }
+        });
+    match spawned {
+        Ok(_) => Some(groups),
+        Err(err) => {
+            tracing::warn!(%err, "no log-sync thread: each group syncs in its commit");
+            None
         }
     }
 }
@@ -296,8 +445,8 @@ trait Pending: Send {
     /// of an earlier attempt); false when it was refused, or when only part of it stands and
     /// the group must be applied again with savepoints.
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool;
-    /// Answers the caller: its own result, unless the group failed to commit.
-    fn answer(self: Box<Self>, commit_failed: Option<&str>);
+    /// Answers the caller: its own result, unless the group failed to commit or to sync.
+    fn answer(self: Box<Self>, failed: Option<&GroupFailure>);
 }
 
 struct PendingMove<R> {
@@ -330,9 +479,9 @@ impl<R: Send> Pending for PendingMove<R> {
         applied
     }
 
-    fn answer(self: Box<Self>, commit_failed: Option<&str>) {
+    fn answer(self: Box<Self>, failed: Option<&GroupFailure>) {
         // The caller may be gone (its system stopped): nobody to answer.
-        let _ = self.reply.send(final_result(self.result, commit_failed));
+        let _ = self.reply.send(final_result(self.result, failed));
     }
 }
 
@@ -400,8 +549,8 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
         stands
     }
 
-    fn answer(self: Box<Self>, commit_failed: Option<&str>) {
-        let _ = self.reply.send(final_result(self.result, commit_failed));
+    fn answer(self: Box<Self>, failed: Option<&GroupFailure>) {
+        let _ = self.reply.send(final_result(self.result, failed));
     }
 }
 
@@ -420,12 +569,45 @@ fn in_savepoint<R>(
     Ok(result)
 }
 
-/// What a caller is answered: its move's refusal, or its result if the group committed.
-fn final_result<R>(result: Option<Result<R>>, commit_failed: Option<&str>) -> Result<R> {
-    match (result, commit_failed) {
+/// Why a group's callers get an error instead of their results.
+#[derive(Debug)]
+enum GroupFailure {
+    /// Nothing of the group was committed.
+    Commit(String),
+    /// The group was committed, but may not be durable.
+    Sync(String),
+}
+
+impl GroupFailure {
+    fn of(err: &Error) -> Self {
+        match err {
+            Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
+            err => GroupFailure::Commit(err.to_string()),
+        }
+    }
+
+    fn copy(&self) -> Self {
+        match self {
+            GroupFailure::Commit(message) => GroupFailure::Commit(message.clone()),
+            GroupFailure::Sync(message) => GroupFailure::Sync(message.clone()),
+        }
+    }
+
+    fn error(&self) -> Error {
+        match self {
+            GroupFailure::Commit(message) => Error::CommitFailed(message.clone()),
+            GroupFailure::Sync(message) => Error::SyncFailed(message.clone()),
+        }
+    }
+}
+
+/// What a caller is answered: its move's refusal, or its result if the group committed (and
+/// synced).
+fn final_result<R>(result: Option<Result<R>>, failed: Option<&GroupFailure>) -> Result<R> {
+    match (result, failed) {
         (Some(Err(err)), _) => Err(err),
         (Some(Ok(value)), None) => Ok(value),
-        (_, Some(message)) => Err(Error::CommitFailed(message.to_owned())),
+        (_, Some(failure)) => Err(failure.error()),
         (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
     }
 }
@@ -512,15 +694,21 @@ impl Handler<Drain> for StoreActor {
                 return;
             }
             if self.policy.group {
-                // Everything that arrived while the last commit was syncing: one commit.
-                self.commit(batch);
+                // Everything that arrived while the last commit was syncing: one commit, or
+                // two when the first can sync while the second is applied.
+                batch = self.commit_group(batch);
             } else {
                 for pending in batch {
-                    self.commit(vec![pending]);
+                    self.commit(vec![pending], LogSync::InCommit);
                 }
+                batch = Vec::new();
             }
             self.checkpoint_if_due();
-            batch = self.next_batch();
+            if batch.is_empty() {
+                batch = self.next_batch();
+            } else {
+                batch.append(&mut self.take_queue());
+            }
         }
     }
 }
@@ -546,6 +734,7 @@ impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
     type Result = Result<R>;
 
     fn handle(&mut self, msg: ReadState<R>, _: &mut SyncContext<Self>) -> Result<R> {
+        self.wait_synced();
         self.store.read(msg.read)
     }
 }
@@ -564,6 +753,7 @@ impl Handler<RenewLeases> for StoreActor {
     type Result = Result<Renewal>;
 
     fn handle(&mut self, msg: RenewLeases, _: &mut SyncContext<Self>) -> Result<Renewal> {
+        self.wait_synced();
         self.store
             .read(|conn| sql::renew(conn, &msg.owner, &msg.held, msg.ttl))
     }
@@ -582,6 +772,7 @@ impl Handler<ReleaseLease> for StoreActor {
     type Result = Result<bool>;
 
     fn handle(&mut self, msg: ReleaseLease, _: &mut SyncContext<Self>) -> Result<bool> {
+        self.wait_synced();
         self.store
             .read(|conn| sql::release(conn, &msg.run_id, &msg.owner))
     }

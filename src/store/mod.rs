@@ -236,6 +236,9 @@ struct Inner {
     writer: Mutex<Connection>,
     /// File stores: a connection for inspection and the consumer's own queries.
     reader: Option<Mutex<Connection>>,
+    /// File stores: the write-ahead log, as SQLite names it (the database's full path and
+    /// `-wal`), for [`Store::sync_log`].
+    wal: Option<PathBuf>,
 }
 
 /// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
@@ -306,12 +309,14 @@ impl Store {
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         configure(&reader, &options, true, Role::Reader)?;
+        let wal = writer.path().map(|db| PathBuf::from(format!("{db}-wal")));
         Ok(Store {
             inner: Arc::new(Inner {
                 path: Some(path),
                 options,
                 writer: Mutex::new(writer),
                 reader: Some(Mutex::new(reader)),
+                wal,
             }),
         })
     }
@@ -333,6 +338,7 @@ impl Store {
                 options,
                 writer: Mutex::new(conn),
                 reader: None,
+                wal: None,
             }),
         })
     }
@@ -360,22 +366,22 @@ impl Store {
 
     /// A run.
     pub fn run(&self, run_id: &RunId) -> Result<Run> {
-        sql::run(&self.connection(), run_id)
+        self.durable(sql::run(&self.connection(), run_id))
     }
 
     /// The runs, oldest first; only those in `state` when given.
     pub fn runs(&self, state: Option<RunState>) -> Result<Vec<Run>> {
-        sql::runs(&self.connection(), state)
+        self.durable(sql::runs(&self.connection(), state))
     }
 
     /// A run's events, in order.
     pub fn events(&self, run_id: &RunId) -> Result<Vec<Event>> {
-        sql::events(&self.connection(), run_id)
+        self.durable(sql::events(&self.connection(), run_id))
     }
 
     /// The tool calls of a run that wait for an approval not yet recorded.
     pub fn pending_calls(&self, run_id: &RunId) -> Result<Vec<PendingCall>> {
-        sql::pending_calls(&self.connection(), run_id)
+        self.durable(sql::pending_calls(&self.connection(), run_id))
     }
 
     /// The stored lease of a run: its owner and expiry, read without taking or changing it.
@@ -383,7 +389,7 @@ impl Store {
     /// that executed it). A lease whose expiry has passed is stale, not released: a resume
     /// takes such a run over.
     pub fn lease(&self, run_id: &RunId) -> Result<Option<Lease>> {
-        sql::lease(&self.connection(), run_id)
+        self.durable(sql::lease(&self.connection(), run_id))
     }
 
     /// A connection of its own for lease renewal, hardened like every other; `None` in memory,
@@ -403,7 +409,7 @@ impl Store {
 
     /// A run's events after sequence number `after`, in order: how a follower tails the log.
     pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
-        sql::events_after(&self.connection(), run_id, after)
+        self.durable(sql::events_after(&self.connection(), run_id, after))
     }
 
     /// An operator's cancel, from outside a supervisor (a command-line tool, say), stamped by
@@ -482,29 +488,88 @@ impl Store {
     /// is rolled back and the group applied again with each move in a savepoint of its own, so
     /// that a refused move is rolled back alone. `apply` must therefore give the same result
     /// when called again on the same state. An error means nothing was committed.
+    ///
+    /// With [`LogSync::Deferred`] (and a store that [defers syncs](Self::defers_sync)), the
+    /// commit writes the log without syncing it: the caller must [`sync_log`](Self::sync_log)
+    /// before it tells anyone of these moves.
     pub(crate) fn transact_group<T>(
         &self,
         moves: &mut [T],
+        sync: LogSync,
         mut apply: impl FnMut(&mut T, &Transaction<'_>, Isolation) -> bool,
     ) -> Result<()> {
         let mut conn = lock(&self.inner.writer);
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        if moves
-            .iter_mut()
-            .all(|group_move| apply(group_move, &tx, Isolation::Shared))
-        {
-            return Ok(tx.commit()?);
+        let defer = sync == LogSync::Deferred && self.defers_sync();
+        if defer {
+            conn.prepare_cached("PRAGMA synchronous = NORMAL")?
+                .execute([])?;
         }
-        drop(tx); // rolls back
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        for group_move in moves.iter_mut() {
-            tx.prepare_cached("SAVEPOINT agentrt_move")?.execute([])?;
-            if !apply(group_move, &tx, Isolation::Savepoint) {
-                tx.prepare_cached("ROLLBACK TO agentrt_move")?.execute([])?;
+        let committed = (|| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            if moves
+                .iter_mut()
+                .all(|group_move| apply(group_move, &tx, Isolation::Shared))
+            {
+                return Ok(tx.commit()?);
             }
-            tx.prepare_cached("RELEASE agentrt_move")?.execute([])?;
+            drop(tx); // rolls back
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            for group_move in moves.iter_mut() {
+                tx.prepare_cached("SAVEPOINT agentrt_move")?.execute([])?;
+                if !apply(group_move, &tx, Isolation::Savepoint) {
+                    tx.prepare_cached("ROLLBACK TO agentrt_move")?.execute([])?;
+                }
+                tx.prepare_cached("RELEASE agentrt_move")?.execute([])?;
+            }
+            Ok(tx.commit()?)
+        })();
+        if defer {
+            // Every other write on this connection syncs in its commit, as configured.
+            let restored = conn
+                .prepare_cached("PRAGMA synchronous = FULL")
+                .and_then(|mut restore| restore.execute([]));
+            if let Err(err) = restored {
+                // The group may stand: its callers hear that it may not be durable.
+                tracing::error!(%err, "restoring synchronous = FULL failed");
+                return Err(Error::SyncFailed(format!(
+                    "restoring synchronous = FULL after a group commit: {err}"
+                )));
+            }
         }
-        Ok(tx.commit()?)
+        committed
+    }
+
+    /// Whether a group commit may leave its log sync to [`sync_log`](Self::sync_log): a file
+    /// store at [`Synchronous::Full`] (whose log is synced at each commit otherwise).
+    pub(crate) fn defers_sync(&self) -> bool {
+        self.inner.wal.is_some() && self.inner.options.synchronous == Synchronous::Full
+    }
+
+    /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection
+    /// or process) becomes durable, as if it had synced in its own commit. Nothing to do in
+    /// memory.
+    pub(crate) fn sync_log(&self) -> Result<()> {
+        let Some(wal) = &self.inner.wal else {
+            return Ok(());
+        };
+        let synced = std::fs::File::open(wal).and_then(|log| log.sync_data());
+        match synced {
+            Ok(()) => Ok(()),
+            // No log: nothing was written since the last connection closed.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(err) => Err(Error::SyncFailed(format!("{}: {err}", wal.display()))),
+        }
+    }
+
+    /// What an inspection read returns, once every move it could have seen is durable: a group
+    /// commit's moves are readable from the moment they are committed, up to one log sync
+    /// before they are durable, and a reader must not act on a move a power loss would undo.
+    fn durable<R>(&self, read: Result<R>) -> Result<R> {
+        let value = read?;
+        if self.defers_sync() {
+            self.sync_log()?;
+        }
+        Ok(value)
     }
 
     /// Copies what the write-ahead log holds into the database file, without waiting for
@@ -563,6 +628,15 @@ fn note_log_size(_: &rusqlite::hooks::Wal, pages: std::ffi::c_int) -> rusqlite::
 /// connection (the store actor's thread: its own commits).
 pub(crate) fn log_pages() -> u32 {
     LOG_PAGES.get()
+}
+
+/// When a group commit's log reaches the disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LogSync {
+    /// In the commit, as the store's [`Synchronous`] says.
+    InCommit,
+    /// Later, by [`Store::sync_log`], before anyone is told of the group's moves.
+    Deferred,
 }
 
 /// How the moves of a group commit are kept apart.

@@ -121,10 +121,6 @@ impl Unsynced {
     }
 }
 
-/// The fewest moves in each half when a batch is split so that its first half syncs while the
-/// second is applied.
-const MIN_HALF: usize = 8;
-
 /// How long one Drain keeps committing before the actor's other messages get their turn.
 const DRAIN_SLICE: Duration = Duration::from_millis(5);
 
@@ -205,28 +201,22 @@ impl StoreActor {
         StoreHandle { addr, queue }
     }
 
-    /// Commits the moves at the head of `batch` as one group, each caller answered only once
-    /// the group is durable; returns the moves left for the next group.
+    /// Commits `batch` as one group, each caller answered only once the group is durable.
     ///
-    /// While other moves wait (the rest of the batch, the queue, a group still syncing), the
-    /// group's log sync is left to the syncer thread, and a large batch is split in two: the
-    /// first half's sync then overlaps the second half's statements, instead of this thread
-    /// waiting for the disk. A move alone syncs in its commit, which saves a thread hand-off.
-    fn commit_group(&mut self, mut batch: Vec<Box<dyn Pending>>) -> Vec<Box<dyn Pending>> {
+    /// While other moves wait (more than one in the batch, some in the queue, a group still
+    /// syncing), the group's log sync is left to the syncer thread: this thread goes on with the
+    /// next group instead of waiting for the disk, and the runs answered by one sync form the
+    /// next group while the one after is applied. A move alone syncs in its commit, which saves
+    /// a thread hand-off.
+    fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>) {
         let defer = self.syncer.is_some()
             && (batch.len() > 1 || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
-        let rest = if defer && batch.len() >= 2 * MIN_HALF {
-            batch.split_off(batch.len() / 2)
-        } else {
-            Vec::new()
-        };
         let sync = if defer {
             LogSync::Deferred
         } else {
             LogSync::InCommit
         };
         self.commit(batch, sync);
-        rest
     }
 
     /// Commits `batch` as one group: observed before and after, each caller answered only
@@ -694,21 +684,15 @@ impl Handler<Drain> for StoreActor {
                 return;
             }
             if self.policy.group {
-                // Everything that arrived while the last commit was syncing: one commit, or
-                // two when the first can sync while the second is applied.
-                batch = self.commit_group(batch);
+                // Everything that arrived while the last commit was syncing: one commit.
+                self.commit_group(batch);
             } else {
                 for pending in batch {
                     self.commit(vec![pending], LogSync::InCommit);
                 }
-                batch = Vec::new();
             }
             self.checkpoint_if_due();
-            if batch.is_empty() {
-                batch = self.next_batch();
-            } else {
-                batch.append(&mut self.take_queue());
-            }
+            batch = self.next_batch();
         }
     }
 }

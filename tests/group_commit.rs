@@ -1,15 +1,25 @@
 //! Group commit: moves of different runs that arrive together share one transaction, and
 //! every run's log is exactly what it would be with one commit per move.
 
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
 use agentrt::{
-    Agent, Config, EventKind, ModelResponse, Outcome, RunId, StartRun, Supervisor, ToolCall,
+    Agent, Config, EventKind, ModelResponse, MoveInfo, MoveObserver, Outcome, RunId, StartRun,
+    Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 const RUNS: usize = 40;
 
 fn agent() -> Agent {
+    agent_with(RecordingTool::new("t"))
+}
+
+fn agent_with(tool: impl Tool) -> Agent {
     let model = ScriptedModel::new(vec![
         ModelResponse::calls(vec![
             ToolCall::new("a", "t", json!({})),
@@ -18,18 +28,21 @@ fn agent() -> Agent {
         ModelResponse::calls(vec![ToolCall::new("c", "t", json!({}))]),
         ModelResponse::answer("done"),
     ]);
-    Agent::new(model).tool(RecordingTool::new("t"))
+    Agent::new(model).tool(tool)
 }
 
 /// Runs `RUNS` runs at once; returns each run's event kinds and steps.
 fn logs(group_commit: bool) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
+    logs_of(Config::default().group_commit(group_commit), agent())
+}
+
+fn logs_of(config: Config, agent: Agent) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
     let db = TempStore::new();
     let store = db.open();
     with_system(|| async move {
-        let config = Config::default().group_commit(group_commit);
         let sup = Supervisor::builder(store)
             .config(config)
-            .agent("a", agent())
+            .agent("a", agent)
             .start()
             .unwrap();
         let calls: Vec<_> = (0..RUNS)
@@ -75,4 +88,71 @@ fn concurrent_runs_log_the_same_events_in_the_same_order_with_and_without_group_
         );
         assert_eq!(log.last().unwrap().0, EventKind::RunFinished);
     }
+}
+
+/// Per run, the tool decisions (each starts its call) reported durable, and whether a report
+/// came from the log-sync thread.
+#[derive(Clone, Default)]
+struct Durable {
+    decisions: Arc<Mutex<HashMap<RunId, u32>>>,
+    by_sync_thread: Arc<Mutex<bool>>,
+}
+
+impl MoveObserver for Durable {
+    fn committed(&self, moves: &[&MoveInfo]) {
+        if std::thread::current().name() == Some("agentrt-log-sync") {
+            *self.by_sync_thread.lock().unwrap() = true;
+        }
+        let mut decisions = self.decisions.lock().unwrap();
+        for info in moves.iter().filter(|info| info.name == "decide_tool") {
+            *decisions.entry(info.run_id.clone()).or_default() += 1;
+        }
+    }
+}
+
+/// Notes each call that began before the decision that started it was reported durable.
+struct StartsOnlyWhenDurable {
+    durable: Durable,
+    calls: Mutex<HashMap<RunId, u32>>,
+    early: Arc<Mutex<Vec<String>>>,
+}
+
+#[async_trait(?Send)]
+impl Tool for StartsOnlyWhenDurable {
+    fn name(&self) -> &str {
+        "t"
+    }
+
+    async fn call(&self, ctx: &ToolContext, _: &Value) -> Result<Value, ToolError> {
+        let mut calls = self.calls.lock().unwrap();
+        let call = calls.entry(ctx.run_id.clone()).or_default();
+        *call += 1;
+        let durable = self.durable.decisions.lock().unwrap();
+        if durable.get(&ctx.run_id).copied().unwrap_or(0) < *call {
+            let early = format!(
+                "{}: call {call} began before its start was durable",
+                ctx.run_id
+            );
+            self.early.lock().unwrap().push(early);
+        }
+        Ok(json!({}))
+    }
+}
+
+#[test]
+fn a_grouped_tool_call_begins_only_after_its_start_is_durable() {
+    let durable = Durable::default();
+    let early = Arc::default();
+    let tool = StartsOnlyWhenDurable {
+        durable: durable.clone(),
+        calls: Mutex::default(),
+        early: Arc::clone(&early),
+    };
+    let config = Config::default().observer(durable.clone());
+    let grouped = logs_of(config, agent_with(tool));
+    assert_eq!(*early.lock().unwrap(), Vec::<String>::new());
+    assert_eq!(grouped, logs(false));
+    // With many runs in flight, groups were synced off the store actor's thread (while it
+    // applied the next group), and still no call began before its group's sync.
+    assert!(*durable.by_sync_thread.lock().unwrap());
 }

@@ -800,6 +800,41 @@ mod tests {
     }
 
     #[test]
+    fn a_group_whose_sync_is_deferred_leaves_the_writer_syncing_every_other_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        assert!(store.defers_sync());
+        let synchronous = |store: &Store| -> i64 {
+            lock(&store.inner.writer)
+                .pragma_query_value(None, "synchronous", |r| r.get(0))
+                .unwrap()
+        };
+        for refused in [false, true] {
+            store
+                .transact_group(&mut [()], LogSync::Deferred, |_, tx, _| {
+                    tx.execute_batch("CREATE TABLE IF NOT EXISTS t (x)")
+                        .unwrap();
+                    !refused
+                })
+                .unwrap();
+            assert_eq!(synchronous(&store), 2, "back to FULL after the group");
+        }
+        store.sync_log().unwrap();
+        // NORMAL and in-memory stores sync as configured, in the commit.
+        let normal = Store::open_with(
+            dir.path().join("normal.sqlite"),
+            StoreOptions {
+                synchronous: Synchronous::Normal,
+                ..StoreOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(!normal.defers_sync());
+        assert!(!Store::in_memory().unwrap().defers_sync());
+        Store::in_memory().unwrap().sync_log().unwrap();
+    }
+
+    #[test]
     fn the_renewal_connection_is_hardened_like_every_other() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path().join("db.sqlite")).unwrap();

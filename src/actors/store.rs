@@ -1,7 +1,8 @@
 //! `StoreActor`: the only writer. A sync actor on its own thread that applies the moves
 //! submitted to it, so nothing blocking runs on the arbiters that host runs. Moves that arrive
 //! while a commit is syncing are committed together (group commit): one `BEGIN IMMEDIATE`
-//! transaction, a savepoint per move, each caller answered only after the commit.
+//! transaction, each move all-or-nothing, each caller answered only after the commit and its
+//! log sync, which a thread of its own does while the actor applies the next group.
 
 use std::{
     future::Future,
@@ -39,11 +40,14 @@ pub struct MoveInfo {
     pub run_id: RunId,
 }
 
-/// Watches the moves of a supervisor's store actor ([`Config::observer`]), on the store
-/// actor's thread: for metrics, tracing, or telling listeners that a run has new events.
+/// Watches the moves of a supervisor's store actor ([`Config::observer`]): for metrics,
+/// tracing, or telling listeners that a run has new events.
 ///
-/// Every call runs on the thread that owns the write connection, with no transaction open: a
-/// slow observer delays every move of the supervisor.
+/// `before_apply` runs on the thread that owns the write connection, with no transaction open.
+/// `after_commit` and `committed` run once the moves are durable: on that thread too, or, for a
+/// group whose log sync was left to the log-sync thread (see `docs/persistence.md`), on that
+/// thread, while `before_apply` may run for the next group. They come in commit order, one
+/// group at a time. A slow observer delays every move of the supervisor.
 ///
 /// [`Config::observer`]: crate::Config::observer
 pub trait MoveObserver: Send + Sync + 'static {
@@ -52,7 +56,7 @@ pub trait MoveObserver: Send + Sync + 'static {
         let _ = info;
     }
 
-    /// The move committed; its caller has not been answered yet.
+    /// The move committed and is durable; its caller has not been answered yet.
     fn after_commit(&self, info: &MoveInfo) {
         let _ = info;
     }
@@ -130,8 +134,12 @@ const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
 /// How long the store actor lets the log grow, at most, however long its copies take.
 const MAX_CHECKPOINT_PERIOD: Duration = Duration::from_secs(2);
 
-/// How large the store actor lets the log grow, at most, in pages (32 MiB of 4 KiB pages).
-const MAX_LOG_PAGES: u32 = 8000;
+/// How large the store actor lets the log grow, at most, in pages (128 MiB of 4 KiB pages).
+/// Each copy costs about the pages the runs in flight touched since the last one (with a
+/// thousand runs, their newest pages: some 3,000 of them, and a sync of the database file),
+/// whatever the log's length, so a longer log means fewer copies. The price: a log of up to
+/// this size on disk, read once by the next process to open the database after a crash.
+const MAX_LOG_PAGES: u32 = 32_000;
 
 /// How the store actor commits the moves it is sent.
 #[derive(Debug, Clone, Copy)]

@@ -165,7 +165,9 @@ pub enum Error {
 
     /// Moves were committed, but syncing the write-ahead log to disk failed: they are visible
     /// to readers and survive a crash of the process, but may not survive a power loss. A run
-    /// whose move got this error stops; resuming it reconciles whatever it had started.
+    /// whose move got this error stops. The store then refuses every write and inspection
+    /// read: reopen the database once the disk is sound, and resume the runs, which reconciles
+    /// whatever they had started.
     #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
     SyncFailed(String),
 

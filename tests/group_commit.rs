@@ -156,3 +156,73 @@ fn a_grouped_tool_call_begins_only_after_its_start_is_durable() {
     // applied the next group), and still no call began before its group's sync.
     assert!(*durable.by_sync_thread.lock().unwrap());
 }
+
+/// Panics once, when told of a group on the log-sync thread.
+#[derive(Clone, Default)]
+struct PanicsOnceWhenSynced(Arc<Mutex<bool>>);
+
+impl MoveObserver for PanicsOnceWhenSynced {
+    fn committed(&self, _: &[&MoveInfo]) {
+        if std::thread::current().name() == Some("agentrt-log-sync") {
+            let mut panicked = self.0.lock().unwrap();
+            if !*panicked {
+                *panicked = true;
+                drop(panicked);
+                panic!("an observer panicked on the log-sync thread");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_observer_that_panics_on_the_log_sync_thread_fails_its_groups_runs_and_hangs_nothing() {
+    let db = TempStore::new();
+    let store = db.open();
+    let observer = PanicsOnceWhenSynced::default();
+    let panicked = observer.0.clone();
+    // A bound on liveness, not a timing: before the fix, this hung for good.
+    let bound = std::time::Duration::from_secs(60);
+    let (succeeded, failed) = with_system(|| async move {
+        actix_rt::time::timeout(bound, every_call_answers(store, observer))
+            .await
+            .expect("the supervisor hung")
+    });
+    assert!(
+        *panicked.lock().unwrap(),
+        "no group was synced by the log-sync thread"
+    );
+    assert_eq!(succeeded + failed, RUNS);
+    assert!(
+        failed > 0,
+        "the group whose observer panicked was not answered"
+    );
+}
+
+/// Starts `RUNS` runs at once, then resumes one; (succeeded, failed) of the starts.
+async fn every_call_answers(
+    store: agentrt::Store,
+    observer: PanicsOnceWhenSynced,
+) -> (usize, usize) {
+    let sup = Supervisor::builder(store)
+        .config(Config::default().observer(observer))
+        .agent("a", agent())
+        .start()
+        .unwrap();
+    let calls: Vec<_> = (0..RUNS)
+        .map(|i| actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id(format!("r{i}")))))
+        .collect();
+    let (mut succeeded, mut failed) = (0, 0);
+    for call in calls {
+        match call.await.unwrap().unwrap() {
+            Ok(reply) if matches!(reply.outcome, Outcome::Succeeded { .. }) => succeeded += 1,
+            _ => failed += 1,
+        }
+    }
+    // The store actor still answers: its reads wait for every group's sync to be counted, the
+    // panicked one's included. (A resume reads the run first, whatever it then finds.)
+    let _ = sup
+        .send(agentrt::ResumeRun::new(RunId::from("r0")))
+        .await
+        .unwrap();
+    (succeeded, failed)
+}

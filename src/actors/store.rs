@@ -45,8 +45,8 @@ pub struct MoveInfo {
 ///
 /// `before_apply` runs on the thread that owns the write connection, with no transaction open.
 /// `after_commit` and `committed` run once the moves are durable: on that thread too, or, for a
-/// group whose log sync was left to the log-sync thread (see `docs/persistence.md`), on that
-/// thread, while `before_apply` may run for the next group. They come in commit order, one
+/// group whose log sync was left to the log-sync thread (see `docs/persistence.md`), on the
+/// log-sync thread, while `before_apply` may run for the next group. They come in commit order, one
 /// group at a time. A slow observer delays every move of the supervisor.
 ///
 /// [`Config::observer`]: crate::Config::observer
@@ -82,7 +82,7 @@ pub(crate) struct StoreActor {
     checkpoint_took: Duration,
     /// The syncer thread's queue: groups committed without their log sync, in commit order.
     /// `None` when groups sync in their own commit (no group commit, `NORMAL`, `:memory:`).
-    syncer: Option<mpsc::Sender<Vec<Box<dyn Pending>>>>,
+    syncer: Option<mpsc::Sender<UnsyncedGroup>>,
     unsynced: Arc<Unsynced>,
 }
 
@@ -190,7 +190,7 @@ impl StoreActor {
         let shared = queue.clone();
         let unsynced = Arc::new(Unsynced::default());
         let syncer = (policy.group && store.defers_sync())
-            .then(|| spawn_syncer(store.clone(), observer.clone(), unsynced.clone()))
+            .then(|| spawn_syncer(store.clone(), observer.clone()))
             .flatten();
         // The factory runs again if the actor stops; it only clones handles, so a restart
         // yields the same actor on the same connection, queue and syncer.
@@ -247,14 +247,10 @@ impl StoreActor {
         let failure = match committed {
             Ok(()) if sync == LogSync::Deferred => {
                 if let Some(syncer) = &self.syncer {
-                    self.unsynced.add();
-                    match syncer.send(batch) {
+                    match syncer.send(UnsyncedGroup::new(batch, &self.unsynced)) {
                         Ok(()) => return,
                         // The syncer thread is gone: sync here.
-                        Err(mpsc::SendError(returned)) => {
-                            batch = returned;
-                            self.unsynced.done(1);
-                        }
+                        Err(mpsc::SendError(mut returned)) => batch = returned.take(),
                     }
                 }
                 self.store
@@ -304,6 +300,37 @@ fn finish_group(
     }
 }
 
+/// A group committed without its log sync, on its way to the syncer thread. It is counted in
+/// [`Unsynced`] from its creation until it is dropped: after its callers were answered, or
+/// unanswered (their replies dropped: `StoreUnavailable`) if the syncer thread died first.
+struct UnsyncedGroup {
+    batch: Vec<Box<dyn Pending>>,
+    unsynced: Arc<Unsynced>,
+}
+
+impl UnsyncedGroup {
+    fn new(batch: Vec<Box<dyn Pending>>, unsynced: &Arc<Unsynced>) -> Self {
+        unsynced.add();
+        UnsyncedGroup {
+            batch,
+            unsynced: Arc::clone(unsynced),
+        }
+    }
+
+    fn take(&mut self) -> Vec<Box<dyn Pending>> {
+        std::mem::take(&mut self.batch)
+    }
+}
+
+impl Drop for UnsyncedGroup {
+    fn drop(&mut self) {
+        // Its moves are dropped first, so that nobody waits on the count for a caller still
+        // to be answered.
+        drop(self.take());
+        self.unsynced.done(1);
+    }
+}
+
 /// Starts the thread that syncs the log for groups committed without a sync, and then answers
 /// their callers: one sync covers every group committed before it began, so while it runs the
 /// store actor goes on applying the next group. `None` if the thread cannot be started (each
@@ -311,27 +338,23 @@ fn finish_group(
 fn spawn_syncer(
     store: Store,
     observer: Option<Arc<dyn MoveObserver>>,
-    unsynced: Arc<Unsynced>,
-) -> Option<mpsc::Sender<Vec<Box<dyn Pending>>>> {
-    let (groups, committed) = mpsc::channel::<Vec<Box<dyn Pending>>>();
+) -> Option<mpsc::Sender<UnsyncedGroup>> {
+    let (groups, committed) = mpsc::channel::<UnsyncedGroup>();
     let spawned = std::thread::Builder::new()
         .name("agentrt-log-sync".into())
         .spawn(move || {
             // Ends when the last store actor holding the sender is gone, after the groups it
             // sent.
             while let Ok(first) = committed.recv() {
-                let mut synced: Vec<_> =
-                    std::iter::once(first).chain(committed.try_iter()).collect();
+                let groups: Vec<_> = std::iter::once(first).chain(committed.try_iter()).collect();
                 let failure = store.sync_log().err().map(|err| GroupFailure::of(&err));
-                let count = synced.len();
-                for batch in synced.drain(..) {
+                for mut group in groups {
                     finish_group(
                         observer.as_deref(),
-                        batch,
+                        group.take(),
                         failure.as_ref().map(GroupFailure::copy),
                     );
                 }
-                unsynced.done(count);
             }
         });
     match spawned {
@@ -727,7 +750,11 @@ impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
 
     fn handle(&mut self, msg: ReadState<R>, _: &mut SyncContext<Self>) -> Result<R> {
         self.wait_synced();
-        self.store.read(msg.read)
+        let value = self.store.read(msg.read)?;
+        // What it read may be another process's group, committed and not yet synced: the
+        // caller (a resume, say) decides on it.
+        self.store.sync_after_read()?;
+        Ok(value)
     }
 }
 

@@ -8,7 +8,10 @@ pub(crate) mod sql;
 use std::{
     ops::Deref,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, SystemTime},
 };
 
@@ -236,9 +239,24 @@ struct Inner {
     writer: Mutex<Connection>,
     /// File stores: a connection for inspection and the consumer's own queries.
     reader: Option<Mutex<Connection>>,
-    /// File stores: the write-ahead log, as SQLite names it (the database's full path and
-    /// `-wal`), for [`Store::sync_log`].
-    wal: Option<PathBuf>,
+    /// File stores: the write-ahead log, for [`Store::sync_log`].
+    log: Option<LogFile>,
+    /// A deferred group switched the writer to `synchronous = NORMAL` and it was not switched
+    /// back yet (the group is being applied, or its restore failed, or it panicked): the next
+    /// use of the writer restores the store's setting first.
+    writer_lowered: AtomicBool,
+}
+
+/// The write-ahead log of a file store, synced outside SQLite's commits.
+struct LogFile {
+    /// As SQLite names it: the database's full path and `-wal`.
+    path: PathBuf,
+    /// Opened on first use and kept: Linux reports a failed write-back once to each descriptor
+    /// open at the time, so a descriptor opened afresh for each sync could miss one.
+    file: Mutex<Option<std::fs::File>>,
+    /// Why a sync failed, once one has: the log may have lost pages that later commits build
+    /// on, so this store refuses every later write and durable read.
+    failed: Mutex<Option<String>>,
 }
 
 /// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
@@ -309,14 +327,19 @@ impl Store {
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
         )?;
         configure(&reader, &options, true, Role::Reader)?;
-        let wal = writer.path().map(|db| PathBuf::from(format!("{db}-wal")));
+        let log = writer.path().map(|db| LogFile {
+            path: PathBuf::from(format!("{db}-wal")),
+            file: Mutex::new(None),
+            failed: Mutex::new(None),
+        });
         Ok(Store {
             inner: Arc::new(Inner {
                 path: Some(path),
                 options,
                 writer: Mutex::new(writer),
                 reader: Some(Mutex::new(reader)),
-                wal,
+                log,
+                writer_lowered: AtomicBool::new(false),
             }),
         })
     }
@@ -338,7 +361,8 @@ impl Store {
                 options,
                 writer: Mutex::new(conn),
                 reader: None,
-                wal: None,
+                log: None,
+                writer_lowered: AtomicBool::new(false),
             }),
         })
     }
@@ -366,22 +390,22 @@ impl Store {
 
     /// A run.
     pub fn run(&self, run_id: &RunId) -> Result<Run> {
-        self.durable(sql::run(&self.connection(), run_id))
+        self.durable(|conn| sql::run(conn, run_id))
     }
 
     /// The runs, oldest first; only those in `state` when given.
     pub fn runs(&self, state: Option<RunState>) -> Result<Vec<Run>> {
-        self.durable(sql::runs(&self.connection(), state))
+        self.durable(|conn| sql::runs(conn, state))
     }
 
     /// A run's events, in order.
     pub fn events(&self, run_id: &RunId) -> Result<Vec<Event>> {
-        self.durable(sql::events(&self.connection(), run_id))
+        self.durable(|conn| sql::events(conn, run_id))
     }
 
     /// The tool calls of a run that wait for an approval not yet recorded.
     pub fn pending_calls(&self, run_id: &RunId) -> Result<Vec<PendingCall>> {
-        self.durable(sql::pending_calls(&self.connection(), run_id))
+        self.durable(|conn| sql::pending_calls(conn, run_id))
     }
 
     /// The stored lease of a run: its owner and expiry, read without taking or changing it.
@@ -389,7 +413,7 @@ impl Store {
     /// that executed it). A lease whose expiry has passed is stale, not released: a resume
     /// takes such a run over.
     pub fn lease(&self, run_id: &RunId) -> Result<Option<Lease>> {
-        self.durable(sql::lease(&self.connection(), run_id))
+        self.durable(|conn| sql::lease(conn, run_id))
     }
 
     /// A connection of its own for lease renewal, hardened like every other; `None` in memory,
@@ -409,7 +433,7 @@ impl Store {
 
     /// A run's events after sequence number `after`, in order: how a follower tails the log.
     pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
-        self.durable(sql::events_after(&self.connection(), run_id, after))
+        self.durable(|conn| sql::events_after(conn, run_id, after))
     }
 
     /// An operator's cancel, from outside a supervisor (a command-line tool, say), stamped by
@@ -474,7 +498,7 @@ impl Store {
         clock: &dyn Clock,
         f: impl FnOnce(&Transaction<'_>, &mut Now<'_>) -> Result<R>,
     ) -> Result<R> {
-        let mut conn = lock(&self.inner.writer);
+        let mut conn = self.writer()?;
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let mut now = Now { clock, read: None };
         let value = f(&tx, &mut now)?;
@@ -498,9 +522,12 @@ impl Store {
         sync: LogSync,
         mut apply: impl FnMut(&mut T, &Transaction<'_>, Isolation) -> bool,
     ) -> Result<()> {
-        let mut conn = lock(&self.inner.writer);
+        let mut conn = self.writer()?;
         let defer = sync == LogSync::Deferred && self.defers_sync();
         if defer {
+            // Set first: should anything below panic or fail, the next use of the writer puts
+            // the setting back before it commits.
+            self.inner.writer_lowered.store(true, Ordering::SeqCst);
             conn.prepare_cached("PRAGMA synchronous = NORMAL")?
                 .execute([])?;
         }
@@ -523,60 +550,84 @@ impl Store {
             }
             Ok(tx.commit()?)
         })();
-        if defer {
-            // Every other write on this connection syncs in its commit, as configured.
-            let restored = conn
-                .prepare_cached("PRAGMA synchronous = FULL")
-                .and_then(|mut restore| restore.execute([]));
-            if let Err(err) = restored {
-                // The group may stand: its callers hear that it may not be durable.
-                tracing::error!(%err, "restoring synchronous = FULL failed");
-                return Err(Error::SyncFailed(format!(
-                    "restoring synchronous = FULL after a group commit: {err}"
-                )));
-            }
+        if defer && let Err(err) = self.restore_synchronous(&conn) {
+            // The group's own outcome stands (its sync is the caller's); the next use of the
+            // writer tries again, and refuses to commit until it succeeds.
+            tracing::error!(%err, "restoring the writer's synchronous setting failed");
         }
         committed
     }
 
+    /// The writer connection, at the store's own `synchronous` setting.
+    fn writer(&self) -> Result<MutexGuard<'_, Connection>> {
+        if let Some(log) = &self.inner.log {
+            log.refuse_if_failed()?;
+        }
+        let conn = lock(&self.inner.writer);
+        if self.inner.writer_lowered.load(Ordering::SeqCst) {
+            self.restore_synchronous(&conn)?;
+        }
+        Ok(conn)
+    }
+
+    fn restore_synchronous(&self, conn: &Connection) -> Result<()> {
+        let pragma = format!(
+            "PRAGMA synchronous = {}",
+            self.inner.options.synchronous.as_str()
+        );
+        conn.prepare_cached(&pragma)
+            .and_then(|mut restore| restore.execute([]))
+            .map_err(|err| {
+                Error::SyncFailed(format!("restoring the writer's `{pragma}`: {err}"))
+            })?;
+        self.inner.writer_lowered.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+
     /// Whether a group commit may leave its log sync to [`sync_log`](Self::sync_log): a file
-    /// store at [`Synchronous::Full`] (whose log is synced at each commit otherwise).
+    /// store at [`Synchronous::Full`] (whose log is synced at each commit otherwise), on Unix
+    /// (where the deferred sync is tested).
     pub(crate) fn defers_sync(&self) -> bool {
-        self.inner.wal.is_some() && self.inner.options.synchronous == Synchronous::Full
+        cfg!(unix)
+            && self.inner.log.is_some()
+            && self.inner.options.synchronous == Synchronous::Full
     }
 
     /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection
     /// or process) becomes durable, as if it had synced in its own commit. Nothing to do in
-    /// memory.
+    /// memory. Once a sync failed, this and every later write through this store fail.
     pub(crate) fn sync_log(&self) -> Result<()> {
-        let Some(wal) = &self.inner.wal else {
-            return Ok(());
-        };
-        let synced = std::fs::File::open(wal).and_then(|log| log.sync_data());
-        match synced {
-            Ok(()) => Ok(()),
-            // No log: nothing was written since the last connection closed.
-            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(err) => Err(Error::SyncFailed(format!("{}: {err}", wal.display()))),
+        match &self.inner.log {
+            Some(log) => log.sync(),
+            None => Ok(()),
         }
     }
 
-    /// What an inspection read returns, once every move it could have seen is durable: a group
-    /// commit's moves are readable from the moment they are committed, up to one log sync
-    /// before they are durable, and a reader must not act on a move a power loss would undo.
-    fn durable<R>(&self, read: Result<R>) -> Result<R> {
-        let value = read?;
-        if self.defers_sync() {
-            self.sync_log()?;
-        }
+    /// An inspection read, returned once every move it could have seen is durable: a group
+    /// commit's moves are readable from the moment they are committed, up to a log sync before
+    /// they are durable, and a reader must not act on a move that a power loss would undo.
+    fn durable<R>(&self, read: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
+        let value = read(&self.connection())?;
+        // The connection is released: the sync holds nobody up.
+        self.sync_after_read()?;
         Ok(value)
+    }
+
+    /// Syncs the log after a read, unless this store does not ask for durability beyond a
+    /// crash of the process (`NORMAL`).
+    pub(crate) fn sync_after_read(&self) -> Result<()> {
+        if self.inner.options.synchronous == Synchronous::Normal {
+            return Ok(());
+        }
+        self.sync_log()
     }
 
     /// Copies what the write-ahead log holds into the database file, without waiting for
     /// readers or blocking writers (a `PASSIVE` checkpoint); nothing to do in memory.
     pub(crate) fn checkpoint(&self) -> Result<()> {
         if self.inner.path.is_some() {
-            lock(&self.inner.writer).query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+            self.writer()?
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
         }
         Ok(())
     }
@@ -584,7 +635,7 @@ impl Store {
     /// Runs `f` on the writer connection outside any move: reads that must see every committed
     /// move, and the lease's single-statement writes (renewal on `:memory:`, release).
     pub(crate) fn read<R>(&self, f: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
-        f(&lock(&self.inner.writer))
+        f(&*self.writer()?)
     }
 }
 
@@ -763,6 +814,41 @@ fn on_open(err: Error, path: &Path) -> Error {
     }
 }
 
+impl LogFile {
+    fn refuse_if_failed(&self) -> Result<()> {
+        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::SyncFailed(format!(
+                "an earlier sync of {} failed ({why}); this store writes nothing more: \
+                 reopen the database (SQLite recovers the log) once the disk is sound",
+                self.path.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.refuse_if_failed()?;
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if file.is_none() {
+            // Write access: Windows flushes only a handle that may write.
+            match std::fs::OpenOptions::new().write(true).open(&self.path) {
+                Ok(opened) => *file = Some(opened),
+                // No log: nothing was written since the last connection closed.
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                Err(err) => return Err(self.fail(err)),
+            }
+        }
+        let synced = file.as_ref().map_or(Ok(()), |log| log.sync_data());
+        synced.map_err(|err| self.fail(err))
+    }
+
+    fn fail(&self, err: std::io::Error) -> Error {
+        let why = err.to_string();
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why.clone());
+        Error::SyncFailed(format!("{}: {why}", self.path.display()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -832,6 +918,48 @@ mod tests {
         assert!(!normal.defers_sync());
         assert!(!Store::in_memory().unwrap().defers_sync());
         Store::in_memory().unwrap().sync_log().unwrap();
+    }
+
+    #[test]
+    fn a_group_that_panics_with_its_sync_deferred_leaves_no_commit_unsynced_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            store.transact_group(&mut [()], LogSync::Deferred, |_, _, _| -> bool {
+                panic!("a move panicked")
+            })
+        }));
+        assert!(panicked.is_err());
+        // The writer is still at NORMAL; its next use puts FULL back before anything commits.
+        let sync: i64 = store
+            .read(|conn| Ok(conn.pragma_query_value(None, "synchronous", |r| r.get(0))?))
+            .unwrap();
+        assert_eq!(sync, 2);
+    }
+
+    #[test]
+    fn after_a_failed_log_sync_the_store_refuses_to_write_or_vouch_for_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        store.sync_log().unwrap();
+        let log = store.inner.log.as_ref().unwrap();
+        let err = log.fail(std::io::Error::other("injected write-back error"));
+        assert!(matches!(err, Error::SyncFailed(_)));
+        let refused = store.transact(&SystemClock, |_, _| Ok(())).unwrap_err();
+        assert!(
+            refused.to_string().contains("injected write-back error"),
+            "{refused}"
+        );
+        assert!(matches!(
+            store.transact_group(&mut [()], LogSync::Deferred, |_, _, _| true),
+            Err(Error::SyncFailed(_))
+        ));
+        assert!(matches!(store.runs(None), Err(Error::SyncFailed(_))));
+        assert!(matches!(store.sync_log(), Err(Error::SyncFailed(_))));
+        // Reopened, the database is usable again (SQLite recovers the log).
+        drop(store);
+        let reopened = Store::open(dir.path().join("db.sqlite")).unwrap();
+        assert_eq!(reopened.runs(None).unwrap(), vec![]);
     }
 
     #[test]

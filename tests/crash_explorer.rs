@@ -21,6 +21,33 @@ fn every_crash_point_of_the_quickstart_agent_keeps_the_invariants() {
     assert!(exploration.cases.iter().all(|case| case.crashed));
 }
 
+#[test]
+fn every_crash_point_of_three_concurrent_runs_keeps_the_invariants_including_deferred_syncs() {
+    // Three quickstart runs at once: their moves share group commits, and the crash points
+    // include groups committed without their sync, stopped on the log-sync thread before their
+    // callers heard of them.
+    let exploration = Explorer::new(quickstart_agent::agent)
+        .input(json!({"customer": "ada"}))
+        .concurrent_runs(3)
+        .explore();
+    exploration.assert_holds();
+    assert!(exploration.moves >= 30, "{}", exploration.moves);
+    let on_sync_thread = exploration
+        .cases
+        .iter()
+        .filter(|case| case.crash_thread.as_deref() == Some("agentrt-log-sync"))
+        .count();
+    assert!(
+        on_sync_thread > 0,
+        "no crash point fell in a deferred group: {:?}",
+        exploration
+            .cases
+            .iter()
+            .map(|case| &case.crash_thread)
+            .collect::<Vec<_>>()
+    );
+}
+
 /// Ten steps and more: five turns of two calls each, across tools of every kind, with
 /// approvals.
 fn long_agent() -> Agent {

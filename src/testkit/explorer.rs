@@ -40,10 +40,13 @@ pub struct CaseReport {
     pub crash: CrashPoint,
     /// False when the run finished before reaching the crash point.
     pub crashed: bool,
-    /// The run's final state.
+    /// The final state of the first run.
     pub state: Option<RunState>,
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
+    /// The thread the crash stopped first: the store actor's, or, for a group whose log sync
+    /// was deferred, the log-sync thread (`agentrt-log-sync`).
+    pub crash_thread: Option<String>,
     /// The invariants that did not hold; empty when all did.
     pub violations: Vec<Violation>,
 }
@@ -122,6 +125,7 @@ pub struct Explorer {
     input: Value,
     ttl: Duration,
     approve: Approver,
+    runs: usize,
 }
 
 impl Explorer {
@@ -133,7 +137,27 @@ impl Explorer {
             input: Value::Object(Default::default()),
             ttl: Duration::from_millis(100),
             approve: Arc::new(|_| true),
+            runs: 1,
         }
+    }
+
+    /// Runs `runs` runs of the agent at once (1 by default), so that their moves share group
+    /// commits and the crash points include groups whose log sync was left to the log-sync
+    /// thread. The moves are counted over all runs, in the order they happen, which differs a
+    /// little from one execution to the next; every case is checked run by run.
+    pub fn concurrent_runs(mut self, runs: usize) -> Self {
+        self.runs = runs.max(1);
+        self
+    }
+
+    /// The ids of the explored runs.
+    fn run_ids(&self) -> Vec<RunId> {
+        (1..=self.runs)
+            .map(|i| match i {
+                1 => RunId::from(AGENT),
+                i => RunId::from(format!("{AGENT}-{i}").as_str()),
+            })
+            .collect()
     }
 
     /// The run's input.
@@ -164,11 +188,11 @@ impl Explorer {
         let counter = MoveCounter::default();
         let (agent, _) = self.witnessed_agent();
         let config = self.config().observer(counter.clone());
-        let (input, approve) = (self.input.clone(), self.approve.clone());
+        let (input, approve, ids) = (self.input.clone(), self.approve.clone(), self.run_ids());
         let store = db.open();
         let result = with_system(|| async move {
             let sup = start_supervisor(store, config, agent)?;
-            drive(&sup, &RunId::from(AGENT), input, &approve, true).await
+            drive_all(&sup, &ids, &input, &approve, true).await
         });
         if let Err(err) = result {
             panic!("the uncrashed run failed: {err}");
@@ -189,16 +213,16 @@ impl Explorer {
     /// One case: run until `crash`, crash, recover, check.
     pub fn run_case(&self, crash: CrashPoint) -> CaseReport {
         let db = TempStore::new();
-        let run_id = RunId::from(AGENT);
+        let run_ids = self.run_ids();
         let (agent, witness) = self.witnessed_agent();
         let crasher = Crasher::new(crash);
 
         // The supervisor that dies.
         let (store, input, approve) = (db.open(), self.input.clone(), self.approve.clone());
-        let (config, watcher, id, first_agent) = (
+        let (config, watcher, ids, first_agent) = (
             self.config().observer(crasher.clone()),
             crasher.clone(),
-            run_id.clone(),
+            run_ids.clone(),
             agent.clone(),
         );
         let crashed = with_system(|| async move {
@@ -207,42 +231,55 @@ impl Explorer {
             };
             let mut crashed = watcher.crashed.subscribe();
             tokio::select! {
-                // The crash point lies beyond the run's last move.
-                _ = drive(&sup, &id, input, &approve, true) => false,
+                // The crash point lies beyond the runs' last move.
+                _ = drive_all(&sup, &ids, &input, &approve, true) => false,
                 _ = crashed.wait_for(|crashed| *crashed) => true,
             }
         });
 
-        // Fresh supervisors resume until the run finishes.
+        // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();
-        let (store, input, approve, id) = (
+        let (store, input, approve, ids) = (
             db.open(),
             self.input.clone(),
             self.approve.clone(),
-            run_id.clone(),
+            run_ids.clone(),
         );
         let config = self.config();
         let recovered = with_system(|| async move {
             let sup = start_supervisor(store.clone(), config, agent)?;
-            match store.run(&id) {
-                // It finished before the crash: nothing to resume.
-                Ok(run) if run.state.is_finished() => Ok(()),
-                Ok(_) => drive(&sup, &id, input, &approve, false).await.map(drop),
-                // The crash came before the run was inserted: the consumer starts it again.
-                Err(_) => drive(&sup, &id, input, &approve, true).await.map(drop),
+            for id in &ids {
+                match store.run(id) {
+                    // It finished before the crash: nothing to resume.
+                    Ok(run) if run.state.is_finished() => {}
+                    Ok(_) => drop(drive(&sup, id, input.clone(), &approve, false).await?),
+                    // The crash came before the run was inserted: the consumer starts it again.
+                    Err(_) => drop(drive(&sup, id, input.clone(), &approve, true).await?),
+                }
             }
+            Ok::<_, Error>(())
         });
         if let Err(err) = recovered {
             violations.push(Violation::Recovery(err.to_string()));
         }
         let store = db.open();
         let executions = witness.executions();
-        violations.extend(check_invariants(&store, &run_id, &executions));
+        for id in &run_ids {
+            // Each run's own executions: its idempotency keys are `RUN/STEP`.
+            let prefix = format!("{id}/");
+            let own: Vec<_> = executions
+                .iter()
+                .filter(|(key, _)| key.starts_with(&prefix))
+                .cloned()
+                .collect();
+            violations.extend(check_invariants(&store, id, &own));
+        }
         CaseReport {
             crash,
             crashed,
-            state: store.run(&run_id).ok().map(|run| run.state),
+            state: store.run(&run_ids[0]).ok().map(|run| run.state),
             executions: executions.len(),
+            crash_thread: crasher.thread.lock().unwrap().clone(),
             violations,
         }
     }
@@ -317,6 +354,23 @@ async fn drive(
     }
 }
 
+/// Drives `ids` at once, as many consumers would.
+async fn drive_all(
+    sup: &actix::Addr<Supervisor>,
+    ids: &[RunId],
+    input: &Value,
+    approve: &Approver,
+    start: bool,
+) -> Result<()> {
+    let runs = ids
+        .iter()
+        .map(|id| drive(sup, id, input.clone(), approve, start));
+    for outcome in futures_util::future::join_all(runs).await {
+        outcome?;
+    }
+    Ok(())
+}
+
 /// Counts committed moves.
 #[derive(Clone, Default)]
 struct MoveCounter {
@@ -336,6 +390,8 @@ struct Crasher {
     applying: Arc<AtomicUsize>,
     committed: Arc<AtomicUsize>,
     crashed: Arc<watch::Sender<bool>>,
+    /// The thread the crash stopped first.
+    thread: Arc<Mutex<Option<String>>>,
 }
 
 impl Crasher {
@@ -345,30 +401,46 @@ impl Crasher {
             applying: Arc::default(),
             committed: Arc::default(),
             crashed: Arc::new(watch::Sender::new(false)),
+            thread: Arc::default(),
         }
     }
 
-    /// The thread that owns the write connection stops here, as if its process died: it holds
-    /// no transaction, and it never runs again.
+    /// The calling thread stops here, as if its process died, and never runs again: the store
+    /// actor's thread (which then holds no transaction), or the log-sync thread (whose groups'
+    /// callers then never hear of them). Every thread that reaches the observer afterwards
+    /// stops too, so nothing is applied, answered or observed after the crash: the store
+    /// actor's thread stops before its next group, holding no transaction.
     fn die(&self) -> ! {
-        self.crashed.send_replace(true);
+        if !self.crashed.send_replace(true) {
+            *self.thread.lock().unwrap() = std::thread::current().name().map(str::to_owned);
+        }
         loop {
             std::thread::park();
         }
+    }
+
+    fn is_dead(&self) -> bool {
+        *self.crashed.borrow()
     }
 }
 
 impl MoveObserver for Crasher {
     fn before_apply(&self, _: &MoveInfo) {
         let k = self.applying.fetch_add(1, Ordering::SeqCst) + 1;
-        if self.at == CrashPoint::BeforeApply(k) {
+        if self.is_dead() || self.at == CrashPoint::BeforeApply(k) {
             self.die();
         }
     }
 
     fn after_commit(&self, _: &MoveInfo) {
         let k = self.committed.fetch_add(1, Ordering::SeqCst) + 1;
-        if self.at == CrashPoint::AfterCommit(k) {
+        if self.is_dead() || self.at == CrashPoint::AfterCommit(k) {
+            self.die();
+        }
+    }
+
+    fn committed(&self, _: &[&MoveInfo]) {
+        if self.is_dead() {
             self.die();
         }
     }

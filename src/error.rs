@@ -163,11 +163,12 @@ pub enum Error {
     #[error("committing the moves failed, nothing was written: {0}")]
     CommitFailed(String),
 
-    /// Moves were committed, but syncing the write-ahead log to disk failed: they are visible
-    /// to readers and survive a crash of the process, but may not survive a power loss. A run
-    /// whose move got this error stops. The store then refuses every write and inspection
-    /// read: reopen the database once the disk is sound, and resume the runs, which reconciles
-    /// whatever they had started.
+    /// Syncing the write-ahead log to disk failed. The moves of the groups that sync covered
+    /// are committed: visible to readers, they survive a crash of the process but may not
+    /// survive a power loss. A run whose move got this error stops. From then on the store
+    /// refuses every write (nothing of it is written) and every inspection read with this
+    /// error: reopen the database once the disk is sound, and resume the runs, which
+    /// reconciles whatever they had started.
     #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
     SyncFailed(String),
 

@@ -44,10 +44,10 @@ pub struct MoveInfo {
 /// tracing, or telling listeners that a run has new events.
 ///
 /// `before_apply` runs on the thread that owns the write connection, with no transaction open.
-/// `after_commit` and `committed` run once the moves are durable: on that thread too, or, for a
-/// group whose log sync was left to the log-sync thread (see `docs/persistence.md`), on the
-/// log-sync thread, while `before_apply` may run for the next group. They come in commit order, one
-/// group at a time. A slow observer delays every move of the supervisor.
+/// `after_commit` and `committed` run once the moves are durable: on that thread too, or, for
+/// a group whose log sync was left to the log-sync thread (see `docs/persistence.md`), on the
+/// log-sync thread, while `before_apply` may run for the next group. They come in commit
+/// order, one group at a time. A slow observer delays every move of the supervisor.
 ///
 /// [`Config::observer`]: crate::Config::observer
 pub trait MoveObserver: Send + Sync + 'static {
@@ -349,11 +349,7 @@ fn spawn_syncer(
                 let groups: Vec<_> = std::iter::once(first).chain(committed.try_iter()).collect();
                 let failure = store.sync_log().err().map(|err| GroupFailure::of(&err));
                 for mut group in groups {
-                    finish_group(
-                        observer.as_deref(),
-                        group.take(),
-                        failure.as_ref().map(GroupFailure::copy),
-                    );
+                    finish_group(observer.as_deref(), group.take(), failure.clone());
                 }
             }
         });
@@ -591,7 +587,7 @@ fn in_savepoint<R>(
 }
 
 /// Why a group's callers get an error instead of their results.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum GroupFailure {
     /// Nothing of the group was committed.
     Commit(String),
@@ -604,13 +600,6 @@ impl GroupFailure {
         match err {
             Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
             err => GroupFailure::Commit(err.to_string()),
-        }
-    }
-
-    fn copy(&self) -> Self {
-        match self {
-            GroupFailure::Commit(message) => GroupFailure::Commit(message.clone()),
-            GroupFailure::Sync(message) => GroupFailure::Sync(message.clone()),
         }
     }
 

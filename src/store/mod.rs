@@ -835,7 +835,13 @@ impl LogFile {
                 Ok(opened) => *file = Some(opened),
                 // No log: nothing was written since the last connection closed.
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-                Err(err) => return Err(self.fail(err)),
+                // Nothing was synced, nor lost: the next sync tries again.
+                Err(err) => {
+                    return Err(Error::SyncFailed(format!(
+                        "opening {}: {err}",
+                        self.path.display()
+                    )));
+                }
             }
         }
         let synced = file.as_ref().map_or(Ok(()), |log| log.sync_data());

@@ -584,6 +584,13 @@ impl Store {
         Ok(())
     }
 
+    /// The writer connection, held: the crash explorer holds a dead supervisor's, so that
+    /// nothing of it commits while its runs recover.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn writer_lock(&self) -> MutexGuard<'_, Connection> {
+        lock(&self.inner.writer)
+    }
+
     /// Whether a group commit may leave its log sync to [`sync_log`](Self::sync_log): a file
     /// store at [`Synchronous::Full`] (whose log is synced at each commit otherwise), on Unix
     /// (where the deferred sync is tested).

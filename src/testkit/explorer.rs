@@ -20,6 +20,9 @@ use crate::{
     Supervisor, Tool, ToolContext, ToolError, async_trait,
 };
 
+/// [`CaseReport::crash_thread`] of a crash on the store actor's thread.
+pub const STORE_THREAD: &str = "store-actor";
+
 /// The name the explored agent is registered under.
 const AGENT: &str = "explored";
 
@@ -44,8 +47,9 @@ pub struct CaseReport {
     pub state: Option<RunState>,
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
-    /// The thread the crash stopped first: the store actor's, or, for a group whose log sync
-    /// was deferred, the log-sync thread (`agentrt-log-sync`).
+    /// The thread the crash stopped first: the store actor's ([`STORE_THREAD`]), or, for a
+    /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`); `None`
+    /// when the runs finished before the crash point.
     pub crash_thread: Option<String>,
     /// The invariants that did not hold; empty when all did.
     pub violations: Vec<Violation>,
@@ -219,6 +223,7 @@ impl Explorer {
 
         // The supervisor that dies.
         let (store, input, approve) = (db.open(), self.input.clone(), self.approve.clone());
+        let dead_store = store.clone();
         let (config, watcher, ids, first_agent) = (
             self.config().observer(crasher.clone()),
             crasher.clone(),
@@ -237,6 +242,11 @@ impl Explorer {
             }
         });
 
+        // The dead supervisor's writer, once the transaction it may have had open when the
+        // crash stopped another of its threads has ended: held until the case is checked, so
+        // that nothing of the dead supervisor commits while the run recovers.
+        let dead_writer = dead_store.writer_lock();
+
         // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();
         let (store, input, approve, ids) = (
@@ -247,41 +257,65 @@ impl Explorer {
         );
         let config = self.config();
         let recovered = with_system(|| async move {
-            let sup = start_supervisor(store.clone(), config, agent)?;
+            let sup = match start_supervisor(store.clone(), config, agent) {
+                Ok(sup) => sup,
+                Err(err) => return vec![format!("starting a supervisor: {err}")],
+            };
+            let mut failed = Vec::new();
+            // One after the other, each to its end: one run's failure does not hide another's.
             for id in &ids {
-                match store.run(id) {
+                let outcome = match store.run(id) {
                     // It finished before the crash: nothing to resume.
-                    Ok(run) if run.state.is_finished() => {}
-                    Ok(_) => drop(drive(&sup, id, input.clone(), &approve, false).await?),
+                    Ok(run) if run.state.is_finished() => Ok(()),
+                    Ok(_) => drive(&sup, id, input.clone(), &approve, false)
+                        .await
+                        .map(drop),
                     // The crash came before the run was inserted: the consumer starts it again.
-                    Err(_) => drop(drive(&sup, id, input.clone(), &approve, true).await?),
+                    Err(_) => drive(&sup, id, input.clone(), &approve, true)
+                        .await
+                        .map(drop),
+                };
+                if let Err(err) = outcome {
+                    failed.push(format!("{id}: {err}"));
                 }
             }
-            Ok::<_, Error>(())
+            failed
         });
-        if let Err(err) = recovered {
-            violations.push(Violation::Recovery(err.to_string()));
-        }
+        violations.extend(recovered.into_iter().map(Violation::Recovery));
         let store = db.open();
-        let executions = witness.executions();
+        let mut executions = witness.executions();
         for id in &run_ids {
             // Each run's own executions: its idempotency keys are `RUN/STEP`.
             let prefix = format!("{id}/");
-            let own: Vec<_> = executions
-                .iter()
-                .filter(|(key, _)| key.starts_with(&prefix))
-                .cloned()
-                .collect();
+            let (own, others): (Vec<_>, Vec<_>) = executions
+                .into_iter()
+                .partition(|(key, _)| key.starts_with(&prefix));
             violations.extend(check_invariants(&store, id, &own));
+            executions = others;
         }
-        CaseReport {
+        // Executions of no explored run.
+        let mut strays: BTreeMap<String, usize> = BTreeMap::new();
+        for (key, _) in executions {
+            *strays.entry(key).or_default() += 1;
+        }
+        violations.extend(
+            strays
+                .into_iter()
+                .map(|(key, ran)| Violation::Unrecorded { key, ran }),
+        );
+        let report = CaseReport {
             crash,
             crashed,
             state: store.run(&run_ids[0]).ok().map(|run| run.state),
-            executions: executions.len(),
+            executions: witness.executions().len(),
             crash_thread: crasher.thread.lock().unwrap().clone(),
             violations,
-        }
+        };
+        // The case is checked: the dead supervisor's threads may end (without a write: they
+        // unwind from the observer), and free what they hold.
+        crasher.release();
+        drop(dead_writer);
+        report
     }
 
     fn config(&self) -> Config {
@@ -392,7 +426,12 @@ struct Crasher {
     crashed: Arc<watch::Sender<bool>>,
     /// The thread the crash stopped first.
     thread: Arc<Mutex<Option<String>>>,
+    /// Set once the case is checked: the stopped threads may end.
+    released: Arc<(Mutex<bool>, std::sync::Condvar)>,
 }
+
+/// What a stopped thread unwinds with once its case is checked (no panic message).
+struct Released;
 
 impl Crasher {
     fn new(at: CrashPoint) -> Self {
@@ -402,7 +441,15 @@ impl Crasher {
             committed: Arc::default(),
             crashed: Arc::new(watch::Sender::new(false)),
             thread: Arc::default(),
+            released: Arc::default(),
         }
+    }
+
+    /// Lets the stopped threads end.
+    fn release(&self) {
+        let (released, wake) = &*self.released;
+        *released.lock().unwrap() = true;
+        wake.notify_all();
     }
 
     /// The calling thread stops here, as if its process died, and never runs again: the store
@@ -412,11 +459,22 @@ impl Crasher {
     /// actor's thread stops before its next group, holding no transaction.
     fn die(&self) -> ! {
         if !self.crashed.send_replace(true) {
-            *self.thread.lock().unwrap() = std::thread::current().name().map(str::to_owned);
+            // The store actor's thread has no name of its own.
+            let name = std::thread::current()
+                .name()
+                .unwrap_or(STORE_THREAD)
+                .to_owned();
+            *self.thread.lock().unwrap() = Some(name);
         }
-        loop {
-            std::thread::park();
+        let (released, wake) = &*self.released;
+        let mut released = released.lock().unwrap();
+        while !*released {
+            released = wake.wait(released).unwrap();
         }
+        drop(released);
+        // Ends the thread, once the case is checked, without a write: the observer is called
+        // outside any transaction. Its resources (connections, the log's descriptor) go with it.
+        std::panic::resume_unwind(Box::new(Released))
     }
 
     fn is_dead(&self) -> bool {

@@ -24,7 +24,9 @@
 
 mod explorer;
 
-pub use explorer::{CaseReport, CrashPoint, Exploration, Explorer, Violation, check_invariants};
+pub use explorer::{
+    CaseReport, CrashPoint, Exploration, Explorer, STORE_THREAD, Violation, check_invariants,
+};
 
 use std::{
     future::Future,

@@ -165,9 +165,10 @@ pub enum Error {
 
     /// Syncing the write-ahead log to disk failed. The moves of the groups that sync covered
     /// are committed: visible to readers, they survive a crash of the process but may not
-    /// survive a power loss. A run whose move got this error stops. From then on the store
-    /// refuses every write (nothing of it is written) and every inspection read with this
-    /// error: reopen the database once the disk is sound, and resume the runs, which
+    /// survive a power loss. A run whose move got this error stops. After a failed write-back
+    /// (not a log that could not be opened, which fails that sync only), the store refuses
+    /// every write through its writer and every inspection read with this error, writing
+    /// nothing: reopen the database once the disk is sound, and resume the runs, which
     /// reconciles whatever they had started.
     #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
     SyncFailed(String),

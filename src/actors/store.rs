@@ -56,7 +56,8 @@ pub trait MoveObserver: Send + Sync + 'static {
         let _ = info;
     }
 
-    /// The move committed and is durable; its caller has not been answered yet.
+    /// The move committed (and, at `synchronous=FULL`, is on disk); its caller has not been
+    /// answered yet.
     fn after_commit(&self, info: &MoveInfo) {
         let _ = info;
     }
@@ -134,7 +135,7 @@ const CHECKPOINT_PERIOD: Duration = Duration::from_millis(100);
 /// How long the store actor lets the log grow, at most, however long its copies take.
 const MAX_CHECKPOINT_PERIOD: Duration = Duration::from_secs(2);
 
-/// How large the store actor lets the log grow, at most, in pages (128 MiB of 4 KiB pages).
+/// How large the store actor lets the log grow, at most, in pages (125 MiB of 4 KiB pages).
 /// Each copy costs about the pages the runs in flight touched since the last one (with a
 /// thousand runs, their newest pages: some 3,000 of them, and a sync of the database file),
 /// whatever the log's length, so a longer log means fewer copies. The price: a log of up to
@@ -258,6 +259,15 @@ impl StoreActor {
                     .err()
                     .map(|err| GroupFailure::of(&err))
             }
+            // A move refused in a group that synced in its commit may have been refused on
+            // another process's group, readable but not yet durable (a run id taken by an
+            // insert that a power cut would undo, say); a group that wrote nothing did not
+            // sync at all.
+            Ok(()) if batch.iter().any(|pending| pending.refused()) => self
+                .store
+                .sync_after_read()
+                .err()
+                .map(|err| GroupFailure::of(&err)),
             Ok(()) => None,
             Err(err) => Some(GroupFailure::of(&err)),
         };
@@ -458,6 +468,8 @@ trait Pending: Send {
     fn infos(&self) -> &[MoveInfo];
     /// The moves it made once applied.
     fn applied(&self) -> &[MoveInfo];
+    /// Whether a move of it was refused.
+    fn refused(&self) -> bool;
     /// Applies the move inside the group's transaction, keeping its result (replacing the one
     /// of an earlier attempt); false when it was refused, or when only part of it stands and
     /// the group must be applied again with savepoints.
@@ -485,6 +497,10 @@ impl<R: Send> Pending for PendingMove<R> {
             Some(Ok(_)) => self.infos(),
             _ => &[],
         }
+    }
+
+    fn refused(&self) -> bool {
+        matches!(self.result, Some(Err(_)))
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, _: Isolation) -> bool {
@@ -527,6 +543,10 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
             Some(Ok(_)) => &self.infos[..1],
             _ => &[],
         }
+    }
+
+    fn refused(&self) -> bool {
+        matches!(self.result, Some(Err(_)) | Some(Ok((_, Some(Err(_))))))
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool {
@@ -591,7 +611,7 @@ fn in_savepoint<R>(
 enum GroupFailure {
     /// Nothing of the group was committed.
     Commit(String),
-    /// The group was committed, but may not be durable.
+    /// The group may have been committed, and may not be durable.
     Sync(String),
 }
 
@@ -896,5 +916,44 @@ mod tests {
         );
         // The group was applied twice (without savepoints, then with): one reading per move.
         assert_eq!(clock.0.load(Ordering::SeqCst), 5);
+    }
+
+    #[test]
+    fn a_refusal_is_answered_only_after_a_sync_and_an_accepted_lone_move_needs_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        store
+            .read(
+                |conn| Ok(conn.execute_batch("CREATE TABLE scratch (value INTEGER, at INTEGER)")?),
+            )
+            .unwrap();
+        let before = store.log_syncs();
+        let (accepted, syncs_after_accepted, refused) = actix::System::new().block_on({
+            let store = store.clone();
+            async move {
+                let handle = StoreActor::start(
+                    store.clone(),
+                    Arc::new(crate::clock::SystemClock),
+                    None,
+                    CommitPolicy {
+                        group: true,
+                        spin: Duration::ZERO,
+                    },
+                    RenewalPending::default(),
+                );
+                let accepted = handle.apply(write(1, false)).await.is_ok();
+                let syncs = store.log_syncs();
+                // Refused, perhaps on what another process committed and has not synced yet:
+                // the refusal must not be told before that is durable.
+                let refused = handle.apply(write(2, true)).await.is_err();
+                (accepted, syncs, refused)
+            }
+        });
+        assert!(accepted && refused);
+        assert_eq!(
+            syncs_after_accepted, before,
+            "a lone move syncs in its commit"
+        );
+        assert_eq!(store.log_syncs(), before + 1, "the refusal synced the log");
     }
 }

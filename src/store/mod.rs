@@ -257,6 +257,9 @@ struct LogFile {
     /// Why a sync failed, once one has: the log may have lost pages that later commits build
     /// on, so this store refuses every later write and durable read.
     failed: Mutex<Option<String>>,
+    /// Syncs done, for tests.
+    #[cfg(test)]
+    syncs: std::sync::atomic::AtomicUsize,
 }
 
 /// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
@@ -331,7 +334,14 @@ impl Store {
             path: PathBuf::from(format!("{db}-wal")),
             file: Mutex::new(None),
             failed: Mutex::new(None),
+            #[cfg(test)]
+            syncs: Default::default(),
         });
+        if let Some(log) = &log {
+            // Opened now if the log exists (the writer has read the database); else at the
+            // first sync.
+            drop(log.open());
+        }
         Ok(Store {
             inner: Arc::new(Inner {
                 path: Some(path),
@@ -584,6 +594,15 @@ impl Store {
         Ok(())
     }
 
+    /// The syncs of the log done outside SQLite's commits so far.
+    #[cfg(test)]
+    pub(crate) fn log_syncs(&self) -> usize {
+        self.inner
+            .log
+            .as_ref()
+            .map_or(0, |log| log.syncs.load(Ordering::SeqCst))
+    }
+
     /// The writer connection, held: the crash explorer holds a dead supervisor's, so that
     /// nothing of it commits while its runs recover.
     #[cfg(feature = "testkit")]
@@ -833,24 +852,33 @@ impl LogFile {
         }
     }
 
-    fn sync(&self) -> Result<()> {
-        self.refuse_if_failed()?;
+    /// Opens the log for syncs, unless it is open: at the store's open, so that the descriptor
+    /// is there before the first write-back it must hear of, or at the first sync.
+    fn open(&self) -> std::io::Result<MutexGuard<'_, Option<std::fs::File>>> {
         let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
         if file.is_none() {
             // Write access: Windows flushes only a handle that may write.
-            match std::fs::OpenOptions::new().write(true).open(&self.path) {
-                Ok(opened) => *file = Some(opened),
-                // No log: nothing was written since the last connection closed.
-                Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-                // Nothing was synced, nor lost: the next sync tries again.
-                Err(err) => {
-                    return Err(Error::SyncFailed(format!(
-                        "opening {}: {err}",
-                        self.path.display()
-                    )));
-                }
-            }
+            *file = Some(std::fs::OpenOptions::new().write(true).open(&self.path)?);
         }
+        Ok(file)
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.refuse_if_failed()?;
+        let file = match self.open() {
+            Ok(file) => file,
+            // No log: nothing was written since the last connection closed.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            // Nothing was synced, nor lost: the next sync tries again.
+            Err(err) => {
+                return Err(Error::SyncFailed(format!(
+                    "opening {}: {err}",
+                    self.path.display()
+                )));
+            }
+        };
+        #[cfg(test)]
+        self.syncs.fetch_add(1, Ordering::SeqCst);
         let synced = file.as_ref().map_or(Ok(()), |log| log.sync_data());
         synced.map_err(|err| self.fail(err))
     }
@@ -973,6 +1001,32 @@ mod tests {
         drop(store);
         let reopened = Store::open(dir.path().join("db.sqlite")).unwrap();
         assert_eq!(reopened.runs(None).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn the_log_synced_is_sqlites_own_and_is_open_from_the_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        let log = store.inner.log.as_ref().unwrap();
+        assert_eq!(
+            log.path.canonicalize().unwrap(),
+            dir.path().join("db.sqlite-wal").canonicalize().unwrap()
+        );
+        assert!(log.file.lock().unwrap().is_some());
+    }
+
+    #[test]
+    fn a_log_that_cannot_be_opened_fails_that_sync_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = LogFile {
+            // A directory cannot be opened for writing.
+            path: dir.path().to_path_buf(),
+            file: Mutex::new(None),
+            failed: Mutex::new(None),
+            syncs: Default::default(),
+        };
+        assert!(matches!(log.sync(), Err(Error::SyncFailed(_))));
+        assert!(log.refuse_if_failed().is_ok(), "nothing was lost");
     }
 
     #[test]

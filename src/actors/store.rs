@@ -254,20 +254,15 @@ impl StoreActor {
                         Err(mpsc::SendError(mut returned)) => batch = returned.take(),
                     }
                 }
-                self.store
-                    .sync_log()
-                    .err()
-                    .map(|err| GroupFailure::of(&err))
+                GroupFailure::of_result(self.store.sync_log())
             }
             // A move refused in a group that synced in its commit may have been refused on
             // another process's group, readable but not yet durable (a run id taken by an
             // insert that a power cut would undo, say); a group that wrote nothing did not
             // sync at all.
-            Ok(()) if batch.iter().any(|pending| pending.refused()) => self
-                .store
-                .sync_after_read()
-                .err()
-                .map(|err| GroupFailure::of(&err)),
+            Ok(()) if batch.iter().any(|pending| pending.refused()) => {
+                GroupFailure::of_result(self.store.sync_after_read())
+            }
             Ok(()) => None,
             Err(err) => Some(GroupFailure::of(&err)),
         };
@@ -357,7 +352,7 @@ fn spawn_syncer(
             // sent.
             while let Ok(first) = committed.recv() {
                 let groups: Vec<_> = std::iter::once(first).chain(committed.try_iter()).collect();
-                let failure = store.sync_log().err().map(|err| GroupFailure::of(&err));
+                let failure = GroupFailure::of_result(store.sync_log());
                 for mut group in groups {
                     finish_group(observer.as_deref(), group.take(), failure.clone());
                 }
@@ -621,6 +616,11 @@ impl GroupFailure {
             Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
             err => GroupFailure::Commit(err.to_string()),
         }
+    }
+
+    /// The failure, if any, of a commit or a sync.
+    fn of_result(result: Result<()>) -> Option<Self> {
+        result.err().map(|err| GroupFailure::of(&err))
     }
 
     fn error(&self) -> Error {

@@ -284,6 +284,7 @@ impl Explorer {
         violations.extend(recovered.into_iter().map(Violation::Recovery));
         let store = db.open();
         let mut executions = witness.executions();
+        let total = executions.len();
         for id in &run_ids {
             // Each run's own executions: its idempotency keys are `RUN/STEP`.
             let prefix = format!("{id}/");
@@ -307,7 +308,7 @@ impl Explorer {
             crash,
             crashed,
             state: store.run(&run_ids[0]).ok().map(|run| run.state),
-            executions: witness.executions().len(),
+            executions: total,
             crash_thread: crasher.thread.lock().unwrap().clone(),
             violations,
         };

@@ -51,7 +51,10 @@ pub(crate) fn migrations() -> Migrations<'static> {
 /// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
 /// they need foreign keys off while the old table is dropped, and the references from and to
 /// the rebuilt table are checked afterwards (only those: the events table may be large).
-const REBUILDS: &[(&str, &[&str])] = &[("0006_steps_state_check.sql", &["steps", "approvals"])];
+const REBUILDS: &[(&str, &[&str])] = &[
+    ("0006_steps_state_check.sql", &["steps", "approvals"]),
+    ("0007_steps_waiting_call_index.sql", &["steps", "approvals"]),
+];
 
 /// Fails the migration if a row of `tables` refers to nothing.
 fn check_references(tx: &rusqlite::Transaction, tables: &[&str]) -> rusqlite_migration::HookResult {
@@ -897,7 +900,7 @@ mod tests {
     #[test]
     fn migrations_are_valid() {
         migrations().validate().unwrap();
-        assert_eq!(SCHEMA_VERSION, 6);
+        assert_eq!(SCHEMA_VERSION, 7);
     }
 
     #[test]

@@ -1137,6 +1137,11 @@ pub(crate) fn reconcile(
     }
 }
 
+/// The step and attempt count of a run's call that waits for a decision, found through the
+/// index of waiting calls (migration 7): the literal state is what lets SQLite use it.
+const WAITING_CALL: &str = "SELECT step, attempt FROM steps
+     WHERE run_id = ?1 AND call_id = ?2 AND state = 'waiting'";
+
 /// Records an operator's decision on a call that waits for one. A call that does not wait, or
 /// whose decision is already recorded, is refused unchanged.
 pub(crate) fn record_approval(
@@ -1145,23 +1150,12 @@ pub(crate) fn record_approval(
     approval: &Approval,
 ) -> Result<()> {
     let run_id = &approval.run_id;
-    let found: Option<(u32, String, u32)> = tx
-        .prepare_cached(
-            "SELECT step, state, attempt FROM steps WHERE run_id = ?1 AND call_id = ?2",
-        )?
+    let waiting: Option<(u32, u32)> = tx
+        .prepare_cached(WAITING_CALL)?
         .query_row(params![run_id.as_str(), approval.call_id], |row| {
-            Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+            Ok((row.get(0)?, row.get(1)?))
         })
         .optional()?;
-    let Some((step, state, attempt)) = found else {
-        return Err(match run_state(tx, run_id)? {
-            None => Error::RunNotFound(run_id.clone()),
-            Some(_) => Error::CallNotFound {
-                run_id: run_id.clone(),
-                call_id: approval.call_id.clone(),
-            },
-        });
-    };
     let not_pending = |reason: String| -> Error {
         match run_state(tx, run_id) {
             Ok(Some(state)) => Error::RunState {
@@ -1173,12 +1167,23 @@ pub(crate) fn record_approval(
             Err(err) => err,
         }
     };
-    if StepState::parse(&state)? != StepState::Waiting {
-        return Err(not_pending(format!(
-            "call {:?} is not waiting for an approval",
-            approval.call_id
-        )));
-    }
+    let Some((step, attempt)) = waiting else {
+        // Which error: a scan of the run's steps, on this path only.
+        let known = tx
+            .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")?
+            .exists(params![run_id.as_str(), approval.call_id])?;
+        return Err(match run_state(tx, run_id)? {
+            None => Error::RunNotFound(run_id.clone()),
+            Some(_) if known => not_pending(format!(
+                "call {:?} is not waiting for an approval",
+                approval.call_id
+            )),
+            Some(_) => Error::CallNotFound {
+                run_id: run_id.clone(),
+                call_id: approval.call_id.clone(),
+            },
+        });
+    };
     let changed = tx
         .prepare_cached(
             "UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'",
@@ -1596,6 +1601,23 @@ mod tests {
             })
             .unwrap();
         (store, run_id)
+    }
+
+    #[test]
+    fn the_waiting_call_of_an_approval_is_found_through_its_index() {
+        let store = Store::in_memory().unwrap();
+        let plan: Vec<String> = store
+            .read(|conn| {
+                let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {WAITING_CALL}"))?;
+                let rows = stmt.query_map(["r", "c"], |row| row.get::<_, String>(3))?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .unwrap();
+        assert!(
+            plan.iter()
+                .any(|line| line.contains("USING INDEX steps_waiting_call")),
+            "{plan:?}"
+        );
     }
 
     #[test]

@@ -36,7 +36,15 @@ struct Args {
     /// Concurrent runs of workload b.
     #[arg(long, default_value_t = 1000)]
     runs: usize,
-    /// Only these workloads (a, b, c, e, f); all when empty.
+    /// Steps of each run of workload b.
+    #[arg(long, default_value_t = 20)]
+    run_steps: u32,
+    /// Workload b compares group commit with and without an index like the one migration 7
+    /// dropped (`UNIQUE (run_id, call_id)` on steps), created again on one side.
+    #[arg(long, hide = true)]
+    call_id_index_ab: bool,
+    /// Only these workloads (a, b, c, e, f, and disk, which runs only when named); a to f
+    /// when empty.
     #[arg(long)]
     only: Vec<String>,
     /// Only this durability setting for workloads a and b (full, normal); both when absent.
@@ -500,12 +508,28 @@ fn rss_kib() -> u64 {
     status_kib("VmRSS")
 }
 
-/// One side of workload b: `runs` concurrent runs of 20 steps; (steps/s, p50 ms, p99 ms).
-fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) -> (f64, f64, f64) {
+/// One side of workload b: `runs` concurrent runs of `steps` steps; (steps/s, p50 ms, p99 ms).
+/// `call_id_index` creates the index migration 7 dropped again first.
+fn concurrent(
+    dir: &Path,
+    sync: Synchronous,
+    (runs, steps): (usize, u32),
+    group_commit: bool,
+    call_id_index: bool,
+) -> (f64, f64, f64) {
     let path = dir.join(format!("concurrent-{}.db", rand::random::<u32>()));
+    if call_id_index {
+        drop(Store::open_with(&path, options(sync)).unwrap());
+        rusqlite::Connection::open(&path)
+            .unwrap()
+            .execute("CREATE UNIQUE INDEX call_id ON steps (run_id, call_id)", [])
+            .unwrap();
+    }
     let store = Store::open_with(&path, options(sync)).unwrap();
-    let model = LoopModel::new(20);
-    let agent = Agent::new(model.clone()).tool(Noop).max_steps(100);
+    let model = LoopModel::new(steps);
+    let agent = Agent::new(model.clone())
+        .tool(Noop)
+        .max_steps(2 * steps + 2);
     let config = Config::default().group_commit(group_commit);
     let elapsed = actix::System::new().block_on(async move {
         let sup = bench_supervisor(store, config, agent);
@@ -531,7 +555,7 @@ fn concurrent(dir: &Path, sync: Synchronous, runs: usize, group_commit: bool) ->
     latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
     (
-        (runs * 20) as f64 / elapsed.as_secs_f64(),
+        runs as f64 * steps as f64 / elapsed.as_secs_f64(),
         pct(0.5),
         pct(0.99),
     )
@@ -542,7 +566,8 @@ fn workload_b(args: &Args, dir: &Path) {
     if let Some(on) = args.profile_b {
         // One side only, for a profiler: no comparison.
         for sync in syncs(args) {
-            let (steps_per_s, p50, p99) = concurrent(dir, sync, args.runs, on);
+            let (steps_per_s, p50, p99) =
+                concurrent(dir, sync, (args.runs, args.run_steps), on, false);
             println!(
                 "{}",
                 json!({ "bench": "b_one_side", "group_commit": on, "sync": sync.as_str(), "runs": args.runs, "steps_per_s": steps_per_s, "p50_ms": p50, "p99_ms": p99 })
@@ -550,20 +575,24 @@ fn workload_b(args: &Args, dir: &Path) {
         }
         return;
     }
+    let shape = (args.runs, args.run_steps);
+    if args.call_id_index_ab {
+        return call_id_index_ab(args, dir);
+    }
     for sync in syncs(args) {
         let mut ratios = Vec::new();
         for round in 0..args.rounds.min(3) {
             let (on, off) = if round % 2 == 0 {
-                let on = concurrent(dir, sync, args.runs, true);
-                (on, concurrent(dir, sync, args.runs, false))
+                let on = concurrent(dir, sync, shape, true, false);
+                (on, concurrent(dir, sync, shape, false, false))
             } else {
-                let off = concurrent(dir, sync, args.runs, false);
-                (concurrent(dir, sync, args.runs, true), off)
+                let off = concurrent(dir, sync, shape, false, false);
+                (concurrent(dir, sync, shape, true, false), off)
             };
             ratios.push(on.0 / off.0);
             println!(
                 "{}",
-                json!({ "bench": "b_concurrent", "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": 20, "round": round,
+                json!({ "bench": "b_concurrent", "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": args.run_steps, "round": round,
                         "group_commit_steps_per_s": on.0, "group_commit_p50_ms": on.1, "group_commit_p99_ms": on.2,
                         "single_commit_steps_per_s": off.0, "single_commit_p50_ms": off.1, "single_commit_p99_ms": off.2,
                         "ratio": on.0 / off.0, "peak_rss_kib": peak_rss_kib() })
@@ -571,7 +600,36 @@ fn workload_b(args: &Args, dir: &Path) {
         }
         summary(
             "b_group_commit_vs_off",
-            json!({ "sync": format!("{sync:?}"), "runs": args.runs }),
+            json!({ "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": args.run_steps }),
+            &mut ratios,
+        );
+    }
+}
+
+/// b with `--call-id-index-ab`: group commit on both sides, without and with the call-id index
+/// that migration 7 dropped.
+fn call_id_index_ab(args: &Args, dir: &Path) {
+    let shape = (args.runs, args.run_steps);
+    for sync in syncs(args) {
+        let mut ratios = Vec::new();
+        for round in 0..args.rounds {
+            let (without, with) = if round % 2 == 0 {
+                let without = concurrent(dir, sync, shape, true, false);
+                (without, concurrent(dir, sync, shape, true, true))
+            } else {
+                let with = concurrent(dir, sync, shape, true, true);
+                (concurrent(dir, sync, shape, true, false), with)
+            };
+            ratios.push(without.0 / with.0);
+            println!(
+                "{}",
+                json!({ "bench": "b_call_id_index", "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": args.run_steps, "round": round,
+                        "without_steps_per_s": without.0, "with_steps_per_s": with.0, "ratio": without.0 / with.0 })
+            );
+        }
+        summary(
+            "b_without_vs_with_call_id_index",
+            json!({ "sync": format!("{sync:?}"), "runs": args.runs, "steps_per_run": args.run_steps }),
             &mut ratios,
         );
     }
@@ -745,4 +803,50 @@ fn main() {
     if wants("f") {
         workload_f(&args, dir.path());
     }
+    if args.only.iter().any(|only| only == "disk") {
+        workload_disk(dir.path());
+    }
+}
+
+/// disk (only when asked for): the floor under every durable commit on this disk, with no
+/// SQLite at all: `pages` 4 KiB writes rewriting a preallocated file in place, then one
+/// `fdatasync`, as a commit to a log that has started over does. Median and deciles.
+fn workload_disk(dir: &Path) {
+    use std::os::unix::fs::FileExt;
+    const SPAN: u64 = 64 << 20;
+    let path = dir.join("disk.bin");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    let page = [0x5au8; 4096];
+    // Allocated and on disk first, so that every sync below rewrites blocks in place.
+    for offset in (0..SPAN).step_by(1 << 20) {
+        file.write_all_at(&[0u8; 1 << 20], offset).unwrap();
+    }
+    file.sync_all().unwrap();
+    let mut offset = 0;
+    for pages in [1u64, 6, 12, 24] {
+        let mut micros: Vec<f64> = (0..1500)
+            .map(|_| {
+                let started = Instant::now();
+                for _ in 0..pages {
+                    file.write_all_at(&page, offset).unwrap();
+                    offset = (offset + 4096) % SPAN;
+                }
+                file.sync_data().unwrap();
+                started.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        micros.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let at = |q: f64| micros[((micros.len() - 1) as f64 * q) as usize];
+        println!(
+            "{}",
+            json!({ "bench": "disk_write_sync", "pages": pages, "p10_us": at(0.1), "p50_us": at(0.5), "p90_us": at(0.9) })
+        );
+    }
+    let _ = std::fs::remove_file(&path);
 }

@@ -13,7 +13,7 @@ CREATE TABLE steps_new (
     state       TEXT    NOT NULL CHECK (state = 'pending' OR state = 'waiting'
                     OR state = 'in_flight' OR state = 'interrupted' OR state = 'finished'),
     attempt     INTEGER NOT NULL DEFAULT 0 CHECK (attempt >= 0), -- attempts started so far
-    call_id     TEXT,   -- tool steps: the call's id, unique within the run
+    call_id     TEXT,   -- tool steps: the call's id, unique within the run (kept by the loop)
     tool        TEXT,   -- tool steps: the tool's name as the model asked for it
     args        TEXT    CHECK (args IS NULL OR json_valid(args)),
     result      TEXT    CHECK (result IS NULL OR json_valid(result)),

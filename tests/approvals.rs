@@ -412,3 +412,47 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
         .count();
     assert_eq!(resumed, 1);
 }
+
+/// The database no longer checks the ids of calls that do not wait (migration 7): the loop
+/// must keep them unique across a resume, from the ids it reads back.
+#[test]
+fn a_call_id_used_before_a_resume_is_made_unique_after_it() {
+    let db = TempStore::new();
+    let pay = || ModelResponse::calls(vec![ToolCall::new("pay-1", "transfer", json!({}))]);
+    let model = ScriptedModel::new(vec![pay(), pay(), ModelResponse::answer("finished")]);
+    let transfer = RecordingTool::new("transfer");
+    let run_id = start_waiting(&db, approval_agent(&model, &transfer));
+
+    // Each resume runs in a supervisor of its own, whose loop knows the run only from the
+    // database.
+    let approve_and_resume = |call_id: &'static str| {
+        let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
+        with_system(|| async move {
+            let supervisor = Supervisor::builder(store)
+                .agent("a", agent)
+                .start()
+                .unwrap();
+            let approval = Approval::approve(id.clone(), call_id, "alice");
+            supervisor
+                .send(RecordApproval(approval))
+                .await
+                .unwrap()
+                .unwrap();
+            supervisor.send(ResumeRun::new(id)).await.unwrap()
+        })
+        .unwrap()
+    };
+    let reply = approve_and_resume("pay-1");
+    let Outcome::WaitingForApproval { pending } = reply.outcome else {
+        panic!("{:?}", reply.outcome)
+    };
+    assert_eq!((pending.step, pending.call_id.as_str()), (4, "call-4"));
+    let reply = approve_and_resume("call-4");
+    assert!(matches!(reply.outcome, Outcome::Succeeded { .. }));
+    let ids: Vec<String> = transfer
+        .executions()
+        .into_iter()
+        .map(|e| e.call_id)
+        .collect();
+    assert_eq!(ids, ["pay-1", "call-4"]);
+}

@@ -115,6 +115,14 @@ fn the_call_id_constraint_gives_way_to_an_index_of_waiting_calls_with_every_row_
     assert_eq!(violations, 0);
 }
 
+fn assert_refused_as_a_repeated_waiting_call(result: rusqlite::Result<usize>) {
+    let err = result.unwrap_err().to_string();
+    assert!(
+        err.contains("UNIQUE constraint failed: steps.run_id, steps.call_id"),
+        "{err}"
+    );
+}
+
 #[test]
 fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the_index() {
     let db = TempStore::new();
@@ -127,7 +135,7 @@ fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the
          VALUES ('r1', 5, 'tool', 'waiting', 0, 'c2', 'pay', '{}', 'policy')",
         [],
     );
-    assert!(refused.is_err(), "a second waiting c2");
+    assert_refused_as_a_repeated_waiting_call(refused);
     // The loop keeps every call id of a run distinct; the database no longer checks the ids of
     // steps that do not wait (their index cost a page per tool step).
     conn.execute(
@@ -141,7 +149,7 @@ fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the
         "UPDATE steps SET state = 'waiting', waiting_for = 'policy' WHERE run_id = 'r1' AND step = 5",
         [],
     );
-    assert!(refused.is_err(), "c2 waiting twice");
+    assert_refused_as_a_repeated_waiting_call(refused);
     // A thousand tool steps that do not wait leave the index with its one waiting call.
     let mut insert = conn
         .prepare(

@@ -4,6 +4,8 @@
 //! in a supervisor only the `StoreActor` calls it. All SQL lives in [`sql`].
 
 pub(crate) mod sql;
+#[cfg(unix)]
+mod wal_vfs;
 
 use std::{
     ops::Deref,
@@ -216,6 +218,16 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
 const STATEMENT_CACHE: usize = 128;
 
 /// Applies the hardening and the pragmas every connection gets.
+/// Opens a connection that writes to a database file: through the VFS that hands each commit's
+/// log frames to the file in one write, where there is one.
+fn open_writing(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
+    #[cfg(unix)]
+    if wal_vfs::register() {
+        return Connection::open_with_flags_and_vfs(path, flags, wal_vfs::NAME);
+    }
+    Connection::open_with_flags(path, flags)
+}
+
 fn configure(conn: &Connection, options: &StoreOptions, file: bool, role: Role) -> Result<()> {
     conn.busy_timeout(options.busy_timeout)?;
     // Every statement agentrt runs stays prepared (rusqlite keeps 16 by default; the moves
@@ -320,8 +332,7 @@ impl Store {
         if options.create {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
-        let mut writer =
-            Connection::open_with_flags(&path, flags).map_err(|err| on_open(err.into(), &path))?;
+        let mut writer = open_writing(&path, flags).map_err(|err| on_open(err.into(), &path))?;
         configure(&writer, &options, true, Role::Writer).map_err(|err| on_open(err, &path))?;
         // After the pragmas: `wal_autocheckpoint` installs a hook of its own.
         writer.wal_hook(Some(note_log_size));
@@ -435,7 +446,10 @@ impl Store {
         let Some(path) = &self.inner.path else {
             return Ok(None);
         };
-        let conn = Connection::open(path)?;
+        let conn = open_writing(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
         let options = StoreOptions {
             busy_timeout,
             ..self.inner.options.clone()

@@ -3,14 +3,25 @@
 //! SQLite appends a frame to the write-ahead log with two `write` calls (its 24-byte header, then
 //! the page), so a group commit of a few hundred pages costs a few hundred system calls, most of
 //! the commit's time on this project's machine. This VFS gathers the consecutive writes to a log
-//! file in memory and writes them with one call when the transaction's commit frame is complete,
-//! or before anything else touches the file (a read, a sync, a size query, a lock, a close).
-//! No reader can see the frames earlier: a commit is published (in the log's shared index, after
-//! its frames are written) only once its commit frame is written, and the commit frame's page is
-//! the write that sends the transaction's frames to the file, which also makes a failure of that
-//! write the commit's failure. The log's format is SQLite's (frames of a 24-byte header and a
-//! page; a commit frame's header holds the database's size after it), so the file on disk is
-//! exactly what SQLite would have written. Every other file passes straight through.
+//! file in memory and writes them with one call per [`WRITE_LIMIT`] bytes:
+//!
+//! - when the page of a commit frame (the frame whose header holds the database's size after the
+//!   transaction) is written: the transaction's frames reach the file inside that write, so a
+//!   failure is the commit's failure, which SQLite rolls back;
+//! - before anything else is done with the log (a read, a sync, a size query, a close);
+//! - before the database file's shared-index barrier, which SQLite passes between writing a
+//!   commit's frames and publishing the commit to other connections: no connection can read a
+//!   published commit whose frames are not in the file, whatever path wrote them (a transaction
+//!   that spilled pages, rewrote checksums, or padded its commit);
+//! - before any change of the database's shared-index locks, among them the release of the
+//!   write lock: frames of a transaction rolled back never outlive it, to land on frames another
+//!   connection wrote since.
+//!
+//! The bytes, their offsets and their order are SQLite's own, so the file is exactly what SQLite
+//! would have written. Files other than a log pass straight through, and so does a log whose
+//! database file was not opened through this VFS. It assumes the log's shared index lives in
+//! shared memory (not `locking_mode=EXCLUSIVE`, which agentrt never sets): that is where the
+//! barrier and the locks are passed.
 
 use std::{
     ffi::{CStr, c_int, c_void},
@@ -23,7 +34,7 @@ use rusqlite::ffi;
 /// The name connections open the store with.
 pub(crate) const NAME: &CStr = c"agentrt-wal";
 
-/// Writes gathered for one log file before they go to the file in one call, at most.
+/// Writes gathered for one log file before they go to the file, at most.
 const BUFFER_LIMIT: usize = 4 << 20;
 
 /// The most the unix VFS writes in one call (it masks a write's length to 17 bits).
@@ -76,8 +87,11 @@ static REAL: OnceLock<Real> = OnceLock::new();
 struct ShimFile {
     base: ffi::sqlite3_file,
     real: *mut ffi::sqlite3_file,
-    /// Only for a write-ahead log.
+    /// Only for a log whose database file is ours.
     log: *mut LogBuffer,
+    /// A log: its database file. A database file: its log, while both are open. Cleared by
+    /// whichever closes first.
+    peer: *mut ShimFile,
 }
 
 /// The size of [`ShimFile`], rounded so that the real file after it is aligned.
@@ -90,9 +104,6 @@ struct LogBuffer {
     data: Vec<u8>,
     /// The last write was a commit frame's header: its page completes the commit.
     commit_next: bool,
-    /// A write that failed where it could not be reported (a barrier): every later call
-    /// fails.
-    failed: bool,
 }
 
 #[cfg(test)]
@@ -104,14 +115,14 @@ thread_local! {
 }
 
 unsafe extern "C" fn open(
-    vfs: *mut ffi::sqlite3_vfs,
+    _: *mut ffi::sqlite3_vfs,
     name: ffi::sqlite3_filename,
     file: *mut ffi::sqlite3_file,
     flags: c_int,
     out_flags: *mut c_int,
 ) -> c_int {
-    let _ = vfs;
-    // SAFETY: SQLite hands us `szOsFile` bytes at `file`; the real file lives after ours.
+    // SAFETY: SQLite hands us `szOsFile` bytes at `file`; the real file lives after ours. On
+    // failure the real VFS leaves its file closed, and ours has no methods: nothing to close.
     unsafe {
         let shim = file as *mut ShimFile;
         let real_file = (file as *mut u8).add(SHIM_SIZE) as *mut ffi::sqlite3_file;
@@ -122,12 +133,19 @@ unsafe extern "C" fn open(
             return rc;
         }
         (*shim).real = real_file;
-        (*shim).log = if flags & ffi::SQLITE_OPEN_WAL != 0 {
-            Box::into_raw(Box::default())
-        } else {
-            ptr::null_mut()
-        };
+        (*shim).log = ptr::null_mut();
+        (*shim).peer = ptr::null_mut();
         (*shim).base.pMethods = &METHODS;
+        if flags & ffi::SQLITE_OPEN_WAL != 0 {
+            // Gathered only when the database file is ours: its barrier and locks are where
+            // the buffer is written before a commit is published or the write lock released.
+            let db = ffi::sqlite3_database_file_object(name) as *mut ShimFile;
+            if !db.is_null() && ptr::eq((*db).base.pMethods, &METHODS) {
+                (*shim).log = Box::into_raw(Box::default());
+                (*shim).peer = db;
+                (*db).peer = shim;
+            }
+        }
         ffi::SQLITE_OK
     }
 }
@@ -158,14 +176,15 @@ static METHODS: ffi::sqlite3_io_methods = ffi::sqlite3_io_methods {
 unsafe fn real(
     file: *mut ffi::sqlite3_file,
 ) -> (*mut ffi::sqlite3_file, &'static ffi::sqlite3_io_methods) {
-    // SAFETY: only called on files this VFS opened.
+    // SAFETY: only called on files this VFS opened, whose real file is open.
     unsafe {
         let real = (*(file as *mut ShimFile)).real;
         (real, &*(*real).pMethods)
     }
 }
 
-/// Writes what the log's buffer holds, if anything.
+/// Writes what a log's buffer holds, if anything. The buffer is empty afterwards, written or
+/// not.
 unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
     // SAFETY: only called on files this VFS opened.
     unsafe {
@@ -173,9 +192,6 @@ unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
         let Some(log) = (*shim).log.as_mut() else {
             return ffi::SQLITE_OK;
         };
-        if log.failed {
-            return ffi::SQLITE_IOERR_WRITE;
-        }
         if log.data.is_empty() {
             return ffi::SQLITE_OK;
         }
@@ -203,7 +219,22 @@ unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
             offset += chunk.len() as i64;
         }
         log.data.clear();
+        log.commit_next = false;
         rc
+    }
+}
+
+/// For a database file: writes what its log's buffer holds, if it has a log of ours.
+unsafe fn flush_log_of(db: *mut ffi::sqlite3_file) -> c_int {
+    // SAFETY: the file is ours; a peer is cleared before it is freed.
+    unsafe {
+        let shim = db as *mut ShimFile;
+        let log = (*shim).peer;
+        if (*shim).log.is_null() && !log.is_null() {
+            flush(log as *mut ffi::sqlite3_file)
+        } else {
+            ffi::SQLITE_OK
+        }
     }
 }
 
@@ -220,9 +251,6 @@ unsafe extern "C" fn write(
             let (real, methods) = real(file);
             return (methods.xWrite.expect("xWrite"))(real, data, amount, offset);
         };
-        if log.failed {
-            return ffi::SQLITE_IOERR_WRITE;
-        }
         let bytes = std::slice::from_raw_parts(data as *const u8, amount as usize);
         let follows = !log.data.is_empty() && offset == log.start + log.data.len() as i64;
         if !follows || log.data.len() + bytes.len() > BUFFER_LIMIT {
@@ -236,7 +264,6 @@ unsafe extern "C" fn write(
         if log.commit_next && bytes.len() != FRAME_HEADER {
             // The commit frame is complete: the transaction's frames go to the file now, so
             // that a failure is the commit's.
-            log.commit_next = false;
             return flush(file);
         }
         log.commit_next = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
@@ -245,12 +272,16 @@ unsafe extern "C" fn write(
 }
 
 unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: SQLite closes a file once; the buffer is freed with it.
+    // SAFETY: SQLite closes a file once; its buffer is freed with it, and its peer forgets it.
     unsafe {
         let flushed = flush(file);
         let (real, methods) = real(file);
         let rc = (methods.xClose.expect("xClose"))(real);
         let shim = file as *mut ShimFile;
+        if !(*shim).peer.is_null() {
+            (*(*shim).peer).peer = ptr::null_mut();
+            (*shim).peer = ptr::null_mut();
+        }
         if !(*shim).log.is_null() {
             drop(Box::from_raw((*shim).log));
             (*shim).log = ptr::null_mut();
@@ -263,7 +294,7 @@ unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
     }
 }
 
-/// Flushes, then calls the real method.
+/// Writes the file's own buffer, then calls the real method.
 macro_rules! flushed {
     ($file:ident, $method:ident $(, $arg:expr)*) => {{
         // SAFETY: the file is ours; the arguments are SQLite's own, passed on.
@@ -356,19 +387,25 @@ unsafe extern "C" fn shm_lock(
     n: c_int,
     flags: c_int,
 ) -> c_int {
+    // SAFETY: the file is ours. What the log still holds here was never published (a commit's
+    // frames went at its commit frame, or at the barrier): frames of a transaction rolled back,
+    // or spilled before a failure. They are written as SQLite would have written them, while
+    // this connection still holds the write lock; if that fails they are dropped (`flush`
+    // empties the buffer either way), and the next writer writes over them.
+    let _ = unsafe { flush_log_of(file) };
     flushed!(file, xShmLock, offset, n, flags)
 }
 
 unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
     // SAFETY: the file is ours.
     unsafe {
-        // SQLite calls it on the database file, whose writes are not gathered; were it called
-        // on a log with writes pending, a failure could not be returned, so every later call
-        // on the file fails instead.
-        if flush(file) != ffi::SQLITE_OK
-            && let Some(log) = (*(file as *mut ShimFile)).log.as_mut()
-        {
-            log.failed = true;
+        // SQLite passes the barrier between writing a commit's frames and publishing it: the
+        // frames must be in the file first. The barrier cannot fail, so neither may this: a
+        // process that cannot write a commit it is about to publish stops here, and the next
+        // to open the database recovers the log from the file, without that commit.
+        if flush_log_of(file) != ffi::SQLITE_OK {
+            tracing::error!("a commit's log frames could not be written before its publication");
+            std::process::abort();
         }
         let (real, methods) = real(file);
         if let Some(method) = methods.xShmBarrier {
@@ -378,6 +415,8 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
 }
 
 unsafe extern "C" fn shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
+    // SAFETY: the file is ours.
+    let _ = unsafe { flush_log_of(file) };
     flushed!(file, xShmUnmap, delete)
 }
 
@@ -414,6 +453,7 @@ mod tests {
         .unwrap();
         conn.execute_batch(&format!(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = {synchronous};
+             PRAGMA wal_autocheckpoint = 0;
              CREATE TABLE IF NOT EXISTS t (k INTEGER PRIMARY KEY, v TEXT NOT NULL);"
         ))
         .unwrap();
@@ -505,5 +545,68 @@ mod tests {
         drop(reader);
         let reopened = Connection::open(&path).unwrap();
         assert_eq!(count(&reopened), 200);
+    }
+
+    /// The database and its log as a process that died now would leave them (without the
+    /// shared index, so that whoever opens the copy recovers the log from the file alone).
+    fn crash_image(path: &std::path::Path) -> (tempfile::TempDir, Connection) {
+        let copy = tempfile::tempdir().unwrap();
+        let copied = copy.path().join("db");
+        std::fs::copy(path, &copied).unwrap();
+        let wal = std::path::PathBuf::from(format!("{}-wal", path.display()));
+        std::fs::copy(&wal, format!("{}-wal", copied.display())).unwrap();
+        let conn = Connection::open(&copied).unwrap();
+        let check: String = conn
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(check, "ok");
+        (copy, conn)
+    }
+
+    #[test]
+    fn a_transaction_that_spills_pages_to_the_log_is_whole_in_the_file_once_it_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let writer = open(&path, "NORMAL");
+        // A cache of 20 pages: the transaction writes frames before its commit, and rewrites
+        // some of them (and their checksums) in place.
+        writer.execute_batch("PRAGMA cache_size = 20").unwrap();
+        commit_rows(&writer, 0, 20_000).unwrap();
+        commit_rows(&writer, 5_000, 20_000).unwrap();
+        // Nothing more on the writer: what recovery finds is what the commits left.
+        let (_copy, recovered) = crash_image(&path);
+        assert_eq!(count(&recovered), 25_000);
+    }
+
+    #[test]
+    fn frames_of_a_rolled_back_transaction_never_land_on_another_connections_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let writer = open(&path, "NORMAL");
+        writer.execute_batch("PRAGMA cache_size = 20").unwrap();
+        commit_rows(&writer, 0, 100).unwrap();
+        {
+            // Spills frames, then rolls back.
+            let tx = writer.unchecked_transaction().unwrap();
+            for k in 1_000..21_000 {
+                tx.execute(
+                    "INSERT INTO t (k, v) VALUES (?1, ?2)",
+                    rusqlite::params![k, "y".repeat(300)],
+                )
+                .unwrap();
+            }
+            tx.rollback().unwrap();
+        }
+        // Another connection writes where the rolled-back frames were. (The rollback's own
+        // reads of the log may write them before the write lock's release does: either way,
+        // before the lock is released.)
+        let other = Connection::open(&path).unwrap();
+        commit_rows(&other, 100, 2_000).unwrap();
+        // The writer goes on: anything it still held of the rolled-back transaction would be
+        // written now.
+        commit_rows(&writer, 50_000, 1).unwrap();
+        assert_eq!(count(&writer), 2_101);
+        let (_copy, recovered) = crash_image(&path);
+        assert_eq!(count(&recovered), 2_101);
     }
 }

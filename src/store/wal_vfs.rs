@@ -104,6 +104,11 @@ struct LogBuffer {
     data: Vec<u8>,
     /// The last write was a commit frame's header: its page completes the commit.
     commit_next: bool,
+    /// The end of the furthest write since the log last started over (a write at offset 0).
+    end: i64,
+    /// A write failed since the write lock was last taken or released: the barrier must not
+    /// let a commit be published (SQLite ignores some errors, of a size query, say).
+    failed: bool,
 }
 
 #[cfg(test)]
@@ -112,6 +117,10 @@ thread_local! {
     static LOG_WRITES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     /// Makes this thread's next writes to a log file fail.
     static FAIL_LOG_WRITES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Makes this thread's write to a log file fail when `LOG_WRITES` reaches it.
+    static FAIL_LOG_WRITE_AT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// A barrier on this thread found bytes still to write: set instead of aborting.
+    static BARRIER_FOUND_BYTES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 unsafe extern "C" fn open(
@@ -139,8 +148,10 @@ unsafe extern "C" fn open(
         if flags & ffi::SQLITE_OPEN_WAL != 0 {
             // Gathered only when the database file is ours: its barrier and locks are where
             // the buffer is written before a commit is published or the write lock released.
+            // SQLite closes a database's log before it opens another: a database already
+            // linked is not expected, and its log is left to pass through.
             let db = ffi::sqlite3_database_file_object(name) as *mut ShimFile;
-            if !db.is_null() && ptr::eq((*db).base.pMethods, &METHODS) {
+            if !db.is_null() && ptr::eq((*db).base.pMethods, &METHODS) && (*db).peer.is_null() {
                 (*shim).log = Box::into_raw(Box::default());
                 (*shim).peer = db;
                 (*db).peer = shim;
@@ -202,7 +213,7 @@ unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
             #[cfg(test)]
             {
                 LOG_WRITES.set(LOG_WRITES.get() + 1);
-                if FAIL_LOG_WRITES.get() {
+                if FAIL_LOG_WRITES.get() || LOG_WRITES.get() == FAIL_LOG_WRITE_AT.get() {
                     rc = ffi::SQLITE_IOERR_WRITE;
                     break;
                 }
@@ -220,7 +231,22 @@ unsafe fn flush(file: *mut ffi::sqlite3_file) -> c_int {
         }
         log.data.clear();
         log.commit_next = false;
+        log.failed |= rc != ffi::SQLITE_OK;
         rc
+    }
+}
+
+/// For a database file: its log's buffer, if it has a log of ours.
+unsafe fn log_of<'a>(db: *mut ffi::sqlite3_file) -> Option<&'a mut LogBuffer> {
+    // SAFETY: the file is ours; a peer is cleared before it is freed.
+    unsafe {
+        let shim = db as *mut ShimFile;
+        let log = (*shim).peer;
+        if (*shim).log.is_null() && !log.is_null() {
+            (*log).log.as_mut()
+        } else {
+            None
+        }
     }
 }
 
@@ -252,6 +278,13 @@ unsafe extern "C" fn write(
             return (methods.xWrite.expect("xWrite"))(real, data, amount, offset);
         };
         let bytes = std::slice::from_raw_parts(data as *const u8, amount as usize);
+        let completes_commit = log.commit_next && bytes.len() != FRAME_HEADER;
+        let commit_header = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
+        if offset == 0 {
+            log.end = 0;
+        }
+        let rewrites = offset < log.end;
+        log.end = log.end.max(offset + bytes.len() as i64);
         let follows = !log.data.is_empty() && offset == log.start + log.data.len() as i64;
         if !follows || log.data.len() + bytes.len() > BUFFER_LIMIT {
             let rc = flush(file);
@@ -261,12 +294,13 @@ unsafe extern "C" fn write(
             log.start = offset;
         }
         log.data.extend_from_slice(bytes);
-        if log.commit_next && bytes.len() != FRAME_HEADER {
-            // The commit frame is complete: the transaction's frames go to the file now, so
-            // that a failure is the commit's.
+        // The commit frame is complete, or its header was rewritten in place (its checksum,
+        // after pages rewritten within the transaction): the transaction's frames go to the
+        // file now, so that a failure is the commit's.
+        if completes_commit || (commit_header && rewrites) {
             return flush(file);
         }
-        log.commit_next = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
+        log.commit_next = commit_header;
         ffi::SQLITE_OK
     }
 }
@@ -278,10 +312,11 @@ unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
         let (real, methods) = real(file);
         let rc = (methods.xClose.expect("xClose"))(real);
         let shim = file as *mut ShimFile;
-        if !(*shim).peer.is_null() {
-            (*(*shim).peer).peer = ptr::null_mut();
-            (*shim).peer = ptr::null_mut();
+        let peer = (*shim).peer;
+        if !peer.is_null() && ptr::eq((*peer).peer, shim) {
+            (*peer).peer = ptr::null_mut();
         }
+        (*shim).peer = ptr::null_mut();
         if !(*shim).log.is_null() {
             drop(Box::from_raw((*shim).log));
             (*shim).log = ptr::null_mut();
@@ -391,8 +426,14 @@ unsafe extern "C" fn shm_lock(
     // frames went at its commit frame, or at the barrier): frames of a transaction rolled back,
     // or spilled before a failure. They are written as SQLite would have written them, while
     // this connection still holds the write lock; if that fails they are dropped (`flush`
-    // empties the buffer either way), and the next writer writes over them.
-    let _ = unsafe { flush_log_of(file) };
+    // empties the buffer either way), and the next writer writes over them. A failure before
+    // it no longer concerns the next transaction.
+    unsafe {
+        let _ = flush_log_of(file);
+        if let Some(log) = log_of(file) {
+            log.failed = false;
+        }
+    }
     flushed!(file, xShmLock, offset, n, flags)
 }
 
@@ -403,8 +444,14 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
         // frames must be in the file first. The barrier cannot fail, so neither may this: a
         // process that cannot write a commit it is about to publish stops here, and the next
         // to open the database recovers the log from the file, without that commit.
-        if flush_log_of(file) != ffi::SQLITE_OK {
+        #[cfg(test)]
+        if log_of(file).is_some_and(|log| !log.data.is_empty() || log.failed) {
+            BARRIER_FOUND_BYTES.set(true);
+        }
+        let flushed = flush_log_of(file);
+        if flushed != ffi::SQLITE_OK || log_of(file).is_some_and(|log| log.failed) {
             tracing::error!("a commit's log frames could not be written before its publication");
+            #[cfg(not(test))]
             std::process::abort();
         }
         let (real, methods) = real(file);
@@ -608,5 +655,66 @@ mod tests {
         assert_eq!(count(&writer), 2_101);
         let (_copy, recovered) = crash_image(&path);
         assert_eq!(count(&recovered), 2_101);
+    }
+
+    /// Writes `rows` rows of about a page each, in one transaction.
+    fn commit_pages(conn: &Connection, from: i64, rows: i64) -> rusqlite::Result<()> {
+        let tx = conn.unchecked_transaction()?;
+        for k in from..from + rows {
+            tx.execute(
+                "INSERT OR REPLACE INTO t (k, v) VALUES (?1, ?2)",
+                rusqlite::params![k, "p".repeat(3_900)],
+            )?;
+        }
+        tx.commit()
+    }
+
+    #[test]
+    fn no_commit_reaches_its_publication_with_bytes_still_to_write() {
+        // Around the buffer's limit (its 1,019th frame of 4 KiB pages is the last that fits),
+        // and a transaction that spills and rewrites checksums in place.
+        for rows in 1000..1030 {
+            let dir = tempfile::tempdir().unwrap();
+            let writer = open(&dir.path().join("db"), "NORMAL");
+            BARRIER_FOUND_BYTES.set(false);
+            commit_pages(&writer, 0, rows).unwrap();
+            assert!(!BARRIER_FOUND_BYTES.get(), "{rows} rows");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let writer = open(&dir.path().join("db"), "NORMAL");
+        writer.execute_batch("PRAGMA cache_size = 20").unwrap();
+        BARRIER_FOUND_BYTES.set(false);
+        commit_rows(&writer, 0, 20_000).unwrap();
+        commit_rows(&writer, 5_000, 20_000).unwrap();
+        assert!(!BARRIER_FOUND_BYTES.get(), "a spilled transaction");
+    }
+
+    #[test]
+    fn a_write_that_fails_anywhere_in_a_commit_fails_it_or_leaves_it_whole() {
+        // The writes a spilled transaction makes when nothing fails.
+        let writes_of = |fail_at: Option<usize>| {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db");
+            let writer = open(&path, "NORMAL");
+            writer.execute_batch("PRAGMA cache_size = 20").unwrap();
+            commit_rows(&writer, 0, 500).unwrap();
+            let before = LOG_WRITES.get();
+            FAIL_LOG_WRITE_AT.set(fail_at.map_or(0, |k| before + k));
+            BARRIER_FOUND_BYTES.set(false);
+            let result = commit_rows(&writer, 200, 3_000);
+            FAIL_LOG_WRITE_AT.set(0);
+            let writes = LOG_WRITES.get() - before;
+            assert!(!BARRIER_FOUND_BYTES.get(), "failing write {fail_at:?}");
+            let expected = if result.is_ok() { 3_200 } else { 500 };
+            assert_eq!(count(&writer), expected, "failing write {fail_at:?}");
+            let (_copy, recovered) = crash_image(&path);
+            assert_eq!(count(&recovered), expected, "failing write {fail_at:?}");
+            writes
+        };
+        let writes = writes_of(None);
+        assert!(writes > 3, "{writes} writes");
+        for k in 1..=writes {
+            writes_of(Some(k));
+        }
     }
 }

@@ -217,9 +217,8 @@ fn pragmas(options: &StoreOptions, file: bool, role: Role) -> Vec<(&'static str,
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 128;
 
-/// Applies the hardening and the pragmas every connection gets.
 /// Opens a connection that writes to a database file: through the VFS that hands each commit's
-/// log frames to the file in one write, where there is one.
+/// log frames to the file in one write per 124 KiB, where there is one.
 fn open_writing(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
     #[cfg(unix)]
     if wal_vfs::register() {
@@ -228,6 +227,7 @@ fn open_writing(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
     Connection::open_with_flags(path, flags)
 }
 
+/// Applies the hardening and the pragmas every connection gets.
 fn configure(conn: &Connection, options: &StoreOptions, file: bool, role: Role) -> Result<()> {
     conn.busy_timeout(options.busy_timeout)?;
     // Every statement agentrt runs stays prepared (rusqlite keeps 16 by default; the moves

@@ -1,8 +1,8 @@
 //! A VFS over SQLite's default one that hands each commit's log frames to the file in one write.
 //!
 //! SQLite appends a frame to the write-ahead log with two `write` calls (its 24-byte header, then
-//! the page), so a group commit of a few hundred pages costs a few hundred system calls, most of
-//! the commit's time on this project's machine. This VFS gathers the consecutive writes to a log
+//! the page), so a group commit of a few hundred pages costs twice as many system calls: on this
+//! project's machine, the commit was about half of the writer's statement time. This VFS gathers the consecutive writes to a log
 //! file in memory and writes them with one call per [`WRITE_LIMIT`] bytes:
 //!
 //! - when the page of a commit frame (the frame whose header holds the database's size after the

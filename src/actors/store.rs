@@ -106,8 +106,8 @@ impl Unsynced {
         *self.count() += 1;
     }
 
-    fn done(&self, groups: usize) {
-        *self.count() -= groups;
+    fn done(&self) {
+        *self.count() -= 1;
         self.synced.notify_all();
     }
 
@@ -332,7 +332,7 @@ impl Drop for UnsyncedGroup {
         // Its moves are dropped first, so that nobody waits on the count for a caller still
         // to be answered.
         drop(self.take());
-        self.unsynced.done(1);
+        self.unsynced.done();
     }
 }
 

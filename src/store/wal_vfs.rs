@@ -243,31 +243,21 @@ unsafe fn write_out(file: *mut ffi::sqlite3_file, log: &mut LogBuffer) -> c_int 
     }
 }
 
-/// For a database file: its log's buffer, if it has a log of ours.
-unsafe fn log_of<'a>(db: *mut ffi::sqlite3_file) -> Option<&'a mut LogBuffer> {
+/// For a database file: its log and the log's buffer, if it has a log of ours.
+unsafe fn log_of<'a>(
+    db: *mut ffi::sqlite3_file,
+) -> Option<(*mut ffi::sqlite3_file, &'a mut LogBuffer)> {
     // SAFETY: the file is ours; a peer is cleared before it is freed.
     unsafe {
         let shim = db as *mut ShimFile;
         let log = (*shim).peer;
-        if (*shim).log.is_null() && !log.is_null() {
-            (*log).log.as_mut()
-        } else {
-            None
+        if !(*shim).log.is_null() || log.is_null() {
+            return None;
         }
-    }
-}
-
-/// For a database file: writes what its log's buffer holds, if it has a log of ours.
-unsafe fn flush_log_of(db: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: the file is ours; a peer is cleared before it is freed.
-    unsafe {
-        let shim = db as *mut ShimFile;
-        let log = (*shim).peer;
-        if (*shim).log.is_null() && !log.is_null() {
-            flush(log as *mut ffi::sqlite3_file)
-        } else {
-            ffi::SQLITE_OK
-        }
+        (*log)
+            .log
+            .as_mut()
+            .map(|buffer| (log as *mut ffi::sqlite3_file, buffer))
     }
 }
 
@@ -442,9 +432,9 @@ unsafe extern "C" fn shm_lock(
     // empties the buffer either way), and the next writer writes over them. A failure before
     // it no longer concerns the next transaction.
     unsafe {
-        let _ = flush_log_of(file);
-        if let Some(log) = log_of(file) {
-            log.failed = false;
+        if let Some((log, buffer)) = log_of(file) {
+            let _ = write_out(log, buffer);
+            buffer.failed = false;
         }
     }
     flushed!(file, xShmLock, offset, n, flags)
@@ -457,14 +447,19 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
         // frames must be in the file first. The barrier cannot fail, so neither may this: a
         // process that cannot write a commit it is about to publish stops here, and the next
         // to open the database recovers the log from the file, without that commit.
-        #[cfg(test)]
-        if log_of(file).is_some_and(|log| !log.data.is_empty() || log.failed) {
-            BARRIER_FOUND_BYTES.set(true);
-        }
-        let flushed = flush_log_of(file);
-        if flushed != ffi::SQLITE_OK || log_of(file).is_some_and(|log| log.failed) {
-            tracing::error!("a commit's log frames could not be written before its publication");
-            std::process::abort();
+        if let Some((log, buffer)) = log_of(file) {
+            #[cfg(test)]
+            if !buffer.data.is_empty() || buffer.failed {
+                BARRIER_FOUND_BYTES.set(true);
+            }
+            // A failed write marks the buffer failed.
+            let _ = write_out(log, buffer);
+            if buffer.failed {
+                tracing::error!(
+                    "a commit's log frames could not be written before its publication"
+                );
+                std::process::abort();
+            }
         }
         let (real, methods) = real(file);
         if let Some(method) = methods.xShmBarrier {
@@ -475,7 +470,9 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
 
 unsafe extern "C" fn shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
     // SAFETY: the file is ours.
-    let _ = unsafe { flush_log_of(file) };
+    if let Some((log, buffer)) = unsafe { log_of(file) } {
+        let _ = unsafe { write_out(log, buffer) };
+    }
     flushed!(file, xShmUnmap, delete)
 }
 

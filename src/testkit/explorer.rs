@@ -267,11 +267,9 @@ impl Explorer {
                 let outcome = match store.run(id) {
                     // It finished before the crash: nothing to resume.
                     Ok(run) if run.state.is_finished() => Ok(()),
-                    Ok(_) => drive(&sup, id, input.clone(), &approve, false)
-                        .await
-                        .map(drop),
-                    // The crash came before the run was inserted: the consumer starts it again.
-                    Err(_) => drive(&sup, id, input.clone(), &approve, true)
+                    // Resumed; or, if the crash came before the run was inserted, started again
+                    // as the consumer would.
+                    found => drive(&sup, id, input.clone(), &approve, found.is_err())
                         .await
                         .map(drop),
                 };

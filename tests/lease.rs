@@ -8,9 +8,9 @@ use std::{
 
 use actix::Addr;
 use agentrt::{
-    Agent, CancelRun, Config, Error, EventKind, HeldLeases, Lease, LeaseLostReason, ModelResponse,
-    Outcome, ResumeRun, RunId, RunOutcome, RunState, StartRun, Store, SubscribeLeaseLost,
-    Supervisor, ToolCall,
+    Agent, Approval, CancelRun, Config, Error, EventKind, HeldLeases, Lease, LeaseLostReason,
+    ModelResponse, Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunOutcome,
+    RunState, StartRun, Store, SubscribeLeaseLost, Supervisor, ToolCall,
     testkit::{
         Behaviour, CountingClock, LeaseLostLog, ReconcileHook, RecordingTool, ScriptedModel,
         TempStore, assert_no_run_leased, resume_when_free, with_system,
@@ -160,6 +160,49 @@ fn heartbeat_renews_while_a_call_runs_and_stops_on_return_and_on_panic() {
     });
     assert!(held.is_empty());
     assert_eq!(db.open().lease(&RunId::from("r2")).unwrap(), None);
+}
+
+#[test]
+fn a_run_resumed_after_an_approval_has_its_lease_renewed() {
+    let db = TempStore::new();
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("c1", "slow", json!({}))]),
+        ModelResponse::answer("done"),
+    ]);
+    let agent = Agent::new(model)
+        .tool(slow.clone())
+        .policy(RequireApprovalFor::tools(["slow"]));
+    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let (outcome, held) = with_system(|| async move {
+        let sup = supervisor(store, fast_lease(), agent);
+        let first = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let first = first.await.unwrap().unwrap();
+        assert!(
+            matches!(first.outcome, Outcome::WaitingForApproval { .. }),
+            "{first:?}"
+        );
+        let approval = Approval::approve(RunId::from("r1"), "c1", "alice");
+        sup.send(RecordApproval(approval)).await.unwrap().unwrap();
+        let call = sup.send(ResumeRun::new("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        // The tool runs past the expiry the resume stamped: only renewals keep the run.
+        wait_renewed_past_first_expiry(path, "r1").await;
+        let held = sup.send(HeldLeases).await.unwrap();
+        probe.release();
+        (call.await.unwrap(), held)
+    });
+
+    assert_eq!(held, [RunId::from("r1")]);
+    assert_eq!(
+        outcome.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+    assert_eq!(slow.executions().len(), 1);
+    assert_no_run_leased(&db.open());
 }
 
 #[test]

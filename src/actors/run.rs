@@ -997,10 +997,13 @@ impl RunLoop {
         };
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
-        self.apply("resume_waiting", move |tx, now, id, holder| {
-            sql::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
-        })
-        .await?;
+        let expires_at = self
+            .apply("resume_waiting", move |tx, now, id, holder| {
+                sql::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
+            })
+            .await?;
+        // The resume took the lease: it is renewed from here on, like a start's or a takeover's.
+        self.hold(expires_at);
         tracing::info!(step = number, source, "waiting run resumed");
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),

@@ -194,3 +194,54 @@ fn cancel_of_an_unknown_run_is_not_found() {
     assert!(matches!(err, Error::RunNotFound(_)), "{err}");
     assert!(err.is_not_found());
 }
+
+#[test]
+fn a_model_answer_that_follows_an_outcome_recorded_late_is_dropped() {
+    let db = TempStore::new();
+    let deploy = RecordingTool::new("deploy").behaviour(Behaviour::BlockIgnoringCancel);
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("deploy-1", "deploy", json!({}))]),
+        ModelResponse::answer("deployed"),
+    ]);
+    let (store, operator_store, running) = (db.open(), db.open(), deploy.clone());
+    let agent = Agent::new(model.clone()).tool(deploy.clone());
+    let reply = with_system(|| async move {
+        let config = Config::default();
+        let (_supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;
+        // The CLI's cancel, which the loop does not hear of before the outcome is written.
+        operator_store
+            .cancel(&RunId::from("run-1"), "change freeze")
+            .unwrap();
+        running.release();
+        call.await.unwrap().unwrap()
+    })
+    .unwrap();
+
+    assert_eq!(
+        reply.outcome,
+        Outcome::Cancelled {
+            reason: "change freeze".into()
+        }
+    );
+    // The outcome's commit also reserved the next model call, and the loop called the model
+    // without waiting for it (a model call has no external side effect). The outcome came late,
+    // so the reservation was not attempted, and the answer that followed it was refused.
+    assert_eq!(model.calls(), 2);
+    let events = db.open().events(&RunId::from("run-1")).unwrap();
+    let kinds: Vec<EventKind> = events.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            EventKind::RunStarted,
+            EventKind::ModelStarted,
+            EventKind::ModelFinished,
+            EventKind::PolicyDecided,
+            EventKind::ToolStarted,
+            EventKind::RunFinished,
+            EventKind::ToolFinished,
+        ]
+    );
+    assert_eq!(events.last().unwrap().payload["late"], json!(true));
+    let run = db.open().run(&RunId::from("run-1")).unwrap();
+    assert_eq!(run.state, RunState::Cancelled);
+}

@@ -212,14 +212,22 @@ impl StoreActor {
 
     /// Commits `batch` as one group, each caller answered only once the group is durable.
     ///
-    /// While other moves wait (more than one in the batch, some in the queue, a group still
+    /// While other moves wait (other runs' moves in the batch, some in the queue, a group still
     /// syncing), the group's log sync is left to the syncer thread: this thread goes on with the
     /// next group instead of waiting for the disk, and the runs answered by one sync form the
-    /// next group while the one after is applied. A move alone syncs in its commit, which saves
-    /// a thread hand-off.
-    fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>) {
+    /// next group while the one after is applied. The moves of one run alone sync in their
+    /// commit, which saves a thread hand-off.
+    ///
+    /// A batch of [followed](StoreHandle::apply_followed) moves only first watches the queue,
+    /// for as long as the commit spin, for the moves that follow them: a run's model call is
+    /// often answered within microseconds, and its answer then commits with its reservation,
+    /// under one sync.
+    fn commit_group(&mut self, mut batch: Vec<Box<dyn Pending>>) {
+        if batch.iter().all(|pending| pending.followed()) {
+            batch.append(&mut self.next_batch());
+        }
         let defer = self.syncer.is_some()
-            && (batch.len() > 1 || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
+            && (spans_runs(&batch) || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
         let sync = if defer {
             LogSync::Deferred
         } else {
@@ -274,6 +282,16 @@ impl StoreActor {
     fn wait_synced(&self) {
         self.unsynced.wait_empty();
     }
+}
+
+/// Whether `batch` moves more than one run.
+fn spans_runs(batch: &[Box<dyn Pending>]) -> bool {
+    let mut runs = batch
+        .iter()
+        .flat_map(|pending| pending.infos())
+        .map(|info| &info.run_id);
+    let first = runs.next();
+    runs.any(|run| Some(run) != first)
 }
 
 /// Tells the observer and the callers of a group what became of it.
@@ -384,6 +402,24 @@ impl StoreHandle {
         &self,
         mv: ApplyMove<R>,
     ) -> impl Future<Output = Result<R>> + 'static {
+        self.single(mv, false)
+    }
+
+    /// Submits a move whose caller sends its next move before it waits for this one's answer
+    /// (a run's model reservation, submitted as the model is called): the store actor watches
+    /// for that move, to commit both together. Completes like [`apply`](Self::apply).
+    pub(crate) fn apply_followed<R: Send + 'static>(
+        &self,
+        mv: ApplyMove<R>,
+    ) -> impl Future<Output = Result<R>> + 'static {
+        self.single(mv, true)
+    }
+
+    fn single<R: Send + 'static>(
+        &self,
+        mv: ApplyMove<R>,
+        followed: bool,
+    ) -> impl Future<Output = Result<R>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingMove {
             info: mv.info,
@@ -391,6 +427,7 @@ impl StoreHandle {
             reading: None,
             result: None,
             reply,
+            followed,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -407,6 +444,27 @@ impl StoreHandle {
         then: ApplyMove<B>,
         proceed: fn(&A) -> bool,
     ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
+        self.pair(first, then, proceed, false)
+    }
+
+    /// [`apply_then`](Self::apply_then) for a pair that is
+    /// [followed](Self::apply_followed) like a single move can be.
+    pub(crate) fn apply_then_followed<A: Send + 'static, B: Send + 'static>(
+        &self,
+        first: ApplyMove<A>,
+        then: ApplyMove<B>,
+        proceed: fn(&A) -> bool,
+    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
+        self.pair(first, then, proceed, true)
+    }
+
+    fn pair<A: Send + 'static, B: Send + 'static>(
+        &self,
+        first: ApplyMove<A>,
+        then: ApplyMove<B>,
+        proceed: fn(&A) -> bool,
+        followed: bool,
+    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingPair {
             infos: [first.info, then.info],
@@ -416,6 +474,7 @@ impl StoreHandle {
             readings: [None; 2],
             result: None,
             reply,
+            followed,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -465,6 +524,8 @@ trait Pending: Send {
     fn applied(&self) -> &[MoveInfo];
     /// Whether a move of it was refused.
     fn refused(&self) -> bool;
+    /// Whether its caller sends its next move without waiting for this one's answer.
+    fn followed(&self) -> bool;
     /// Applies the move inside the group's transaction, keeping its result (replacing the one
     /// of an earlier attempt); false when it was refused, or when only part of it stands and
     /// the group must be applied again with savepoints.
@@ -480,6 +541,7 @@ struct PendingMove<R> {
     reading: Option<i64>,
     result: Option<Result<R>>,
     reply: oneshot::Sender<Result<R>>,
+    followed: bool,
 }
 
 impl<R: Send> Pending for PendingMove<R> {
@@ -496,6 +558,10 @@ impl<R: Send> Pending for PendingMove<R> {
 
     fn refused(&self) -> bool {
         matches!(self.result, Some(Err(_)))
+    }
+
+    fn followed(&self) -> bool {
+        self.followed
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, _: Isolation) -> bool {
@@ -525,6 +591,7 @@ struct PendingPair<A, B> {
     readings: [Option<i64>; 2],
     result: Option<Result<(A, Option<Result<B>>)>>,
     reply: oneshot::Sender<Result<(A, Option<Result<B>>)>>,
+    followed: bool,
 }
 
 impl<A: Send, B: Send> Pending for PendingPair<A, B> {
@@ -542,6 +609,10 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
 
     fn refused(&self) -> bool {
         matches!(self.result, Some(Err(_)) | Some(Ok((_, Some(Err(_))))))
+    }
+
+    fn followed(&self) -> bool {
+        self.followed
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool {

@@ -200,16 +200,17 @@ fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64
 }
 
 /// Appends one event in the baseline.
-type EventFn<'a> = dyn FnMut(&rusqlite::Transaction<'_>, &str, Option<u32>, &str) + 'a;
+type EventFn<'a> = dyn FnMut(&rusqlite::Connection, &str, Option<u32>, &str) + 'a;
 
 /// Workload a, the baseline: plain rusqlite doing the same commits with the same rows and
-/// statements (agentrt's schema, its pragmas, two transactions per step: the model's answer
-/// with the tool's decision and start, then the tool's outcome with the next model
-/// reservation), with nothing around them.
-fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
+/// statements (agentrt's schema and pragmas), with nothing around them. `commits_per_step` 1
+/// is agentrt's: the tool's outcome, the next model reservation, its answer and the next
+/// tool's decision and start in one transaction; 2 is the design before 0.5.1, which
+/// committed after the outcome and reservation too.
+fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits_per_step: u32) -> f64 {
     let path = dir.join(format!("baseline-{}.db", rand::random::<u32>()));
     drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
-    let mut conn = rusqlite::Connection::open(&path).unwrap();
+    let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(&format!(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;
          PRAGMA wal_autocheckpoint = 0; PRAGMA temp_store = MEMORY;",
@@ -239,44 +240,50 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     let started = Instant::now();
     let run = "baseline";
     let mut seq = 0i64;
-    let mut event = |tx: &rusqlite::Transaction<'_>,
-                     kind: &str,
-                     step: Option<u32>,
-                     payload: &str| {
+    let mut event = |tx: &rusqlite::Connection, kind: &str, step: Option<u32>, payload: &str| {
         seq += 1;
         tx.prepare_cached("INSERT INTO events (run_id, seq, kind, at, step, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
             .unwrap()
             .execute(rusqlite::params![run, seq, kind, ms(), step, payload])
             .unwrap();
     };
-    let touch = |tx: &rusqlite::Transaction<'_>| {
+    let touch = |tx: &rusqlite::Connection| {
         tx.prepare_cached("UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = 'owner'")
             .unwrap()
             .execute(rusqlite::params![run, ms()])
             .unwrap();
     };
-    let begin_model = |tx: &rusqlite::Transaction<'_>, event: &mut EventFn<'_>, step: u32| {
+    let begin_model = |tx: &rusqlite::Connection, event: &mut EventFn<'_>, step: u32| {
         touch(tx);
         tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, step]).unwrap();
         event(tx, "step.model_started", Some(step), r#"{"attempt":1}"#);
     };
-    let tx = conn
-        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-        .unwrap();
+    let begin = |conn: &rusqlite::Connection| {
+        conn.prepare_cached("BEGIN IMMEDIATE")
+            .unwrap()
+            .execute([])
+            .unwrap();
+    };
+    let commit = |conn: &rusqlite::Connection| {
+        conn.prepare_cached("COMMIT").unwrap().execute([]).unwrap();
+    };
+    let tx = &conn;
+    begin(tx);
     tx.execute(
         "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner, lease_expires_at) VALUES (?1, 'bench', '{}', 'RUNNING', ?2, ?2, 'owner', ?2)",
         rusqlite::params![run, ms()],
     )
     .unwrap();
-    event(&tx, "run.started", None, "{}");
-    begin_model(&tx, &mut event, 1);
-    tx.commit().unwrap();
+    event(tx, "run.started", None, "{}");
+    begin_model(tx, &mut event, 1);
+    commit(tx);
+    let mut open = false;
     for i in 0..steps {
         let (model_step, tool_step) = (2 * i + 1, 2 * i + 2);
-        let tx = conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .unwrap();
-        touch(&tx);
+        if !open {
+            begin(tx);
+        }
+        touch(tx);
         let response = format!(r#"{{"tool_calls":[{{"id":"c{i}","name":"noop","args":{{}}}}]}}"#);
         tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args) VALUES (?1, ?2, 'tool', 'pending', 0, ?3, 'noop', '{}')").unwrap().execute(rusqlite::params![run, tool_step, format!("c{i}")]).unwrap();
         tx.prepare_cached(
@@ -285,10 +292,10 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
         .unwrap()
         .execute(rusqlite::params![run, model_step, response])
         .unwrap();
-        event(&tx, "step.model_finished", Some(model_step), &response);
-        touch(&tx);
+        event(tx, "step.model_finished", Some(model_step), &response);
+        touch(tx);
         event(
-            &tx,
+            tx,
             "policy.decided",
             Some(tool_step),
             r#"{"decision":"allow"}"#,
@@ -299,35 +306,32 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
         .unwrap()
         .execute(rusqlite::params![run, tool_step])
         .unwrap();
-        event(
-            &tx,
-            "step.tool_started",
-            Some(tool_step),
-            r#"{"attempt":1}"#,
-        );
-        tx.commit().unwrap();
-        checkpoint_if_due(&conn);
+        event(tx, "step.tool_started", Some(tool_step), r#"{"attempt":1}"#);
+        // The tool's start is durable before its call.
+        commit(tx);
+        checkpoint_if_due(tx);
 
-        let tx = conn
-            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-            .unwrap();
-        touch(&tx);
+        begin(tx);
+        touch(tx);
         tx.prepare_cached("UPDATE steps SET state = 'finished', result = '{\"ok\":null}' WHERE run_id = ?1 AND step = ?2").unwrap().execute(rusqlite::params![run, tool_step]).unwrap();
         event(
-            &tx,
+            tx,
             "step.tool_finished",
             Some(tool_step),
             r#"{"output":null}"#,
         );
-        begin_model(&tx, &mut event, tool_step + 1);
-        tx.commit().unwrap();
-        checkpoint_if_due(&conn);
+        begin_model(tx, &mut event, tool_step + 1);
+        open = commits_per_step == 1;
+        if !open {
+            commit(tx);
+            checkpoint_if_due(tx);
+        }
     }
     // The final answer.
-    let tx = conn
-        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
-        .unwrap();
-    touch(&tx);
+    if !open {
+        begin(tx);
+    }
+    touch(tx);
     let last = 2 * steps + 1;
     tx.prepare_cached(
         "UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2",
@@ -335,14 +339,14 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32) -> f64 {
     .unwrap()
     .execute(rusqlite::params![run, last, r#"{"text":"done"}"#])
     .unwrap();
-    event(&tx, "step.model_finished", Some(last), r#"{"text":"done"}"#);
+    event(tx, "step.model_finished", Some(last), r#"{"text":"done"}"#);
     tx.execute(
         "UPDATE runs SET state = 'SUCCEEDED', output = 'done', lease_owner = NULL, lease_expires_at = NULL WHERE id = ?1",
         [run],
     )
     .unwrap();
-    event(&tx, "run.finished", None, r#"{"state":"SUCCEEDED"}"#);
-    tx.commit().unwrap();
+    event(tx, "run.finished", None, r#"{"state":"SUCCEEDED"}"#);
+    commit(tx);
     let elapsed = started.elapsed();
     drop(conn);
     let _ = std::fs::remove_file(&path);
@@ -392,25 +396,25 @@ fn workload_a(args: &Args, dir: &Path) {
         return;
     }
     for sync in syncs(args) {
-        let mut ratios = Vec::new();
+        let (mut ratios, mut ratios_two) = (Vec::new(), Vec::new());
         let mut commits = 0.0;
         for round in 0..args.rounds {
-            // Alternate which side goes first.
-            let (ours, base) = if round % 2 == 0 {
-                let ours = agentrt_run(dir, sync, args.steps, Duration::from_secs(30));
-                (ours, baseline_run(dir, sync, args.steps))
-            } else {
-                let base = baseline_run(dir, sync, args.steps);
-                (
-                    agentrt_run(dir, sync, args.steps, Duration::from_secs(30)),
-                    base,
-                )
-            };
+            // Rotate which side goes first.
+            let (mut ours, mut base, mut base_two) = (None, None, None);
+            for side in (0..3).map(|i| (i + round) % 3) {
+                match side {
+                    0 => ours = Some(agentrt_run(dir, sync, args.steps, Duration::from_secs(30))),
+                    1 => base = Some(baseline_run(dir, sync, args.steps, 1)),
+                    _ => base_two = Some(baseline_run(dir, sync, args.steps, 2)),
+                }
+            }
+            let (ours, base, base_two) = (ours.unwrap(), base.unwrap(), base_two.unwrap());
             commits = ours.1.0;
             ratios.push(ours.0 / base);
+            ratios_two.push(ours.0 / base_two);
             println!(
                 "{}",
-                json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "commits_per_step": ours.1.0, "moves_per_step": ours.1.1 })
+                json!({ "bench": "a_one_run", "sync": format!("{sync:?}"), "steps": args.steps, "round": round, "agentrt_steps_per_s": ours.0, "baseline_steps_per_s": base, "ratio": ours.0 / base, "baseline_two_commits_steps_per_s": base_two, "ratio_two_commits": ours.0 / base_two, "commits_per_step": ours.1.0, "moves_per_step": ours.1.1 })
             );
         }
         summary(
@@ -418,21 +422,27 @@ fn workload_a(args: &Args, dir: &Path) {
             json!({ "sync": format!("{sync:?}"), "commits_per_step": commits }),
             &mut ratios,
         );
+        summary(
+            "a_one_run_vs_two_commit_baseline",
+            json!({ "sync": format!("{sync:?}") }),
+            &mut ratios_two,
+        );
     }
 }
 
 /// c: the lease's cost per step: a 300 ms TTL (a renewal every 100 ms) against 30 s.
 fn workload_c(args: &Args, dir: &Path) {
     let mut ratios = Vec::new();
+    let run = |ttl| agentrt_run(dir, Synchronous::Full, args.steps, ttl).0;
     for round in 0..args.rounds {
-        let short = agentrt_run(
-            dir,
-            Synchronous::Full,
-            args.steps,
-            Duration::from_millis(300),
-        )
-        .0;
-        let long = agentrt_run(dir, Synchronous::Full, args.steps, Duration::from_secs(30)).0;
+        // Alternate which side goes first.
+        let (short, long) = if round % 2 == 0 {
+            let short = run(Duration::from_millis(300));
+            (short, run(Duration::from_secs(30)))
+        } else {
+            let long = run(Duration::from_secs(30));
+            (run(Duration::from_millis(300)), long)
+        };
         ratios.push(short / long);
         println!(
             "{}",

@@ -9,7 +9,7 @@ use std::{
     collections::HashMap,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicI64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -95,25 +95,9 @@ pub(crate) enum Renewer {
 }
 
 struct Held {
-    /// The expiry as last stamped or renewed.
-    expiry: LeaseExpiry,
+    /// The expiry as last stamped or renewed (wall-clock milliseconds).
+    expires_at: i64,
     recipient: Recipient<LeaseLost>,
-}
-
-/// A run's lease expiry as last stamped or renewed (wall-clock milliseconds), shared by the
-/// keeper, which renews it, and the run's loop, which reads it before a move it does not wait
-/// for. Never later than the stored expiry: a renewal is recorded here after it committed.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct LeaseExpiry(Arc<AtomicI64>);
-
-impl LeaseExpiry {
-    pub(crate) fn get(&self) -> i64 {
-        self.0.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn set(&self, expires_at: i64) {
-        self.0.store(expires_at, Ordering::SeqCst);
-    }
 }
 
 /// Keeps one supervisor's leases alive.
@@ -192,7 +176,7 @@ impl LeaseKeeper {
             }) => {
                 for run_id in renewed {
                     if let Some(held) = self.held.get_mut(&run_id) {
-                        held.expiry.set(expires_at);
+                        held.expires_at = expires_at;
                     }
                 }
                 for (run_id, row) in missing {
@@ -213,7 +197,7 @@ impl LeaseKeeper {
                 let expired: Vec<RunId> = self
                     .held
                     .iter()
-                    .filter(|(_, held)| held.expiry.get() <= wall)
+                    .filter(|(_, held)| held.expires_at <= wall)
                     .map(|(id, _)| id.clone())
                     .collect();
                 for run_id in expired {
@@ -224,7 +208,7 @@ impl LeaseKeeper {
     }
 
     fn why_lost(&self, held: &Held, row: Option<LeaseRow>, wall: i64) -> Option<LeaseLostReason> {
-        if held.expiry.get() <= wall {
+        if held.expires_at <= wall {
             return Some(LeaseLostReason::Expired);
         }
         match row {
@@ -266,13 +250,13 @@ impl Actor for LeaseKeeper {
     }
 }
 
-/// Keep renewing this run's lease (just stamped: `expiry` holds when it expires) and tell
-/// `recipient` if it is lost.
+/// Keep renewing this run's lease (just stamped, until `expires_at`) and tell `recipient` if it
+/// is lost.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Hold {
     pub run_id: RunId,
-    pub expiry: LeaseExpiry,
+    pub expires_at: i64,
     pub recipient: Recipient<LeaseLost>,
 }
 
@@ -283,7 +267,7 @@ impl Handler<Hold> for LeaseKeeper {
         self.held.insert(
             msg.run_id,
             Held {
-                expiry: msg.expiry,
+                expires_at: msg.expires_at,
                 recipient: msg.recipient,
             },
         );

@@ -5,9 +5,7 @@ use std::{
     any::Any,
     cell::RefCell,
     collections::{BTreeMap, HashSet},
-    future::Future,
     panic::AssertUnwindSafe,
-    pin::Pin,
     rc::Rc,
     sync::Arc,
 };
@@ -21,7 +19,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use super::{
-    lease_keeper::{Hold, LeaseExpiry, LeaseKeeper, LeaseLost, Release},
+    lease_keeper::{Hold, LeaseKeeper, LeaseLost, Release},
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
@@ -33,7 +31,6 @@ use crate::{
             self, Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
             ToolDecision,
         },
-        wall_millis,
     },
     types::{
         ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
@@ -113,7 +110,6 @@ impl Handler<Execute> for RunActor {
             recipient: ctx.address().recipient(),
             cancellation: self.cancellation.clone(),
             lease_lost: self.lease_lost.clone(),
-            expiry: LeaseExpiry::default(),
         };
         let work = async move {
             let (run_id, store, keeper, owner) = (
@@ -181,12 +177,7 @@ struct Env {
     /// Fires on an operator's cancel and on a lost lease: the tool running is told.
     cancellation: Cancellation,
     lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
-    /// The lease's expiry as this loop took it and its keeper renewed it; zero until it is held.
-    expiry: LeaseExpiry,
 }
-
-/// The answer to a move the loop sent without waiting for it: `Err` if it was refused.
-type Unconfirmed = Pin<Box<dyn Future<Output = Result<()>>>>;
 
 /// The state of one run's loop, kept in step with what it has committed.
 struct RunLoop {
@@ -201,9 +192,6 @@ struct RunLoop {
     cursor: usize,
     /// The ids of the run's tool calls, kept unique.
     call_ids: HashSet<String>,
-    /// A model step's reservation, sent without waiting for its answer while the model is
-    /// called (see [`RunLoop::reserve_model`]); confirmed before the loop's next move is.
-    unconfirmed: Option<Unconfirmed>,
 }
 
 /// A move that no side effect precedes: planned (the policy asked, if it is a decision) before
@@ -226,6 +214,19 @@ enum Planned {
         call: ToolCall,
         error: String,
     },
+}
+
+impl Planned {
+    /// Whether this move reserves a model call, the next thing the loop does once it is
+    /// written: such a commit is answered before its sync (`StoreHandle::apply_written`),
+    /// which the next commit (the model's answer, before any tool starts) does. The
+    /// reservation is still written before the request, under the lease's guard; what a
+    /// power loss before that sync undoes (the reservation, and the outcome committed with
+    /// it) is what it undid during the reservation's own sync, and a model call has no
+    /// external side effect (SPEC §5).
+    fn reserves_model(&self) -> bool {
+        matches!(self, Planned::BeginModel { .. })
+    }
 }
 
 impl RunLoop {
@@ -325,11 +326,10 @@ impl RunLoop {
 
     /// Asks the keeper to renew the lease just taken.
     fn hold(&self, expires_at: i64) {
-        self.env.expiry.set(expires_at);
         let recipient = self.env.recipient.clone();
         self.env.keeper.do_send(Hold {
             run_id: self.run_id.clone(),
-            expiry: self.env.expiry.clone(),
+            expires_at,
             recipient,
         });
     }
@@ -375,7 +375,6 @@ impl RunLoop {
             messages: Vec::new(),
             cursor: 0,
             call_ids: HashSet::new(),
-            unconfirmed: None,
         };
         for step in steps {
             run.push_step(step);
@@ -462,64 +461,18 @@ impl RunLoop {
 
     /// Commits one move of this run's loop on its own.
     async fn apply<R: Send + 'static>(
-        &mut self,
+        &self,
         name: &'static str,
         apply: impl FnMut(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
         + Send
         + 'static,
     ) -> Result<R> {
-        let answer = self.env.store.apply(self.move_of(name, apply));
-        self.confirm().await?;
-        answer.await
-    }
-
-    /// Whether the loop may call the model before its reservation is confirmed: as far as the
-    /// loop knows, its lease is neither lost nor expired by the wall clock, and nobody cancelled
-    /// the run. The reservation's guard checks the same in the database, as it commits.
-    fn may_call_before_confirmed(&self) -> bool {
-        !self.env.cancellation.is_cancelled()
-            && self.env.lease_lost.borrow().is_none()
-            && wall_millis() < self.env.expiry.get()
-    }
-
-    /// Reserves the next model step with `reservation` (a move, or a move and the reservation
-    /// committed together) without waiting for its answer, which `confirm` awaits: the loop
-    /// calls the model meanwhile and its answer commits with the reservation, one durable
-    /// commit for both. The reservation is still written before the answer and needs the lease
-    /// like any other; what the loop does not wait for is its sync, and nothing the model does
-    /// needs it: a model call has no external side effect, and a crash before the sync leaves
-    /// the run as a crash during it would (SPEC §5, docs/runs.md).
-    fn reserve_model<T: 'static>(
-        &mut self,
-        reservation: impl Future<Output = Result<T>> + 'static,
-        confirmed: impl FnOnce(T) -> Result<()> + 'static,
-    ) {
-        debug_assert!(self.unconfirmed.is_none());
-        self.unconfirmed = Some(Box::pin(async move { confirmed(reservation.await?) }));
-    }
-
-    /// Waits for the answer to the model reservation sent without waiting, if there is one:
-    /// its refusal ends the loop as an awaited move's would.
-    async fn confirm(&mut self) -> Result<()> {
-        match self.unconfirmed.take() {
-            Some(answer) => answer.await,
-            None => Ok(()),
-        }
-    }
-
-    /// [`confirm`](Self::confirm) before the loop reads how its run ended (stopped by a lost
-    /// lease, or cancelled): a refusal is what that read explains, any other failure stands.
-    async fn confirm_before_reading(&mut self) -> Result<()> {
-        match self.confirm().await {
-            Err(err) if err.is_run_state() || matches!(err, Error::LeaseLost { .. }) => Ok(()),
-            other => other,
-        }
+        self.env.store.apply(self.move_of(name, apply)).await
     }
 
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
     /// no side effect): an operator's cancel, or a lost lease.
-    async fn interrupted_by_signal(&mut self) -> Result<Next> {
-        self.confirm_before_reading().await?;
+    async fn interrupted_by_signal(&self) -> Result<Next> {
         if self.env.lease_lost.borrow().is_some() {
             return self.stopped().await.map(Next::Return);
         }
@@ -539,23 +492,17 @@ impl RunLoop {
         loop {
             // A lost lease stops the loop before its next move: nothing more starts.
             if self.env.lease_lost.borrow().is_some() {
-                self.confirm_before_reading().await?;
                 return self.stopped().await;
             }
             let next = match self.plan() {
                 Err(err) => return Err(err),
-                Ok(Some(planned @ Planned::BeginModel { .. }))
-                    if self.may_call_before_confirmed() =>
-                {
-                    let reservation = self.env.store.apply_followed(self.planned_move(&planned));
-                    self.reserve_model(reservation, Ok);
-                    self.after_planned(planned)?
-                }
                 Ok(Some(planned)) => {
                     let mv = self.planned_move(&planned);
-                    let answer = self.env.store.apply(mv);
-                    self.confirm().await?;
-                    answer.await?;
+                    if planned.reserves_model() {
+                        self.env.store.apply_written(mv).await?;
+                    } else {
+                        self.env.store.apply(mv).await?;
+                    }
                     self.after_planned(planned)?
                 }
                 Ok(None) => {
@@ -708,7 +655,9 @@ impl RunLoop {
     /// Commits `first`, the move that ends a side effect, in one transaction with the move
     /// that follows it when that one is planned (`next`, which the loop has already folded
     /// into its state as if `first` committed): no side effect lies between them, so the
-    /// run pays one durable commit for both. The planned move is not attempted when `proceed`
+    /// run pays one commit for both. When that move reserves a model call, the loop goes on
+    /// once they are written, and the answer's commit makes them durable (see
+    /// [`Planned::reserves_model`]). The planned move is not attempted when `proceed`
     /// says no of `first`'s result (the caller then acts on that result). Returns `first`'s
     /// result and where the loop goes next: `Err` if the planned move could not be planned or
     /// was refused.
@@ -721,26 +670,21 @@ impl RunLoop {
         match next {
             Ok(Some(planned)) => {
                 let then = self.planned_move(&planned);
-                let answer = self.env.store.apply_then(first, then, proceed);
-                self.confirm().await?;
-                let (value, then) = answer.await?;
+                let (value, then) = if planned.reserves_model() {
+                    let store = &self.env.store;
+                    store.apply_then_written(first, then, proceed).await?
+                } else {
+                    self.env.store.apply_then(first, then, proceed).await?
+                };
                 let next = match then {
                     Some(then) => then.and_then(|()| self.after_planned(planned)),
                     None => Ok(Next::Continue),
                 };
                 Ok((value, next))
             }
-            Ok(None) => {
-                let answer = self.env.store.apply(first);
-                self.confirm().await?;
-                Ok((answer.await?, Ok(Next::Continue)))
-            }
+            Ok(None) => Ok((self.env.store.apply(first).await?, Ok(Next::Continue))),
             // A panicking policy: `first` is still recorded, then the call ends.
-            Err(err) => {
-                let answer = self.env.store.apply(first);
-                self.confirm().await?;
-                Ok((answer.await?, Err(err)))
-            }
+            Err(err) => Ok((self.env.store.apply(first).await?, Err(err))),
         }
     }
 
@@ -760,13 +704,7 @@ impl RunLoop {
             answer = answer.fuse() => answer,
             _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
         };
-        let answer = match answer {
-            Ok(answer) => answer,
-            Err(panic) => {
-                self.confirm().await?;
-                return Err(self.panicked(step, "the model".into(), panic));
-            }
-        };
+        let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
         let mut response = match answer {
             Ok(response) => response,
             Err(error) => {
@@ -806,9 +744,7 @@ impl RunLoop {
         });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
-            let answer = self.env.store.apply(first);
-            self.confirm().await?;
-            answer.await?;
+            self.env.store.apply(first).await?;
             return Ok(Next::Return(Outcome::Succeeded { output }));
         }
         for row in created {
@@ -920,27 +856,6 @@ impl RunLoop {
         } else {
             self.plan()
         };
-        if let Ok(Some(planned @ Planned::BeginModel { .. })) = &next
-            && self.may_call_before_confirmed()
-        {
-            let reservation =
-                self.env
-                    .store
-                    .apply_then_followed(first, self.planned_move(planned), |late| !late);
-            let run_id = self.run_id.clone();
-            self.reserve_model(reservation, move |(_late, then)| match then {
-                Some(then) => then,
-                // Not attempted: the outcome was recorded late, as an operator cancelled the
-                // run meanwhile. The call ends as an awaited move's refusal ends it.
-                None => Err(Error::RunState {
-                    run_id,
-                    state: RunState::Cancelled,
-                    reason: "the run was cancelled while its tool ran".into(),
-                }),
-            });
-            let planned = planned.clone();
-            return self.after_planned(planned);
-        }
         // A late outcome (an operator cancelled the run) is followed by nothing.
         let (late, next) = self.commit_with(first, next, |late| !late).await?;
         if late {

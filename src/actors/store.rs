@@ -85,6 +85,10 @@ pub(crate) struct StoreActor {
     /// `None` when groups sync in their own commit (no group commit, `NORMAL`, `:memory:`).
     syncer: Option<mpsc::Sender<UnsyncedGroup>>,
     unsynced: Arc<Unsynced>,
+    /// The moves of groups committed without their sync whose callers were answered once the
+    /// moves were in the log ([`StoreHandle::apply_written`]), one entry per group, in commit
+    /// order. The next sync of the log makes them durable, and the observer hears of them then.
+    written: Vec<Vec<MoveInfo>>,
 }
 
 /// Groups committed whose log sync has not completed yet: their callers wait, and the store
@@ -206,28 +210,27 @@ impl StoreActor {
             checkpoint_took: Duration::ZERO,
             syncer: syncer.clone(),
             unsynced: unsynced.clone(),
+            written: Vec::new(),
         });
         StoreHandle { addr, queue }
     }
 
     /// Commits `batch` as one group, each caller answered only once the group is durable.
     ///
-    /// While other moves wait (other runs' moves in the batch, some in the queue, a group still
+    /// While other moves wait (more than one in the batch, some in the queue, a group still
     /// syncing), the group's log sync is left to the syncer thread: this thread goes on with the
     /// next group instead of waiting for the disk, and the runs answered by one sync form the
-    /// next group while the one after is applied. The moves of one run alone sync in their
-    /// commit, which saves a thread hand-off.
+    /// next group while the one after is applied. A move alone syncs in its commit, which saves
+    /// a thread hand-off.
     ///
-    /// A batch of [followed](StoreHandle::apply_followed) moves only first watches the queue,
-    /// for as long as the commit spin, for the moves that follow them: a run's model call is
-    /// often answered within microseconds, and its answer then commits with its reservation,
-    /// under one sync.
-    fn commit_group(&mut self, mut batch: Vec<Box<dyn Pending>>) {
-        if batch.iter().all(|pending| pending.followed()) {
-            batch.append(&mut self.next_batch());
+    /// A batch whose callers all asked to be answered once their moves are in the log commits
+    /// without its sync and is answered at once: the next commit's sync covers it.
+    fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>) {
+        if self.syncer.is_some() && batch.iter().all(|pending| pending.answered_when_written()) {
+            return self.commit_written(batch);
         }
         let defer = self.syncer.is_some()
-            && (spans_runs(&batch) || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
+            && (batch.len() > 1 || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
         let sync = if defer {
             LogSync::Deferred
         } else {
@@ -236,9 +239,47 @@ impl StoreActor {
         self.commit(batch, sync);
     }
 
-    /// Commits `batch` as one group: observed before and after, each caller answered only
-    /// after the commit and its log sync.
-    fn commit(&self, mut batch: Vec<Box<dyn Pending>>, sync: LogSync) {
+    /// Commits `batch` without its log sync and answers its callers at once (see
+    /// [`StoreHandle::apply_written`]); the observer hears of it after the next sync.
+    fn commit_written(&mut self, mut batch: Vec<Box<dyn Pending>>) {
+        match self.apply_group(&mut batch, LogSync::Deferred) {
+            Ok(()) => {
+                let applied: Vec<MoveInfo> = batch
+                    .iter()
+                    .flat_map(|pending| pending.applied())
+                    .cloned()
+                    .collect();
+                if !applied.is_empty() {
+                    self.written.push(applied);
+                }
+                for pending in batch {
+                    pending.answer(None);
+                }
+            }
+            Err(err) => finish_group(
+                self.observer.as_deref(),
+                Vec::new(),
+                batch,
+                Some(GroupFailure::of(&err)),
+            ),
+        }
+    }
+
+    /// Syncs the log for the groups answered before their sync, if any, and tells the observer.
+    fn sync_written(&mut self) {
+        if self.written.is_empty() {
+            return;
+        }
+        let written = std::mem::take(&mut self.written);
+        match self.store.sync_log() {
+            Ok(()) => observe_durable(self.observer.as_deref(), &written),
+            // Sticky: the store refuses to commit from now on (see `Store::sync_log`).
+            Err(err) => tracing::error!(%err, groups = written.len(), "a log sync failed"),
+        }
+    }
+
+    /// Applies `batch` as one transaction, observed before.
+    fn apply_group(&self, batch: &mut [Box<dyn Pending>], sync: LogSync) -> Result<()> {
         if let Some(observer) = &self.observer {
             // Before the transaction opens: an observer that stops here holds no lock.
             batch
@@ -248,18 +289,37 @@ impl StoreActor {
         }
         self.renewal.yield_to_renewal();
         let clock = &*self.clock;
-        let committed = self
-            .store
-            .transact_group(&mut batch, sync, |pending, tx, isolation| {
+        self.store
+            .transact_group(batch, sync, |pending, tx, isolation| {
                 pending.apply(tx, clock, isolation)
-            });
+            })
+    }
+
+    /// Commits `batch` as one group: observed before and after, each caller answered only
+    /// after the commit and its log sync, which also makes durable the groups answered before
+    /// theirs.
+    fn commit(&mut self, mut batch: Vec<Box<dyn Pending>>, sync: LogSync) {
+        let committed = self.apply_group(&mut batch, sync);
+        // Nothing of a group that failed to commit was synced: the earlier ones wait on.
+        let written = match committed {
+            Ok(()) => std::mem::take(&mut self.written),
+            Err(_) => Vec::new(),
+        };
         let failure = match committed {
             Ok(()) if sync == LogSync::Deferred => {
                 if let Some(syncer) = &self.syncer {
-                    match syncer.send(UnsyncedGroup::new(batch, &self.unsynced)) {
+                    match syncer.send(UnsyncedGroup::new(written, batch, &self.unsynced)) {
                         Ok(()) => return,
                         // The syncer thread is gone: sync here.
-                        Err(mpsc::SendError(mut returned)) => batch = returned.take(),
+                        Err(mpsc::SendError(mut returned)) => {
+                            batch = returned.take();
+                            return finish_group(
+                                self.observer.as_deref(),
+                                std::mem::take(&mut returned.written),
+                                batch,
+                                GroupFailure::of_result(self.store.sync_log()),
+                            );
+                        }
                     }
                 }
                 GroupFailure::of_result(self.store.sync_log())
@@ -274,34 +334,37 @@ impl StoreActor {
             Ok(()) => None,
             Err(err) => Some(GroupFailure::of(&err)),
         };
-        finish_group(self.observer.as_deref(), batch, failure);
+        finish_group(self.observer.as_deref(), written, batch, failure);
     }
 
     /// Waits until every group committed so far is durable: a read or a lease write answered
     /// by this actor must not tell of a move that a power loss would undo.
-    fn wait_synced(&self) {
+    fn wait_synced(&mut self) {
+        self.sync_written();
         self.unsynced.wait_empty();
     }
 }
 
-/// Whether `batch` moves more than one run.
-fn spans_runs(batch: &[Box<dyn Pending>]) -> bool {
-    let mut runs = batch
-        .iter()
-        .flat_map(|pending| pending.infos())
-        .map(|info| &info.run_id);
-    let first = runs.next();
-    runs.any(|run| Some(run) != first)
+/// Tells the observer of groups that a sync made durable, answered when they were written.
+fn observe_durable(observer: Option<&dyn MoveObserver>, written: &[Vec<MoveInfo>]) {
+    let Some(observer) = observer else { return };
+    for group in written {
+        group.iter().for_each(|info| observer.after_commit(info));
+        observer.committed(&group.iter().collect::<Vec<_>>());
+    }
 }
 
-/// Tells the observer and the callers of a group what became of it.
+/// Tells the observer and the callers of a group what became of it, and the observer of the
+/// groups answered before their sync that this group's sync made durable (`written`).
 fn finish_group(
     observer: Option<&dyn MoveObserver>,
+    written: Vec<Vec<MoveInfo>>,
     batch: Vec<Box<dyn Pending>>,
     failure: Option<GroupFailure>,
 ) {
     match &failure {
         None => {
+            observe_durable(observer, &written);
             if let Some(observer) = observer {
                 let committed: Vec<&MoveInfo> =
                     batch.iter().flat_map(|pending| pending.applied()).collect();
@@ -316,6 +379,12 @@ fn finish_group(
         }
         Some(failure) => {
             tracing::error!(?failure, moves = batch.len(), "a group commit failed");
+            if !written.is_empty() {
+                tracing::error!(
+                    groups = written.len(),
+                    "groups answered before their sync may not be durable"
+                );
+            }
         }
     }
     for pending in batch {
@@ -327,14 +396,21 @@ fn finish_group(
 /// [`Unsynced`] from its creation until it is dropped: after its callers were answered, or
 /// unanswered (their replies dropped: `StoreUnavailable`) if the syncer thread died first.
 struct UnsyncedGroup {
+    /// Groups committed before it and answered when written, which its sync makes durable.
+    written: Vec<Vec<MoveInfo>>,
     batch: Vec<Box<dyn Pending>>,
     unsynced: Arc<Unsynced>,
 }
 
 impl UnsyncedGroup {
-    fn new(batch: Vec<Box<dyn Pending>>, unsynced: &Arc<Unsynced>) -> Self {
+    fn new(
+        written: Vec<Vec<MoveInfo>>,
+        batch: Vec<Box<dyn Pending>>,
+        unsynced: &Arc<Unsynced>,
+    ) -> Self {
         unsynced.add();
         UnsyncedGroup {
+            written,
             batch,
             unsynced: Arc::clone(unsynced),
         }
@@ -372,7 +448,8 @@ fn spawn_syncer(
                 let groups: Vec<_> = std::iter::once(first).chain(committed.try_iter()).collect();
                 let failure = GroupFailure::of_result(store.sync_log());
                 for mut group in groups {
-                    finish_group(observer.as_deref(), group.take(), failure.clone());
+                    let written = std::mem::take(&mut group.written);
+                    finish_group(observer.as_deref(), written, group.take(), failure.clone());
                 }
             }
         });
@@ -405,10 +482,14 @@ impl StoreHandle {
         self.single(mv, false)
     }
 
-    /// Submits a move whose caller sends its next move before it waits for this one's answer
-    /// (a run's model reservation, submitted as the model is called): the store actor watches
-    /// for that move, to commit both together. Completes like [`apply`](Self::apply).
-    pub(crate) fn apply_followed<R: Send + 'static>(
+    /// Submits a move that needs to be written before its caller goes on, not durable: it
+    /// completes once the move is committed to the log, before the sync that makes it durable,
+    /// which the next commit's does (the log keeps a prefix of its commits). Before the sync, a
+    /// crash of the process loses nothing, a power loss this move and what followed it. For a
+    /// run's model reservation: a model call has no external side effect. Where groups sync
+    /// in their commit (no group commit, `NORMAL`, `:memory:`, not Unix), like
+    /// [`apply`](Self::apply).
+    pub(crate) fn apply_written<R: Send + 'static>(
         &self,
         mv: ApplyMove<R>,
     ) -> impl Future<Output = Result<R>> + 'static {
@@ -418,7 +499,7 @@ impl StoreHandle {
     fn single<R: Send + 'static>(
         &self,
         mv: ApplyMove<R>,
-        followed: bool,
+        when_written: bool,
     ) -> impl Future<Output = Result<R>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingMove {
@@ -427,7 +508,7 @@ impl StoreHandle {
             reading: None,
             result: None,
             reply,
-            followed,
+            when_written,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -447,9 +528,9 @@ impl StoreHandle {
         self.pair(first, then, proceed, false)
     }
 
-    /// [`apply_then`](Self::apply_then) for a pair that is
-    /// [followed](Self::apply_followed) like a single move can be.
-    pub(crate) fn apply_then_followed<A: Send + 'static, B: Send + 'static>(
+    /// [`apply_then`](Self::apply_then), completing once both are written, as
+    /// [`apply_written`](Self::apply_written) does.
+    pub(crate) fn apply_then_written<A: Send + 'static, B: Send + 'static>(
         &self,
         first: ApplyMove<A>,
         then: ApplyMove<B>,
@@ -463,7 +544,7 @@ impl StoreHandle {
         first: ApplyMove<A>,
         then: ApplyMove<B>,
         proceed: fn(&A) -> bool,
-        followed: bool,
+        when_written: bool,
     ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingPair {
@@ -474,7 +555,7 @@ impl StoreHandle {
             readings: [None; 2],
             result: None,
             reply,
-            followed,
+            when_written,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -524,8 +605,8 @@ trait Pending: Send {
     fn applied(&self) -> &[MoveInfo];
     /// Whether a move of it was refused.
     fn refused(&self) -> bool;
-    /// Whether its caller sends its next move without waiting for this one's answer.
-    fn followed(&self) -> bool;
+    /// Whether its caller is answered once it is in the log, before its sync.
+    fn answered_when_written(&self) -> bool;
     /// Applies the move inside the group's transaction, keeping its result (replacing the one
     /// of an earlier attempt); false when it was refused, or when only part of it stands and
     /// the group must be applied again with savepoints.
@@ -541,7 +622,7 @@ struct PendingMove<R> {
     reading: Option<i64>,
     result: Option<Result<R>>,
     reply: oneshot::Sender<Result<R>>,
-    followed: bool,
+    when_written: bool,
 }
 
 impl<R: Send> Pending for PendingMove<R> {
@@ -560,8 +641,8 @@ impl<R: Send> Pending for PendingMove<R> {
         matches!(self.result, Some(Err(_)))
     }
 
-    fn followed(&self) -> bool {
-        self.followed
+    fn answered_when_written(&self) -> bool {
+        self.when_written
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, _: Isolation) -> bool {
@@ -591,7 +672,7 @@ struct PendingPair<A, B> {
     readings: [Option<i64>; 2],
     result: Option<Result<(A, Option<Result<B>>)>>,
     reply: oneshot::Sender<Result<(A, Option<Result<B>>)>>,
-    followed: bool,
+    when_written: bool,
 }
 
 impl<A: Send, B: Send> Pending for PendingPair<A, B> {
@@ -611,8 +692,8 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
         matches!(self.result, Some(Err(_)) | Some(Ok((_, Some(Err(_))))))
     }
 
-    fn followed(&self) -> bool {
-        self.followed
+    fn answered_when_written(&self) -> bool {
+        self.when_written
     }
 
     fn apply(&mut self, tx: &Transaction<'_>, clock: &dyn Clock, isolation: Isolation) -> bool {
@@ -805,6 +886,8 @@ impl Handler<Drain> for StoreActor {
             self.checkpoint_if_due();
             batch = self.next_batch();
         }
+        // Nothing more came: the groups answered when written are synced now.
+        self.sync_written();
     }
 }
 
@@ -1026,5 +1109,93 @@ mod tests {
             "a lone move syncs in its commit"
         );
         assert_eq!(store.log_syncs(), before + 1, "the refusal synced the log");
+    }
+
+    /// The values each committed group wrote, in the order the observer heard of them.
+    #[derive(Default)]
+    struct Written(Mutex<Vec<Vec<&'static str>>>);
+
+    impl MoveObserver for Written {
+        fn committed(&self, moves: &[&MoveInfo]) {
+            self.0
+                .lock()
+                .unwrap()
+                .push(moves.iter().map(|m| m.name).collect());
+        }
+    }
+
+    fn named(name: &'static str, value: i64) -> ApplyMove<()> {
+        ApplyMove::new(name, &RunId::from("r"), move |tx, now| {
+            tx.execute(
+                "INSERT INTO scratch (value, at) VALUES (?1, ?2)",
+                [value, now.millis()],
+            )?;
+            Ok(())
+        })
+    }
+
+    #[test]
+    fn a_move_answered_when_written_is_made_durable_by_the_next_commit_or_by_a_sync_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+        store
+            .read(
+                |conn| Ok(conn.execute_batch("CREATE TABLE scratch (value INTEGER, at INTEGER)")?),
+            )
+            .unwrap();
+        let observer = Arc::new(Written::default());
+        let before = store.log_syncs();
+        let syncs_after_followed = actix::System::new().block_on({
+            let (store, observer) = (store.clone(), observer.clone());
+            let watched = observer.clone();
+            async move {
+                let handle = StoreActor::start(
+                    store.clone(),
+                    Arc::new(crate::clock::SystemClock),
+                    Some(watched),
+                    CommitPolicy {
+                        group: true,
+                        // Long enough that the move sent after an answer is always caught.
+                        spin: Duration::from_millis(200),
+                    },
+                    RenewalPending::default(),
+                );
+                // A reservation, answered once written; the move after it syncs both.
+                handle.apply_written(named("reserve", 1)).await.unwrap();
+                handle.apply(named("answer", 2)).await.unwrap();
+                let syncs = store.log_syncs();
+                // A reservation that nothing follows is synced when the watch ends.
+                handle.apply_written(named("alone", 3)).await.unwrap();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while observer.0.lock().unwrap().len() < 3 {
+                    assert!(
+                        Instant::now() < deadline,
+                        "the lone reservation was never synced"
+                    );
+                    actix_rt::time::sleep(Duration::from_millis(5)).await;
+                }
+                syncs
+            }
+        });
+        assert_eq!(
+            syncs_after_followed, before,
+            "the answer's commit synced the reservation with it"
+        );
+        assert_eq!(store.log_syncs(), before + 1, "the lone one synced itself");
+        // Each group is told once durable, in commit order.
+        assert_eq!(
+            *observer.0.lock().unwrap(),
+            [vec!["reserve"], vec!["answer"], vec!["alone"]]
+        );
+        let values: Vec<i64> = Store::open(dir.path().join("db.sqlite"))
+            .unwrap()
+            .connection()
+            .prepare("SELECT value FROM scratch ORDER BY value")
+            .unwrap()
+            .query_map([], |row| row.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(values, [1, 2, 3]);
     }
 }

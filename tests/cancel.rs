@@ -101,24 +101,35 @@ fn cancel_while_a_tool_runs_records_its_outcome_late_and_runs_nothing_more() {
     assert_eq!(clock.reads(), 6);
 }
 
-#[test]
-fn a_cancel_from_another_process_is_learnt_at_the_outcome_and_nothing_follows_it() {
-    let db = TempStore::new();
-    let deploy = RecordingTool::new("deploy").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, operator_store, running) = (db.open(), db.open(), deploy.clone());
-    let agent = Agent::new(deploy_then_answer()).tool(deploy.clone());
-    let clock = CountingClock::default();
-    let config = Config::default().clock(clock.clone());
-    let reply = with_system(|| async move {
+/// Starts run `run-1` of `agent`, cancels it as the CLI does while `tool` executes (through
+/// another connection: the supervisor's loop is not told, its next write finds out), lets the
+/// tool return, and returns the call's reply.
+fn cancel_from_another_process(
+    db: &TempStore,
+    config: Config,
+    agent: Agent,
+    tool: &RecordingTool,
+) -> RunOutcome {
+    let (store, operator_store, running) = (db.open(), db.open(), tool.clone());
+    with_system(|| async move {
         let (_supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;
-        // The CLI's cancel: this supervisor's loop is not told; its next write finds out.
         operator_store
             .cancel(&RunId::from("run-1"), "change freeze")
             .unwrap();
         running.release();
         call.await.unwrap().unwrap()
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn a_cancel_from_another_process_is_learnt_at_the_outcome_and_nothing_follows_it() {
+    let db = TempStore::new();
+    let deploy = RecordingTool::new("deploy").behaviour(Behaviour::BlockIgnoringCancel);
+    let agent = Agent::new(deploy_then_answer()).tool(deploy.clone());
+    let clock = CountingClock::default();
+    let config = Config::default().clock(clock.clone());
+    let reply = cancel_from_another_process(&db, config, agent, &deploy);
     assert!(matches!(reply.outcome, Outcome::Cancelled { .. }));
     assert_eq!(deploy.executions().len(), 1);
     let events = db.open().events(&RunId::from("run-1")).unwrap();
@@ -203,19 +214,8 @@ fn a_cancel_found_as_the_last_calls_outcome_commits_calls_the_model_no_more() {
         ModelResponse::calls(vec![ToolCall::new("deploy-1", "deploy", json!({}))]),
         ModelResponse::answer("deployed"),
     ]);
-    let (store, operator_store, running) = (db.open(), db.open(), deploy.clone());
     let agent = Agent::new(model.clone()).tool(deploy.clone());
-    let reply = with_system(|| async move {
-        let config = Config::default();
-        let (_supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;
-        // The CLI's cancel, which the loop does not hear of before the outcome is written.
-        operator_store
-            .cancel(&RunId::from("run-1"), "change freeze")
-            .unwrap();
-        running.release();
-        call.await.unwrap().unwrap()
-    })
-    .unwrap();
+    let reply = cancel_from_another_process(&db, Config::default(), agent, &deploy);
 
     assert_eq!(
         reply.outcome,

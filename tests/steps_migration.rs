@@ -2,6 +2,8 @@
 //! key and reference survives, the constraints still refuse what they refused, and writing a
 //! step no longer builds a temporary table.
 
+mod common;
+
 use agentrt::{
     Approval, RunId, RunState, SCHEMA_VERSION, Store,
     testkit::{TempStore, database_at_schema},
@@ -127,24 +129,7 @@ fn writing_a_step_builds_no_temporary_table() {
 fn a_database_with_a_dangling_reference_is_not_migrated_and_left_at_its_version() {
     let db = TempStore::new();
     schema_5_with_a_waiting_run(&db);
-    // Written behind agentrt's back, with foreign keys off: an approval of a step that does
-    // not exist.
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    conn.pragma_update(None, "foreign_keys", false).unwrap();
-    conn.execute(
-        "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
-         VALUES ('r1', 7, 1, 1, 'eve', 3)",
-        [],
-    )
-    .unwrap();
-    drop(conn);
-    let err = Store::open(db.path()).unwrap_err();
-    assert!(err.to_string().contains("approvals"), "{err}");
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    let version: u32 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 5);
+    let conn = common::a_dangling_approval_stops_the_migration(&db.path(), 5);
     let steps: i64 = conn
         .query_row("SELECT count(*) FROM steps", [], |r| r.get(0))
         .unwrap();

@@ -4,6 +4,8 @@
 //! a step that does not wait stays out of the index. (That an approval finds its call through
 //! the index is a unit test of the statement, in `src/store/sql.rs`.)
 
+mod common;
+
 use agentrt::{
     Approval, Error, RunId, RunState, SCHEMA_VERSION, Store,
     testkit::{TempStore, database_at_schema},
@@ -174,22 +176,7 @@ fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the
 fn a_schema_6_database_with_a_dangling_reference_is_not_migrated_and_left_at_its_version() {
     let db = TempStore::new();
     schema_6_with_a_waiting_run(&db);
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    conn.pragma_update(None, "foreign_keys", false).unwrap();
-    conn.execute(
-        "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
-         VALUES ('r1', 7, 1, 1, 'eve', 3)",
-        [],
-    )
-    .unwrap();
-    drop(conn);
-    let err = Store::open(db.path()).unwrap_err();
-    assert!(err.to_string().contains("approvals"), "{err}");
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    let version: u32 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(version, 6);
+    let conn = common::a_dangling_approval_stops_the_migration(&db.path(), 6);
     assert!(
         indexes_of_steps(&conn)
             .iter()

@@ -56,7 +56,10 @@ pub struct Config {
     /// How long the store actor keeps watching for the next move after a commit before it
     /// parks its thread (default [`DEFAULT_COMMIT_SPIN`]; zero parks at once). A run's loop
     /// sends its next move a few microseconds after its reply; catching it without a thread
-    /// wake-up makes a lone run about 15 % faster, for at most this much CPU per commit.
+    /// wake-up makes a lone run about 15 % faster, for at most this much CPU per commit. A
+    /// model reservation answered once written (see `docs/runs.md`) shares its sync with the
+    /// model's answer only if that answer arrives within this watch; after it, the store syncs
+    /// the reservation alone.
     pub commit_spin: Duration,
 }
 

@@ -221,9 +221,9 @@ impl Planned {
     /// written: such a commit is answered before its sync (`StoreHandle::apply_written`),
     /// which the next commit (the model's answer, before any tool starts) does. The
     /// reservation is still written before the request, under the lease's guard; what a
-    /// power loss before that sync undoes (the reservation, and the outcome committed with
-    /// it) is what it undid during the reservation's own sync, and a model call has no
-    /// external side effect (SPEC §5).
+    /// power loss before that sync undoes (the reservation, and the outcome or the run's
+    /// insert committed with it) is what it undid during the reservation's own sync, and a
+    /// model call has no external side effect (SPEC §5).
     fn reserves_model(&self) -> bool {
         matches!(self, Planned::BeginModel { .. })
     }

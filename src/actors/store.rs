@@ -2,7 +2,10 @@
 //! submitted to it, so nothing blocking runs on the arbiters that host runs. Moves that arrive
 //! while a commit is syncing are committed together (group commit): one `BEGIN IMMEDIATE`
 //! transaction, each move all-or-nothing, each caller answered only after the commit and its
-//! log sync, which a thread of its own does while the actor applies the next group.
+//! log sync, which a thread of its own does while the actor applies the next group. The
+//! exception: moves sent through [`StoreHandle::apply_written`] (a run's model reservation)
+//! are answered once written; the next commit's sync, or the actor's own when its watch for
+//! the next move ends, makes them durable.
 
 use std::{
     future::Future,
@@ -83,7 +86,8 @@ pub(crate) struct StoreActor {
     last_checkpoint: Instant,
     checkpoint_took: Duration,
     /// The syncer thread's queue: groups committed without their log sync, in commit order.
-    /// `None` when groups sync in their own commit (no group commit, `NORMAL`, `:memory:`).
+    /// `None` when groups sync in their own commit (no group commit, `NORMAL`, `EXTRA`,
+    /// `:memory:`, not Unix, or the thread could not be started).
     syncer: Option<mpsc::Sender<UnsyncedGroup>>,
     unsynced: Arc<Unsynced>,
     /// The moves of groups committed without their sync whose callers were answered once the
@@ -247,6 +251,8 @@ impl StoreActor {
             // A refusal may rest on another process's group, not yet durable (see `commit`):
             // it is answered after a sync, which makes the whole batch durable too.
             Ok(()) if batch.iter().any(|pending| pending.refused()) => {
+                // Told after the groups the log-sync thread holds, committed before it.
+                self.unsynced.wait_empty();
                 let failure = GroupFailure::of_result(self.store.sync_after_read());
                 let written = match failure {
                     None => std::mem::take(&mut self.written),
@@ -498,10 +504,11 @@ impl StoreHandle {
     /// Submits a move that needs to be written before its caller goes on, not durable: it
     /// completes once the move is committed to the log, before the sync that makes it durable,
     /// which the next commit's does (the log keeps a prefix of its commits). Before the sync, a
-    /// crash of the process loses nothing, a power loss this move and what followed it. For a
-    /// run's model reservation: a model call has no external side effect. Where groups sync
-    /// in their commit (no group commit, `NORMAL`, `:memory:`, not Unix), like
-    /// [`apply`](Self::apply).
+    /// crash of the process loses nothing; a power loss undoes this move, and no later move
+    /// survives without it. For a run's model reservation: a model call has no external side
+    /// effect. In a group with any move that waits for its sync, and where groups sync in
+    /// their commit (no log-sync thread: no group commit, `NORMAL`, `EXTRA`, `:memory:`, not
+    /// Unix), like [`apply`](Self::apply).
     pub(crate) fn apply_written<R: Send + 'static>(
         &self,
         mv: ApplyMove<R>,

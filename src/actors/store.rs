@@ -229,57 +229,19 @@ impl StoreActor {
     /// a thread hand-off.
     ///
     /// A batch whose callers all asked to be answered once their moves are in the log commits
-    /// without its sync and is answered at once: the next commit's sync covers it.
+    /// without its sync too, and is answered at once (see [`commit`](Self::commit)).
     fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>) {
-        if self.syncer.is_some() && batch.iter().all(|pending| pending.answered_when_written()) {
-            return self.commit_written(batch);
-        }
         let defer = self.syncer.is_some()
-            && (batch.len() > 1 || !self.unsynced.is_empty() || !self.queue.lock().is_empty());
+            && (batch.len() > 1
+                || !self.unsynced.is_empty()
+                || !self.queue.lock().is_empty()
+                || batch.iter().all(|pending| pending.answered_when_written()));
         let sync = if defer {
             LogSync::Deferred
         } else {
             LogSync::InCommit
         };
         self.commit(batch, sync);
-    }
-
-    /// Commits `batch` without its log sync and answers its callers at once (see
-    /// [`StoreHandle::apply_written`]); the observer hears of it after the next sync.
-    fn commit_written(&mut self, mut batch: Vec<Box<dyn Pending>>) {
-        match self.apply_group(&mut batch, LogSync::Deferred) {
-            // A refusal may rest on another process's group, not yet durable (see `commit`):
-            // it is answered after a sync, which makes the whole batch durable too.
-            Ok(()) if batch.iter().any(|pending| pending.refused()) => {
-                // Told after the groups the log-sync thread holds, committed before it.
-                self.unsynced.wait_empty();
-                let failure = GroupFailure::of_result(self.store.sync_after_read());
-                let written = match failure {
-                    None => std::mem::take(&mut self.written),
-                    Some(_) => Vec::new(),
-                };
-                finish_group(self.observer.as_deref(), written, batch, failure);
-            }
-            Ok(()) => {
-                let applied: Vec<MoveInfo> = batch
-                    .iter()
-                    .flat_map(|pending| pending.applied())
-                    .cloned()
-                    .collect();
-                if !applied.is_empty() {
-                    self.written.push(applied);
-                }
-                for pending in batch {
-                    pending.answer(None);
-                }
-            }
-            Err(err) => finish_group(
-                self.observer.as_deref(),
-                Vec::new(),
-                batch,
-                Some(GroupFailure::of(&err)),
-            ),
-        }
     }
 
     /// Syncs the log for the groups answered before their sync, if any, and tells the observer,
@@ -317,8 +279,30 @@ impl StoreActor {
     /// Commits `batch` as one group: observed before and after, each caller answered only
     /// after the commit and its log sync, which also makes durable the groups answered before
     /// theirs.
+    ///
+    /// A group committed without its sync whose callers all asked to be answered once written
+    /// ([`StoreHandle::apply_written`]) is answered at once, unless a move of it was refused
+    /// (a refusal may rest on another process's group, not yet durable): its moves wait in
+    /// `written` for the next sync, and the observer hears of them then.
     fn commit(&mut self, mut batch: Vec<Box<dyn Pending>>, sync: LogSync) {
         let committed = self.apply_group(&mut batch, sync);
+        if committed.is_ok()
+            && sync == LogSync::Deferred
+            && batch
+                .iter()
+                .all(|pending| pending.answered_when_written() && !pending.refused())
+        {
+            let applied: Vec<MoveInfo> = batch
+                .iter()
+                .flat_map(|pending| pending.applied())
+                .cloned()
+                .collect();
+            self.written.push(applied);
+            for pending in batch {
+                pending.answer(None);
+            }
+            return;
+        }
         // Nothing of a group that failed to commit was synced: the earlier ones wait on.
         let written = match committed {
             Ok(()) => std::mem::take(&mut self.written),

@@ -19,8 +19,9 @@ use std::{
 
 use agentrt::{
     Agent, Config, Model, ModelError, ModelRequest, ModelResponse, MoveInfo, MoveObserver, Outcome,
-    RequireApprovalFor, StartRun, Store, StoreOptions, Supervisor, Synchronous, Tool, ToolCall,
-    ToolContext, ToolError, async_trait,
+    RequireApprovalFor, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError,
+    async_trait,
+    sqlite::{Options, Synchronous},
 };
 use clap::Parser;
 use serde_json::{Value, json};
@@ -165,17 +166,14 @@ fn bench_supervisor(store: Store, config: Config, agent: Agent) -> actix::Addr<S
         .unwrap()
 }
 
-fn options(sync: Synchronous) -> StoreOptions {
-    StoreOptions {
-        synchronous: sync,
-        ..StoreOptions::default()
-    }
+fn options(sync: Synchronous) -> Options {
+    Options::new().synchronous(sync)
 }
 
 /// Workload a, agentrt's side: one run of `steps` steps; (steps/s, commits per step).
 fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64, (f64, f64)) {
     let path = dir.join(format!("agentrt-{}.db", rand::random::<u32>()));
-    let store = Store::open_with(&path, options(sync)).unwrap();
+    let store = options(sync).open(&path).unwrap();
     let commits = Commits::default();
     let config = Config::default().lease_ttl(ttl).observer(commits.clone());
     let agent = Agent::new(LoopModel::new(steps))
@@ -220,7 +218,7 @@ enum BaselineCommits {
 /// rows and statements (its schema and pragmas), with nothing around them.
 fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineCommits) -> f64 {
     let path = dir.join(format!("baseline-{}.db", rand::random::<u32>()));
-    drop(Store::open_with(&path, options(sync)).unwrap()); // the schema
+    drop(options(sync).open(&path).unwrap()); // the schema
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(&format!(
         "PRAGMA journal_mode = WAL; PRAGMA synchronous = {}; PRAGMA foreign_keys = ON;
@@ -572,18 +570,21 @@ fn concurrent(
 ) -> (f64, f64, f64) {
     let path = dir.join(format!("concurrent-{}.db", rand::random::<u32>()));
     if call_id_index {
-        drop(Store::open_with(&path, options(sync)).unwrap());
+        drop(options(sync).open(&path).unwrap());
         rusqlite::Connection::open(&path)
             .unwrap()
             .execute("CREATE UNIQUE INDEX call_id ON steps (run_id, call_id)", [])
             .unwrap();
     }
-    let store = Store::open_with(&path, options(sync)).unwrap();
+    let store = options(sync)
+        .group_commit(group_commit)
+        .open(&path)
+        .unwrap();
     let model = LoopModel::new(steps);
     let agent = Agent::new(model.clone())
         .tool(Noop)
         .max_steps(2 * steps + 2);
-    let config = Config::default().group_commit(group_commit);
+    let config = Config::default();
     let elapsed = actix::System::new().block_on(async move {
         let sup = bench_supervisor(store, config, agent);
         let started = Instant::now();

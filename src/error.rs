@@ -7,6 +7,41 @@ use crate::{
     types::{LeaseLostReason, RunId, RunState},
 };
 
+/// An error of the database itself, as its backend reported it: opaque, with the driver's
+/// error as its [`source`](std::error::Error::source).
+#[derive(Debug)]
+pub struct DatabaseError {
+    busy: bool,
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl DatabaseError {
+    /// Wraps a backend's error; `busy` when the database was locked by another connection.
+    pub(crate) fn new(busy: bool, source: impl std::error::Error + Send + Sync + 'static) -> Self {
+        DatabaseError {
+            busy,
+            source: Box::new(source),
+        }
+    }
+
+    /// True when the database was locked by another connection, and waiting gave up.
+    pub fn is_busy(&self) -> bool {
+        self.busy
+    }
+}
+
+impl std::fmt::Display for DatabaseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.source.fmt(f)
+    }
+}
+
+impl std::error::Error for DatabaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
 /// `Result` with agentrt's [`Error`] as the default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -110,6 +145,20 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The file is an SQLite database whose pages are damaged or cut short (a truncated copy,
+    /// a disk fault). Nothing was written to it.
+    #[error(
+        "{} is damaged ({detail}); nothing was written to it: restore it from a backup, or \
+         check what can be read with `agentrt doctor`",
+        path.display()
+    )]
+    DatabaseCorrupt {
+        /// The file that was opened.
+        path: PathBuf,
+        /// What the database reported.
+        detail: String,
+    },
+
     /// There is no database file at this path, and none was created.
     #[error("there is no agentrt database at {}; nothing was created", path.display())]
     NoDatabase {
@@ -173,9 +222,9 @@ pub enum Error {
     #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
     SyncFailed(String),
 
-    /// An SQLite error.
+    /// The database failed; its backend's error is the source.
     #[error("database error: {0}")]
-    Database(#[source] rusqlite::Error),
+    Database(#[source] DatabaseError),
 }
 
 impl Error {
@@ -188,25 +237,14 @@ impl Error {
         )
     }
 
-    /// True when SQLite found the database locked by another connection.
-    pub(crate) fn is_busy(&self) -> bool {
-        matches!(
-            self,
-            Error::Database(rusqlite::Error::SqliteFailure(failure, _))
-                if matches!(failure.code, rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
-        )
+    /// True when the database was locked by another connection, and waiting gave up.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Error::Database(err) if err.is_busy())
     }
 
     /// True when a run or a call named by the caller does not exist.
     pub fn is_not_found(&self) -> bool {
         matches!(self, Error::RunNotFound(_) | Error::CallNotFound { .. })
-    }
-}
-
-// The one place an SQLite error becomes ours.
-impl From<rusqlite::Error> for Error {
-    fn from(err: rusqlite::Error) -> Self {
-        Error::Database(err)
     }
 }
 

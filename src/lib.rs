@@ -19,11 +19,10 @@ mod lease_md {}
 mod testing_md {}
 
 pub use actors::{
-    lease_keeper::{HeldLeases, LeaseLost, SubscribeLeaseLost},
-    store::{MoveInfo, MoveObserver},
+    lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_COMMIT_SPIN, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent,
-        ResumeRun, StartRun, Supervisor, SupervisorBuilder,
+        CancelRun, Config, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent, ResumeRun, StartRun,
+        Supervisor, SupervisorBuilder,
     },
 };
 pub use agent::{
@@ -32,9 +31,11 @@ pub use agent::{
 };
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
-pub use error::{Error, Result};
+pub use error::{DatabaseError, Error, Result};
 pub use store::{
-    Health, SCHEMA_VERSION, SchemaStatus, Store, StoreConnection, StoreOptions, Synchronous,
+    Health, SCHEMA_VERSION, SchemaStatus, Store,
+    backend::{MoveInfo, MoveKind, MoveObserver},
+    sqlite,
 };
 pub use types::{
     Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,

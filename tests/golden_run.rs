@@ -48,7 +48,7 @@ impl MoveObserver for Commits {
         self.0
             .lock()
             .unwrap()
-            .push(moves.iter().map(|m| m.name).collect());
+            .push(moves.iter().map(|m| m.kind.as_str()).collect());
     }
 }
 

@@ -7,8 +7,8 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Config, EventKind, ModelResponse, MoveInfo, MoveObserver, Outcome, RunId, StartRun,
-    Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
+    Agent, Config, EventKind, ModelResponse, MoveInfo, MoveKind, MoveObserver, Outcome, RunId,
+    StartRun, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait, sqlite,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
@@ -33,12 +33,23 @@ fn agent_with(tool: impl Tool) -> Agent {
 
 /// Runs `RUNS` runs at once; returns each run's event kinds and steps.
 fn logs(group_commit: bool) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
-    logs_of(Config::default().group_commit(group_commit), agent())
+    logs_on(group_commit, Config::default(), agent())
 }
 
 fn logs_of(config: Config, agent: Agent) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
+    logs_on(true, config, agent)
+}
+
+fn logs_on(
+    group_commit: bool,
+    config: Config,
+    agent: Agent,
+) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
     let db = TempStore::new();
-    let store = db.open();
+    let store = sqlite::Options::new()
+        .group_commit(group_commit)
+        .open(db.path())
+        .unwrap();
     with_system(|| async move {
         let sup = Supervisor::builder(store)
             .config(config)
@@ -104,7 +115,10 @@ impl MoveObserver for Durable {
             *self.by_sync_thread.lock().unwrap() = true;
         }
         let mut decisions = self.decisions.lock().unwrap();
-        for info in moves.iter().filter(|info| info.name == "decide_tool") {
+        for info in moves
+            .iter()
+            .filter(|info| info.kind == MoveKind::DecideTool)
+        {
             *decisions.entry(info.run_id.clone()).or_default() += 1;
         }
     }

@@ -8,12 +8,12 @@ use std::{
 
 use actix::Addr;
 use agentrt::{
-    Agent, Approval, CancelRun, Config, Error, EventKind, HeldLeases, Lease, LeaseLostReason,
-    ModelResponse, Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunOutcome,
-    RunState, StartRun, Store, SubscribeLeaseLost, Supervisor, ToolCall,
+    Agent, Approval, CancelRun, Config, Error, EventKind, Lease, LeaseLostReason, ModelResponse,
+    Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunOutcome, RunState, StartRun,
+    Store, SubscribeLeaseLost, Supervisor, ToolCall,
     testkit::{
-        Behaviour, CountingClock, LeaseLostLog, ReconcileHook, RecordingTool, ScriptedModel,
-        TempStore, assert_no_run_leased, resume_when_free, with_system,
+        Behaviour, CountingClock, HeldLeases, LeaseLostLog, ReconcileHook, RecordingTool,
+        ScriptedModel, TempStore, assert_no_run_leased, resume_when_free, with_system,
     },
 };
 use serde_json::json;
@@ -224,7 +224,9 @@ fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
         let (held_tx, held_rx) = mpsc::channel();
         let (done_tx, done_rx) = mpsc::channel::<()>();
         let consumer = std::thread::spawn(move || {
-            let conn = consumer_store.connection();
+            let conn = agentrt::sqlite::Sqlite::of(&consumer_store)
+                .unwrap()
+                .connection();
             conn.execute_batch("BEGIN").unwrap();
             let mut stmt = conn.prepare("SELECT seq FROM events").unwrap();
             let mut rows = stmt.query([]).unwrap();
@@ -799,7 +801,7 @@ struct HoldTakeover {
 
 impl agentrt::MoveObserver for HoldTakeover {
     fn before_apply(&self, info: &agentrt::MoveInfo) {
-        if info.name != "take_over" {
+        if info.kind != agentrt::MoveKind::TakeOver {
             return;
         }
         if let Some(reached) = self.reached.lock().unwrap().take() {

@@ -5,29 +5,21 @@
 //! blocking connection of its own: a consumer holding the store's other connections, or a busy
 //! writer, cannot starve it.
 
-use std::{
-    collections::HashMap,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::{Duration, Instant},
-};
-
-use actix::{
-    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, MessageResult, Recipient,
-    WrapFuture,
-};
-use rusqlite::Connection;
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use super::store::{RenewLeases, StoreActor};
 use crate::{
     error::{Error, Result},
     store::{
-        sql::{self, LeaseRow, Renewal},
+        backend,
+        model::{LeaseRow, Renewal},
         wall_millis,
     },
     types::{LeaseLostReason, RunId, RunState},
+};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message, MessageResult, Recipient,
+    WrapFuture,
 };
 
 /// A supervisor lost the lease of a run it was executing: sent to the run's actor and to every
@@ -43,54 +35,12 @@ pub struct LeaseLost {
     pub reason: LeaseLostReason,
 }
 
-/// Set while the keeper waits for the write lock to renew: the supervisor's store actor holds
-/// back its next commit meanwhile, since back-to-back commits would otherwise leave the lock
-/// free for too short a time for the renewal to ever get it.
-#[derive(Clone, Default)]
-pub(crate) struct RenewalPending(Arc<AtomicBool>);
-
-impl RenewalPending {
-    fn announce(&self, pending: bool) {
-        self.0.store(pending, Ordering::SeqCst);
-    }
-
-    /// Called by the store actor before a commit: waits (briefly) for a pending renewal.
-    pub(crate) fn yield_to_renewal(&self) {
-        let deadline = Instant::now() + Duration::from_millis(20);
-        while self.0.load(Ordering::SeqCst) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_micros(100));
-        }
-    }
-}
-
-/// One renewal on the keeper's own connection, which waits for no lock: this retries in short
-/// naps until one period has passed, while `pending` holds back the store actor's next commit.
-fn renew_on(
-    conn: &Connection,
-    owner: &str,
-    held: &[RunId],
-    ttl: Duration,
-    pending: &RenewalPending,
-) -> Result<Renewal> {
-    pending.announce(true);
-    let deadline = Instant::now() + LeaseKeeper::period(ttl);
-    let renewal = loop {
-        match sql::renew(conn, owner, held, ttl) {
-            Err(err) if err.is_busy() && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_micros(200))
-            }
-            other => break other,
-        }
-    };
-    pending.announce(false);
-    renewal
-}
-
 /// How renewals reach the database.
 pub(crate) enum Renewer {
-    /// A file store: a connection of the keeper's own.
-    Connection(Connection),
-    /// `:memory:`: the store actor's connection, which is the whole database.
+    /// A connection of the keeper's own (an SQLite file, say).
+    Own(Box<dyn backend::Renewer>),
+    /// Through the store actor's writer, where the backend has no second connection (SQLite's
+    /// `:memory:`, whose one connection is the whole database).
     Store(Addr<StoreActor>),
 }
 
@@ -109,17 +59,10 @@ pub(crate) struct LeaseKeeper {
     subscribers: Vec<Recipient<LeaseLost>>,
     /// A renewal through the store actor is on its way: the next tick waits for it.
     renewing: bool,
-    /// Tells this supervisor's store actor that a renewal waits for the write lock.
-    pending: RenewalPending,
 }
 
 impl LeaseKeeper {
-    pub(crate) fn new(
-        owner: Arc<str>,
-        ttl: Duration,
-        renewer: Renewer,
-        pending: RenewalPending,
-    ) -> Self {
+    pub(crate) fn new(owner: Arc<str>, ttl: Duration, renewer: Renewer) -> Self {
         LeaseKeeper {
             owner,
             ttl,
@@ -127,7 +70,6 @@ impl LeaseKeeper {
             held: HashMap::new(),
             subscribers: Vec::new(),
             renewing: false,
-            pending,
         }
     }
 
@@ -142,12 +84,12 @@ impl LeaseKeeper {
             return;
         }
         let held: Vec<RunId> = self.held.keys().cloned().collect();
-        match &self.renewer {
-            Renewer::Connection(conn) => {
-                // The connection waits for no lock: this loop does, in short naps, while the
-                // store actor of this supervisor holds back its next commit (see
-                // `RenewalPending`), so a busy writer cannot starve the renewal.
-                let renewal = renew_on(conn, &self.owner, &held, self.ttl, &self.pending);
+        match &mut self.renewer {
+            Renewer::Own(renewer) => {
+                // A busy database is waited for at most one period, so a stalled tick cannot
+                // outlive the lease it renews.
+                let patience = Self::period(self.ttl);
+                let renewal = renewer.renew(&self.owner, &held, self.ttl, patience);
                 self.settle(renewal);
             }
             Renewer::Store(store) => {
@@ -316,57 +258,5 @@ impl Handler<HeldLeases> for LeaseKeeper {
         let mut held: Vec<RunId> = self.held.keys().cloned().collect();
         held.sort();
         MessageResult(held)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{clock::SystemClock, store::Store};
-
-    #[test]
-    fn a_renewal_gets_the_write_lock_from_a_writer_committing_back_to_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(dir.path().join("db.sqlite")).unwrap();
-        let holder = sql::Holder {
-            owner: "me/000000000001".into(),
-            ttl: Duration::from_millis(300),
-        };
-        let run_id = RunId::from("r");
-        store
-            .transact(&SystemClock, |tx, now| {
-                sql::create_run(tx, now, &run_id, "a", &serde_json::json!({}), &holder)
-            })
-            .unwrap();
-
-        // A writer that commits back to back, yielding only as the store actor does.
-        let pending = RenewalPending::default();
-        let (writer, yielding) = (store.clone(), pending.clone());
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = stop.clone();
-        let busy = std::thread::spawn(move || {
-            while !stopped.load(Ordering::SeqCst) {
-                yielding.yield_to_renewal();
-                writer
-                    .transact(&SystemClock, |tx, _| {
-                        Ok(tx.execute("UPDATE runs SET updated_at = updated_at + 1", [])?)
-                    })
-                    .unwrap();
-            }
-        });
-        let conn = store.renewal_connection(Duration::ZERO).unwrap().unwrap();
-        for _ in 0..20 {
-            let renewal = renew_on(
-                &conn,
-                &holder.owner,
-                std::slice::from_ref(&run_id),
-                holder.ttl,
-                &pending,
-            )
-            .unwrap();
-            assert_eq!(renewal.renewed, std::slice::from_ref(&run_id));
-        }
-        stop.store(true, Ordering::SeqCst);
-        busy.join().unwrap();
     }
 }

@@ -26,11 +26,12 @@ use crate::{
     agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
     store::{
-        Now,
-        sql::{
-            self, Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
-            ToolDecision,
+        backend::{MoveKind, Tx},
+        model::{
+            Holder, ModelOutcome, Now, Resolution, RunSnapshot, StepKind, StepRow, StepState,
+            ToolDecision, idempotency_key,
         },
+        moves,
     },
     types::{
         ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
@@ -223,7 +224,8 @@ impl Planned {
     /// reservation is still written before the request, under the lease's guard; what a
     /// power loss before that sync undoes (the reservation, and the outcome or the run's
     /// insert committed with it) is what it undid during the reservation's own sync, and a
-    /// model call has no external side effect (SPEC §5).
+    /// model call has no external side effect: a power loss that undoes the reservation only means the
+    /// model is asked again.
     fn reserves_model(&self) -> bool {
         matches!(self, Planned::BeginModel { .. })
     }
@@ -250,8 +252,8 @@ impl RunLoop {
                     input.clone(),
                     env.holder.clone(),
                 );
-                let create = ApplyMove::new("create_run", &run_id, move |tx, now| {
-                    sql::create_run(tx, now, &id, &name, &value, &holder)
+                let create = ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
+                    moves::create_run(tx, now, &id, &name, &value, &holder)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 // The first model step's reservation commits with the insert.
@@ -266,7 +268,7 @@ impl RunLoop {
                 let id = run_id.clone();
                 let snapshot = send(
                     env.store.addr(),
-                    ReadState::new(move |conn| sql::load(conn, &id)),
+                    ReadState::new(move |reads| moves::load(reads, &id)),
                 )
                 .await?;
                 tracing::Span::current().record("agent", snapshot.run.agent.as_str());
@@ -281,12 +283,13 @@ impl RunLoop {
                     }
                     RunState::Running => {
                         let (id, holder) = (run_id.clone(), env.holder.clone());
-                        let take = ApplyMove::new("take_over", &run_id, move |tx, now| {
-                            let (interrupted, expires_at) = sql::take_over(tx, now, &id, &holder)?;
+                        let take = ApplyMove::new(MoveKind::TakeOver, &run_id, move |tx, now| {
+                            let (interrupted, expires_at) =
+                                moves::take_over(tx, now, &id, &holder)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
-                            Ok((interrupted.len(), expires_at, sql::load(tx, &id)?))
+                            Ok((interrupted.len(), expires_at, moves::load(tx, &id)?))
                         });
                         let (interrupted, expires_at, snapshot) = env.store.apply(take).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
@@ -359,7 +362,7 @@ impl RunLoop {
         let id = self.run_id.clone();
         send(
             self.env.store.addr(),
-            ReadState::new(move |conn| sql::run(conn, &id)),
+            ReadState::new(move |reads| moves::run(reads, &id)),
         )
         .await
     }
@@ -448,13 +451,11 @@ impl RunLoop {
     /// A move of this run's loop, under its lease.
     fn move_of<R: Send + 'static>(
         &self,
-        name: &'static str,
-        mut apply: impl FnMut(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
-        + Send
-        + 'static,
+        kind: MoveKind,
+        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>, &RunId, &Holder) -> Result<R> + Send + 'static,
     ) -> ApplyMove<R> {
         let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
-        ApplyMove::new(name, &self.run_id, move |tx, now| {
+        ApplyMove::new(kind, &self.run_id, move |tx, now| {
             apply(tx, now, &run_id, &holder)
         })
     }
@@ -462,12 +463,10 @@ impl RunLoop {
     /// Commits one move of this run's loop on its own.
     async fn apply<R: Send + 'static>(
         &self,
-        name: &'static str,
-        apply: impl FnMut(&rusqlite::Transaction<'_>, &mut Now<'_>, &RunId, &Holder) -> Result<R>
-        + Send
-        + 'static,
+        kind: MoveKind,
+        apply: impl FnMut(&mut dyn Tx, &mut Now<'_>, &RunId, &Holder) -> Result<R> + Send + 'static,
     ) -> Result<R> {
-        self.env.store.apply(self.move_of(name, apply)).await
+        self.env.store.apply(self.move_of(kind, apply)).await
     }
 
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
@@ -602,22 +601,23 @@ impl RunLoop {
     fn planned_move(&self, planned: &Planned) -> ApplyMove<()> {
         match planned.clone() {
             Planned::BeginModel { step } => self
-                .move_of("begin_model_step", move |tx, now, id, holder| {
-                    sql::begin_model_step(tx, now, id, holder, step)
+                .move_of(MoveKind::BeginModelStep, move |tx, now, id, holder| {
+                    moves::begin_model_step(tx, now, id, holder, step)
                 }),
-            Planned::Fail { error } => self.move_of("fail_run", move |tx, now, id, holder| {
-                sql::fail_run(tx, now, id, holder, &error)
-            }),
+            Planned::Fail { error } => self
+                .move_of(MoveKind::FailRun, move |tx, now, id, holder| {
+                    moves::fail_run(tx, now, id, holder, &error)
+                }),
             Planned::Decide {
                 step,
                 call,
                 decision,
-            } => self.move_of("decide_tool", move |tx, now, id, holder| {
-                sql::decide_tool(tx, now, id, holder, step, &call, &decision)
+            } => self.move_of(MoveKind::DecideTool, move |tx, now, id, holder| {
+                moves::decide_tool(tx, now, id, holder, step, &call, &decision)
             }),
             Planned::Reject { step, call, error } => {
-                self.move_of("reject_tool", move |tx, now, id, holder| {
-                    sql::reject_tool(tx, now, id, holder, step, &call, &error)
+                self.move_of(MoveKind::RejectTool, move |tx, now, id, holder| {
+                    moves::reject_tool(tx, now, id, holder, step, &call, &error)
                 })
             }
         }
@@ -709,8 +709,8 @@ impl RunLoop {
             Ok(response) => response,
             Err(error) => {
                 let outcome = ModelOutcome::Failed(error.0.clone());
-                self.apply("finish_model_step", move |tx, now, id, holder| {
-                    sql::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
+                self.apply(MoveKind::FinishModelStep, move |tx, now, id, holder| {
+                    moves::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
                 })
                 .await?;
                 return Ok(Next::Return(Outcome::Failed {
@@ -739,8 +739,8 @@ impl RunLoop {
             response,
             recorded: stored_json.clone(),
         };
-        let first = self.move_of("finish_model_step", move |tx, now, id, holder| {
-            sql::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
+        let first = self.move_of(MoveKind::FinishModelStep, move |tx, now, id, holder| {
+            moves::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
         });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
@@ -813,7 +813,7 @@ impl RunLoop {
             step,
             call_id: call.id.clone(),
             attempt,
-            idempotency_key: sql::idempotency_key(&self.run_id, step),
+            idempotency_key: idempotency_key(&self.run_id, step),
             cancellation: self.env.cancellation.clone(),
         }
     }
@@ -843,8 +843,8 @@ impl RunLoop {
         };
         let result_json = serde_json::to_value(&result).unwrap();
         let (call_id, recorded) = (call.id, result_json.clone());
-        let first = self.move_of("finish_tool", move |tx, now, id, holder| {
-            sql::finish_tool(
+        let first = self.move_of(MoveKind::FinishTool, move |tx, now, id, holder| {
+            moves::finish_tool(
                 tx, now, id, holder, number, attempt, &call_id, &result, &recorded,
             )
         });
@@ -869,8 +869,8 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.apply("reconcile", move |tx, now, id, holder| {
-                sql::reconcile(
+            self.apply(MoveKind::Reconcile, move |tx, now, id, holder| {
+                moves::reconcile(
                     tx,
                     now,
                     id,
@@ -924,8 +924,8 @@ impl RunLoop {
             "reconciling an interrupted step"
         );
         let (c, r) = (call.clone(), resolution.clone());
-        self.apply("reconcile", move |tx, now, id, holder| {
-            sql::reconcile(tx, now, id, holder, number, attempt, Some(&c), &r)
+        self.apply(MoveKind::Reconcile, move |tx, now, id, holder| {
+            moves::reconcile(tx, now, id, holder, number, attempt, Some(&c), &r)
         })
         .await?;
         match resolution {
@@ -1022,8 +1022,8 @@ impl RunLoop {
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
         let expires_at = self
-            .apply("resume_waiting", move |tx, now, id, holder| {
-                sql::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
+            .apply(MoveKind::ResumeWaiting, move |tx, now, id, holder| {
+                moves::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
             })
             .await?;
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.

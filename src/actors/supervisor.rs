@@ -14,9 +14,9 @@ use actix::{
 use serde_json::Value;
 
 use super::{
-    lease_keeper::{HeldLeases, LeaseKeeper, RenewalPending, Renewer, SubscribeLeaseLost},
+    lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
-    store::{ApplyMove, CommitPolicy, MoveObserver, ReadState, StoreActor, StoreHandle},
+    store::{ApplyMove, ReadState, StoreActor, StoreHandle},
 };
 use crate::{
     agent::{Agent, Cancellation},
@@ -24,7 +24,9 @@ use crate::{
     error::{Error, Result},
     store::{
         Store,
-        sql::{self, Holder},
+        backend::{MoveKind, MoveObserver},
+        model::Holder,
+        moves,
     },
     types::{Approval, RunId, RunOutcome},
 };
@@ -32,40 +34,26 @@ use crate::{
 /// The lease TTL when [`Config::lease_ttl`] is not set: 30 s.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
-/// How a supervisor behaves.
+/// How a supervisor behaves: built from [`Config::default`] with its setters.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let config = agentrt::Config::default()
+///     .lease_owner("billing@host-3")
+///     .lease_ttl(Duration::from_secs(10));
+/// # let _ = config;
+/// ```
+///
+/// How the database writes (group commit, the watch for the next move, durability) is the
+/// store's business: see [`sqlite::Options`](crate::sqlite::Options).
 #[derive(Clone)]
 pub struct Config {
-    /// Stamps events and run rows; read once per committed move. Default: the system clock.
-    /// Lease times never read it.
-    pub clock: Arc<dyn Clock>,
-    /// A name for the operator reading a lease (`"billing@host-3"`). The stored owner is this
-    /// name, `/`, and a random suffix drawn once per supervisor, so no two supervisors share an
-    /// owner; without a name, the suffix alone.
-    pub lease_owner: Option<String>,
-    /// How long a lease lasts without renewal ([`DEFAULT_LEASE_TTL`]; zero means the default).
-    /// It is how long a crashed process blocks the resume of its runs; renewals run every
-    /// third of it.
-    pub lease_ttl: Duration,
-    /// Told of every move the supervisor's store actor applies, before and after; none by
-    /// default.
-    pub observer: Option<Arc<dyn MoveObserver>>,
-    /// Commit the moves that arrive together (from different runs) in one transaction, each in
-    /// a savepoint of its own and each caller answered after the commit (default true). Off,
-    /// every move is a transaction and a commit of its own.
-    pub group_commit: bool,
-    /// How long the store actor keeps watching for the next move after a commit before it
-    /// parks its thread (default [`DEFAULT_COMMIT_SPIN`]; zero parks at once). A run's loop
-    /// sends its next move a few microseconds after its reply; catching it without a thread
-    /// wake-up makes a lone run about 15 % faster, for at most this much CPU per commit. A
-    /// model reservation answered once written (see `docs/runs.md`) shares its sync with the
-    /// model's answer only if that answer arrives within this watch; after it, the store syncs
-    /// the reservation alone.
-    pub commit_spin: Duration,
+    clock: Arc<dyn Clock>,
+    lease_owner: Option<String>,
+    lease_ttl: Duration,
+    observer: Option<Arc<dyn MoveObserver>>,
 }
-
-/// The store actor's watch for the next move after a commit when [`Config::commit_spin`] is
-/// not set: 50 µs.
-pub const DEFAULT_COMMIT_SPIN: Duration = Duration::from_micros(50);
 
 impl Default for Config {
     fn default() -> Self {
@@ -74,50 +62,43 @@ impl Default for Config {
             lease_owner: None,
             lease_ttl: DEFAULT_LEASE_TTL,
             observer: None,
-            group_commit: true,
-            commit_spin: DEFAULT_COMMIT_SPIN,
         }
     }
 }
 
 impl Config {
-    /// Uses `clock` to stamp events and runs.
+    /// Uses `clock` to stamp events and run rows; read once per committed move (default: the
+    /// system clock). Lease times never read it.
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
     }
 
-    /// Names the lease owner (a random suffix is appended).
+    /// Names the lease owner for the operator reading a lease (`"billing@host-3"`). The stored
+    /// owner is this name, `/`, and a random suffix drawn once per supervisor, so no two
+    /// supervisors share an owner; without a name, the suffix alone.
     pub fn lease_owner(mut self, name: impl Into<String>) -> Self {
         self.lease_owner = Some(name.into());
         self
     }
 
-    /// Sets the move observer.
-    pub fn observer(mut self, observer: impl MoveObserver) -> Self {
-        self.observer = Some(Arc::new(observer));
-        self
-    }
-
-    /// Turns group commit on or off.
-    pub fn group_commit(mut self, on: bool) -> Self {
-        self.group_commit = on;
-        self
-    }
-
-    /// Sets how long the store actor watches for the next move after a commit.
-    pub fn commit_spin(mut self, spin: Duration) -> Self {
-        self.commit_spin = spin;
-        self
-    }
-
-    /// Sets the lease TTL.
+    /// How long a lease lasts without renewal ([`DEFAULT_LEASE_TTL`]; zero means the default).
+    /// It is how long a crashed process blocks the resume of its runs; renewals run every
+    /// third of it.
     pub fn lease_ttl(mut self, ttl: Duration) -> Self {
         self.lease_ttl = ttl;
         self
     }
 
-    fn effective_ttl(&self) -> Duration {
+    /// Tells `observer` of every move the supervisor's store actor applies, before and after;
+    /// none by default.
+    pub fn observer(mut self, observer: impl MoveObserver) -> Self {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// The lease TTL in force: the one set, or the default for zero.
+    pub(crate) fn effective_ttl(&self) -> Duration {
         if self.lease_ttl.is_zero() {
             DEFAULT_LEASE_TTL
         } else {
@@ -131,8 +112,7 @@ impl std::fmt::Debug for Config {
         f.debug_struct("Config")
             .field("lease_owner", &self.lease_owner)
             .field("lease_ttl", &self.lease_ttl)
-            .field("group_commit", &self.group_commit)
-            .field("commit_spin", &self.commit_spin)
+            .field("observer", &self.observer.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -186,35 +166,27 @@ impl SupervisorBuilder {
     }
 
     /// Starts the supervisor, its store actor and its lease keeper, each on a thread of its
-    /// own. Must be called inside a running actix system. Fails if the lease keeper's
-    /// connection cannot be opened.
+    /// own. Must be called inside a running actix system. Fails if the backend cannot open
+    /// the supervisor's connections (the lease keeper's, say).
     pub fn start(self) -> Result<Addr<Supervisor>> {
         let ttl = self.config.effective_ttl();
         let holder = Holder {
             owner: lease_owner(self.config.lease_owner.as_deref()).into(),
             ttl,
         };
-        let pending = RenewalPending::default();
-        let store_actor = StoreActor::start(
-            self.store.clone(),
+        let (store_actor, renewer) = StoreActor::start(
+            &self.store,
             self.config.clock.clone(),
             self.config.observer.clone(),
-            CommitPolicy {
-                group: self.config.group_commit,
-                spin: self.config.commit_spin,
-            },
-            pending.clone(),
-        );
-        // A renewal waits for a busy database at most one period, so a stalled tick cannot
-        // outlive the lease it renews.
-        let renewer = match self.store.renewal_connection(Duration::ZERO)? {
-            Some(conn) => Renewer::Connection(conn),
+        )?;
+        let renewer = match renewer {
+            Some(renewer) => Renewer::Own(renewer),
             None => Renewer::Store(store_actor.addr().clone()),
         };
         let keeper_arbiter = Arbiter::new();
         let owner = holder.owner.clone();
         let keeper = LeaseKeeper::start_in_arbiter(&keeper_arbiter.handle(), move |_| {
-            LeaseKeeper::new(owner, ttl, renewer, pending)
+            LeaseKeeper::new(owner, ttl, renewer)
         });
         tracing::info!(owner = %holder.owner, ?ttl, "supervisor starting");
         Ok(Supervisor {
@@ -253,7 +225,7 @@ impl Supervisor {
             let read = self
                 .store_actor
                 .addr()
-                .send(ReadState::new(move |conn| sql::lease(conn, &id)));
+                .send(ReadState::new(move |reads| moves::lease(reads, &id)));
             return Box::pin(
                 async move {
                     let expires_at = match read.await?? {
@@ -313,7 +285,7 @@ impl Actor for Supervisor {
     fn started(&mut self, _: &mut Context<Self>) {
         // The mailbox keeps actix's default capacity: past it, callers' `send`s wait, which is
         // the back-pressure a burst of StartRun should meet.
-        tracing::debug!(store = ?self.store.path(), "supervisor started");
+        tracing::debug!(store = ?self.store, "supervisor started");
     }
 }
 
@@ -430,11 +402,10 @@ impl Handler<CancelRun> for Supervisor {
     fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
         let CancelRun { run_id, reason } = msg;
         let id = run_id.clone();
-        let cancel =
-            self.store_actor
-                .apply(ApplyMove::new("cancel_run", &run_id, move |tx, now| {
-                    sql::cancel_run(tx, now, &id, &reason)
-                }));
+        let cancel = ApplyMove::new(MoveKind::CancelRun, &run_id, move |tx, now| {
+            moves::cancel_run(tx, now, &id, &reason)
+        });
+        let cancel = self.store_actor.apply(cancel);
         Box::pin(
             cancel
                 .into_actor(self)
@@ -463,11 +434,10 @@ impl Handler<RecordApproval> for Supervisor {
     fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
-        let record = self.store_actor.apply(ApplyMove::new(
-            "record_approval",
-            &run_id,
-            move |tx, now| sql::record_approval(tx, now, &approval),
-        ));
+        let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
+            moves::record_approval(tx, now, &approval)
+        });
+        let record = self.store_actor.apply(record);
         Box::pin(record.into_actor(self))
     }
 }

@@ -10,9 +10,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt::{
-    Approval, Event, Lease, PendingCall, Run, RunId, RunState, SchemaStatus, Store, StoreOptions,
-};
+use agentrt::{Approval, Event, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets};
 use serde_json::{Value, json};
@@ -174,7 +172,8 @@ fn run(cli: Cli) -> Outcome {
         Command::Migrate { apply } => migrate(&path, apply, json),
         Command::Doctor => doctor(&path, json),
         command => {
-            let store = Store::open_with(&path, StoreOptions::existing_only())
+            let store = sqlite::Options::existing_only()
+                .open(&path)
                 .map_err(|e| e.to_string())?;
             match command {
                 Command::Runs { state } => runs(&store, state.map(Into::into), json),
@@ -426,7 +425,7 @@ fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome 
 }
 
 fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
-    let before = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    let before = sqlite::schema_status(path).map_err(|e| e.to_string())?;
     if before.found > before.supported {
         return Err(Failure::Message(format!(
             "{} has schema version {}, newer than the {} this agentrt knows; it was left unchanged",
@@ -436,13 +435,12 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
         )));
     }
     if apply && before.pending() > 0 {
-        let options = StoreOptions {
-            create: false,
-            ..StoreOptions::default()
-        };
-        Store::open_with(path, options).map_err(|e| e.to_string())?;
+        sqlite::Options::new()
+            .create(false)
+            .open(path)
+            .map_err(|e| e.to_string())?;
     }
-    let after = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    let after = sqlite::schema_status(path).map_err(|e| e.to_string())?;
     let text = match (before.pending(), apply) {
         (0, _) => format!("schema version {}: up to date", after.found),
         (n, false) => format!(
@@ -462,18 +460,20 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
 }
 
 fn doctor(path: &Path, json: bool) -> Outcome {
-    let status = SchemaStatus::of(path).map_err(|e| e.to_string())?;
+    let status = sqlite::schema_status(path).map_err(|e| e.to_string())?;
     if status.found != status.supported {
         return migrate(path, false, json)
             .and_then(|()| Err("the schema is not current; nothing else was checked".into()));
     }
-    let store = Store::open_with(path, StoreOptions::existing_only()).map_err(|e| e.to_string())?;
+    let store = sqlite::Options::existing_only()
+        .open(path)
+        .map_err(|e| e.to_string())?;
     let health = store.health().map_err(|e| e.to_string())?;
     if json {
         print_json(&json!({
             "schema": { "found": health.schema.found, "supported": health.schema.supported },
             "settings": health.settings.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "defensive": health.defensive,
+            "defensive": health.setting("defensive") == Some("1"),
             "integrity": health.integrity,
             "stale_leases": health.stale_leases.iter().map(|(id, lease)| json!({ "run_id": id, "owner": lease.owner, "expires_at": time(lease.expires_at) })).collect::<Vec<_>>(),
             "running_without_lease": health.running_without_lease,
@@ -486,7 +486,11 @@ fn doctor(path: &Path, json: bool) -> Outcome {
         }
         out!(
             "defensive       {}",
-            if health.defensive { "on" } else { "off" }
+            if health.setting("defensive") == Some("1") {
+                "on"
+            } else {
+                "off"
+            }
         );
         out!("integrity       {}", health.integrity.join("; "));
         out!("stale leases    {}", health.stale_leases.len());

@@ -245,7 +245,9 @@ impl Explorer {
         // The dead supervisor's writer, once the transaction it may have had open when the
         // crash stopped another of its threads has ended: held until the case is checked, so
         // that nothing of the dead supervisor commits while the run recovers.
-        let dead_writer = dead_store.writer_lock();
+        let dead_writer = crate::sqlite::Sqlite::of(&dead_store)
+            .expect("the explorer's stores are SQLite files")
+            .writer_lock();
 
         // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();
@@ -746,7 +748,7 @@ pub fn check_invariants(
                 run_again,
             });
         }
-        let key = crate::store::sql::idempotency_key(run_id, step);
+        let key = crate::store::model::idempotency_key(run_id, step);
         let ran = executed.remove(key.as_str()).unwrap_or(0);
         if ran > started {
             violations.push(Violation::DuplicateExecution { step, ran, started });

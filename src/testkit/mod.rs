@@ -28,6 +28,18 @@ pub use explorer::{
     CaseReport, CrashPoint, Exploration, Explorer, STORE_THREAD, Violation, check_invariants,
 };
 
+/// The runs whose leases a supervisor renews now: send it to the
+/// [`Supervisor`](crate::Supervisor) to see what its lease keeper holds.
+pub use crate::actors::lease_keeper::HeldLeases;
+/// The fault-injection seam of an SQLite store; see [`faults`].
+pub use crate::store::sqlite::faults::Faults;
+
+/// The fault-injection seam of `store`'s SQLite backend, if it has that backend: count its log
+/// syncs, or make the next one fail.
+pub fn faults(store: &Store) -> Option<&Faults> {
+    crate::sqlite::Sqlite::of(store).map(|sqlite| &sqlite.faults)
+}
+
 use std::{
     future::Future,
     path::{Path, PathBuf},
@@ -568,7 +580,7 @@ impl actix::Handler<LeaseLost> for LeaseLostLog {
 /// it with [`Store::open`].
 pub fn database_at_schema(path: &Path, version: u32) {
     let mut conn = rusqlite::Connection::open(path).expect("the file opens");
-    crate::store::migrations()
+    crate::store::sqlite::migrations()
         .to_version(&mut conn, version as usize)
         .expect("the migrations apply");
 }

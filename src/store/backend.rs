@@ -1,0 +1,400 @@
+//! The storage boundary: what the actors and the moves ask of a backend.
+//!
+//! A backend implements three things, each small:
+//! - [`Reads`] and [`Tx`]: the guarded primitives the moves (in `moves.rs`, written once for
+//!   every backend) are made of. Each guarded write returns whether its guard matched, and
+//!   changes nothing when it did not.
+//! - [`Backend`]: the store as a whole; inspection, operator moves, and a [`Session`] for a
+//!   supervisor.
+//! - [`Writer`] and [`Renewer`]: a supervisor's write side. The store actor queues the moves
+//!   and hands them to the writer in batches; the writer commits them with the durability each
+//!   asked for and answers each caller. The lease keeper renews through the renewer, or through
+//!   the writer where the backend has no second connection.
+
+use std::{any::Any, sync::Arc, time::Duration};
+
+use serde_json::Value;
+
+use super::model::{
+    ApprovalRow, LeaseReport, LeaseRow, Now, Renewal, StepKind, StepRow, StepState,
+};
+use crate::{
+    clock::Clock,
+    error::{Error, Result},
+    types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
+};
+
+/// Reads of a run's rows, inside a transaction or outside.
+pub(crate) trait Reads {
+    /// A run's state and lease; `None` for an unknown run.
+    fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>>;
+    /// A run; `None` for an unknown run.
+    fn run(&mut self, run_id: &RunId) -> Result<Option<Run>>;
+    /// The runs, oldest first (ties by id); only those in `state` when given.
+    fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>>;
+    /// A run's events after sequence number `after`, in order (none for an unknown run).
+    fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>>;
+    /// A run's steps, in order.
+    fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>>;
+    /// The decision recorded for attempt `attempt` of step `step`.
+    fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>>;
+    /// RUNNING runs whose lease expired at wall-clock time `wall`, and RUNNING runs nobody
+    /// holds, by id.
+    fn lease_report(&mut self, wall: i64) -> Result<LeaseReport>;
+}
+
+/// A new RUNNING run, its lease stamped in the insert.
+pub(crate) struct NewRun<'a> {
+    pub run_id: &'a RunId,
+    pub agent: &'a str,
+    pub input: &'a Value,
+    pub at: i64,
+    pub owner: &'a str,
+    pub expires_at: i64,
+}
+
+/// A run's move between states, guarded by its state (and its owner, for a loop's move). The
+/// lease is set as given: an owner and an expiry entering RUNNING, none leaving it.
+pub(crate) struct RunUpdate<'a> {
+    /// The states the run may be in (one or two).
+    pub from: &'a [RunState],
+    pub to: RunState,
+    pub output: Option<&'a str>,
+    pub error: Option<&'a str>,
+    pub at: i64,
+    pub owner: Option<&'a str>,
+    pub expires_at: Option<i64>,
+    /// The owner whose lease the run must be under; `None` for an operator's move.
+    pub guard_owner: Option<&'a str>,
+}
+
+/// A step's move out of the state and attempt its executor saw.
+pub(crate) struct StepUpdate<'a> {
+    pub from: StepState,
+    pub attempt: u32,
+    pub to: StepState,
+    /// Adds an attempt.
+    pub starts: bool,
+    /// Replaces the stored result when given.
+    pub result: Option<&'a Value>,
+    pub waiting_for: Option<ApprovalReason>,
+}
+
+/// A transaction of one backend: the guarded primitives every move is written with.
+pub(crate) trait Tx: Reads {
+    /// Inserts a run that does not exist (the move checked).
+    fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()>;
+    /// Stamps a RUNNING run under `owner`'s lease as moved at `at`; with `unexpired_at`, only
+    /// if the lease expires after it. False when the guard did not match.
+    fn touch_run(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        unexpired_at: Option<i64>,
+    ) -> Result<bool>;
+    /// Moves a run between states; false when the guard did not match.
+    fn update_run(&mut self, run_id: &RunId, update: &RunUpdate<'_>) -> Result<bool>;
+    /// Gives a RUNNING run's lease to `owner` until `expires_at`, if its lease is still the one
+    /// `seen` (compare-and-set on owner and expiry); false otherwise.
+    fn take_lease(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        expires_at: i64,
+        seen: &LeaseRow,
+    ) -> Result<bool>;
+    /// Stamps a run WAITING_FOR_APPROVAL as moved at `at`; false when it does not wait.
+    fn touch_waiting(&mut self, run_id: &RunId, at: i64) -> Result<bool>;
+    /// Inserts a step.
+    fn insert_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        kind: StepKind,
+        state: StepState,
+        attempt: u32,
+        call: Option<&ToolCall>,
+    ) -> Result<()>;
+    /// Moves a step; false when it is no longer where its executor saw it.
+    fn update_step(&mut self, run_id: &RunId, step: u32, update: &StepUpdate<'_>) -> Result<bool>;
+    /// Marks every step in flight interrupted; returns each (step, kind, attempt).
+    fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>>;
+    /// The step and attempt count of the run's call `call_id` that waits for a decision.
+    fn waiting_call(&mut self, run_id: &RunId, call_id: &str) -> Result<Option<(u32, u32)>>;
+    /// Whether the run has a call `call_id`, in any state.
+    fn call_exists(&mut self, run_id: &RunId, call_id: &str) -> Result<bool>;
+    /// Records a decision for attempt `attempt` of `step`; false when one is recorded already.
+    fn insert_approval(
+        &mut self,
+        step: u32,
+        attempt: u32,
+        approval: &Approval,
+        at: i64,
+    ) -> Result<bool>;
+    /// Appends an event numbered after the run's last one, so that the log has no gaps.
+    fn append_event(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &Value,
+    ) -> Result<()>;
+    /// Opens a savepoint named `name`, nested in the transaction (or in an open savepoint).
+    fn savepoint(&mut self, name: &str) -> Result<()>;
+    /// Undoes what was done since savepoint `name` opened; it stays open.
+    fn rollback_to(&mut self, name: &str) -> Result<()>;
+    /// Closes savepoint `name`, keeping what it holds.
+    fn release_savepoint(&mut self, name: &str) -> Result<()>;
+}
+
+/// A connection outside any transaction: the lease's single-statement writes.
+pub(crate) trait LeaseWrites: Reads {
+    /// Extends to `expires_at` the leases of `held` that `owner` holds unexpired at
+    /// wall-clock time `wall`, in one statement; returns the runs renewed.
+    fn renew_leases(
+        &mut self,
+        owner: &str,
+        held: &[RunId],
+        wall: i64,
+        expires_at: i64,
+    ) -> Result<Vec<RunId>>;
+    /// Clears `owner`'s lease on a run (compare-and-set on the owner); whether it held it.
+    fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool>;
+}
+
+/// What a move does: its name in [`MoveInfo`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MoveKind {
+    /// A new run, with its lease (`run.started`).
+    CreateRun,
+    /// A model call's reservation (`step.model_started`).
+    BeginModelStep,
+    /// A model's answer or failure (`step.model_finished`), with the tool calls it asked for.
+    FinishModelStep,
+    /// The policy's decision on a tool call, and its start, denial or pause.
+    DecideTool,
+    /// A tool call the loop cannot execute (unknown tool, arguments not an object).
+    RejectTool,
+    /// A tool's outcome (`step.tool_finished`).
+    FinishTool,
+    /// A waiting run resumed with the decision recorded for it.
+    ResumeWaiting,
+    /// A RUNNING run whose lease expired or is absent, taken over.
+    TakeOver,
+    /// The one reconciliation of an interrupted step.
+    Reconcile,
+    /// A run failed by its loop (its step limit, say).
+    FailRun,
+    /// An operator's approval or denial.
+    RecordApproval,
+    /// An operator's cancel.
+    CancelRun,
+}
+
+impl MoveKind {
+    /// The move's name in snake case (`"create_run"`), as logs and metrics print it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MoveKind::CreateRun => "create_run",
+            MoveKind::BeginModelStep => "begin_model_step",
+            MoveKind::FinishModelStep => "finish_model_step",
+            MoveKind::DecideTool => "decide_tool",
+            MoveKind::RejectTool => "reject_tool",
+            MoveKind::FinishTool => "finish_tool",
+            MoveKind::ResumeWaiting => "resume_waiting",
+            MoveKind::TakeOver => "take_over",
+            MoveKind::Reconcile => "reconcile",
+            MoveKind::FailRun => "fail_run",
+            MoveKind::RecordApproval => "record_approval",
+            MoveKind::CancelRun => "cancel_run",
+        }
+    }
+}
+
+impl std::fmt::Display for MoveKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A move the store actor is about to apply, or has committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoveInfo {
+    /// What the move does.
+    pub kind: MoveKind,
+    /// The run it moves.
+    pub run_id: RunId,
+}
+
+/// Watches the moves of a supervisor's store actor ([`Config::observer`]): for metrics,
+/// tracing, or telling listeners that a run has new events.
+///
+/// `before_apply` runs on the thread that owns the write connection, with no transaction open.
+/// `after_commit` and `committed` run once the moves are durable: on that thread too, or, for
+/// a group whose sync was left to a thread of the backend's own (see `docs/persistence.md`),
+/// on that thread, while `before_apply` may run for the next group. They come in commit
+/// order, one group at a time. A slow observer delays every move of the supervisor.
+///
+/// [`Config::observer`]: crate::Config::observer
+pub trait MoveObserver: Send + Sync + 'static {
+    /// The move is about to be applied: nothing of it is written yet.
+    fn before_apply(&self, info: &MoveInfo) {
+        let _ = info;
+    }
+
+    /// The move committed (and, at `synchronous=FULL`, is on disk). Its caller has not been
+    /// answered yet, unless it asked to be answered once the move was written: a run's model
+    /// reservation (see `docs/runs.md`), whose loop may already be calling the model.
+    fn after_commit(&self, info: &MoveInfo) {
+        let _ = info;
+    }
+
+    /// One transaction committed, making `moves` durable together (in the order they were
+    /// applied): a group commit holds moves of many runs, and a run's loop commits a move
+    /// together with the one that follows it when no side effect lies between them. Called
+    /// after [`after_commit`](Self::after_commit) of each of them.
+    fn committed(&self, moves: &[&MoveInfo]) {
+        let _ = moves;
+    }
+}
+
+/// How the moves of a group commit are kept apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isolation {
+    /// Straight into the group's transaction: a refusal rolls the whole group back.
+    Shared,
+    /// In a savepoint of its own: a refusal rolls back this move alone.
+    Savepoint,
+}
+
+/// A submitted move (or pair of moves), type-erased for the queue and the writer.
+pub(crate) trait Pending: Send {
+    /// The moves it makes, in order.
+    fn infos(&self) -> &[MoveInfo];
+    /// The moves it made once applied.
+    fn applied(&self) -> &[MoveInfo];
+    /// Whether a move of it was refused.
+    fn refused(&self) -> bool;
+    /// Whether its caller is answered once it is written, before it is durable.
+    fn answered_when_written(&self) -> bool;
+    /// Applies the move inside the group's transaction, keeping its result (replacing the one
+    /// of an earlier attempt); false when it was refused, or when only part of it stands and
+    /// the group must be applied again with savepoints.
+    fn apply(&mut self, tx: &mut dyn Tx, clock: &dyn Clock, isolation: Isolation) -> bool;
+    /// Answers the caller: its own result, unless the group failed to commit or to sync.
+    fn answer(self: Box<Self>, failed: Option<&GroupFailure>);
+}
+
+/// Why a group's callers get an error instead of their results.
+#[derive(Debug, Clone)]
+pub(crate) enum GroupFailure {
+    /// Nothing of the group was committed.
+    Commit(String),
+    /// The group may have been committed, and may not be durable.
+    Sync(String),
+}
+
+impl GroupFailure {
+    pub(crate) fn of(err: &Error) -> Self {
+        match err {
+            Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
+            err => GroupFailure::Commit(err.to_string()),
+        }
+    }
+
+    /// The failure, if any, of a commit or a sync.
+    pub(crate) fn of_result(result: Result<()>) -> Option<Self> {
+        result.err().map(|err| GroupFailure::of(&err))
+    }
+
+    pub(crate) fn error(&self) -> Error {
+        match self {
+            GroupFailure::Commit(message) => Error::CommitFailed(message.clone()),
+            GroupFailure::Sync(message) => Error::SyncFailed(message.clone()),
+        }
+    }
+}
+
+/// A supervisor's write side of a backend, driven by its store actor on a thread that may
+/// block.
+pub(crate) trait Writer: Send {
+    /// Commits `batch`, the moves taken from the queue in the order they were submitted, and
+    /// answers each caller: once its moves are durable, or once written if it asked for that.
+    /// `more_queued`: other moves wait behind it. The answers may come from another thread,
+    /// after this returns.
+    fn commit(&mut self, batch: Vec<Box<dyn Pending>>, more_queued: bool);
+    /// How long the store actor watches for the next move after a commit before it parks.
+    fn watch(&self) -> Duration;
+    /// The queue is empty: make durable what was answered once written.
+    fn idle(&mut self);
+    /// A read that sees every committed move, answered once what it could have seen is
+    /// durable.
+    fn read(&mut self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()>;
+    /// A renewal tick, for a backend without a renewal connection of its own.
+    fn renew(&mut self, owner: &str, held: &[RunId], ttl: Duration) -> Result<Renewal>;
+    /// Releases `owner`'s lease on a run that stays RUNNING; whether it held it.
+    fn release(&mut self, run_id: &RunId, owner: &str) -> Result<bool>;
+}
+
+/// Renews a supervisor's leases on a connection of its own.
+pub(crate) trait Renewer: Send {
+    /// One renewal tick, given up after `patience` (a busy database, say).
+    fn renew(
+        &mut self,
+        owner: &str,
+        held: &[RunId],
+        ttl: Duration,
+        patience: Duration,
+    ) -> Result<Renewal>;
+}
+
+/// What a supervisor's store actor and lease keeper write through.
+pub(crate) struct Session {
+    pub writer: Box<dyn Writer>,
+    /// `None`: renewals go through the writer.
+    pub renewer: Option<Box<dyn Renewer>>,
+}
+
+/// A store's backend.
+pub(crate) trait Backend: Send + Sync + 'static {
+    /// For `Debug`: where the data lives.
+    fn describe(&self) -> String;
+    /// The schema version of the database.
+    fn schema_version(&self) -> Result<u32>;
+    /// An inspection read, answered once every move it could have seen is durable.
+    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()>;
+    /// One move, in a transaction of its own, outside any supervisor (an operator's).
+    fn transact(
+        &self,
+        clock: &dyn Clock,
+        apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+    ) -> Result<()>;
+    /// The write side of a supervisor: `clock` stamps its moves, `observer` hears of them.
+    fn session(
+        self: Arc<Self>,
+        clock: Arc<dyn Clock>,
+        observer: Option<Arc<dyn MoveObserver>>,
+    ) -> Result<Session>;
+    /// A health report.
+    fn health(&self) -> Result<crate::store::Health>;
+    /// The backend itself, for its own module's extensions (`agentrt::sqlite`).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// What a caller is answered: its move's refusal, or its result if the group committed (and
+/// synced).
+pub(crate) fn final_result<R>(
+    result: Option<Result<R>>,
+    failed: Option<&GroupFailure>,
+) -> Result<R> {
+    match (result, failed) {
+        (Some(Err(err)), _) => Err(err),
+        (Some(Ok(value)), None) => Ok(value),
+        (_, Some(failure)) => Err(failure.error()),
+        (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
+    }
+}

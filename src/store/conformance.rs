@@ -1,0 +1,913 @@
+//! The store's behaviours, written once for every backend: each move and its guard, the
+//! refusals (which change nothing), renewal, release, takeover, inspection, and the refusal
+//! of a schema this build does not know.
+//!
+//! A backend joins the suite with one line, `conformance_suite!(name, fixture)`, where the
+//! fixture says how to make a fresh store (and, if the backend can hold one, a database of a
+//! newer schema). Every case must pass unchanged on every backend.
+
+use std::{sync::Arc, time::Duration};
+
+use serde_json::{Value, json};
+
+use super::{
+    Store,
+    backend::Session,
+    model::{Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
+    moves,
+};
+use crate::{
+    Approval, Error, EventKind, LeaseLostReason, ModelResponse, RunId, RunState, ToolCall,
+    ToolResult, clock::SystemClock, error::Result,
+};
+
+/// How a backend makes the stores the suite runs on.
+pub(crate) trait Fixture {
+    /// A fresh, empty store.
+    fn store(&self) -> Store;
+    /// Moves the expiry of `run_id`'s lease into the past, as the passing of its TTL would.
+    fn expire_lease(&self, store: &Store, run_id: &RunId);
+    /// Opens a database whose schema is newer than this build's: `None` when the backend
+    /// cannot hold one (a database in memory is always this build's).
+    fn open_newer_schema(&self) -> Option<Result<Store>>;
+}
+
+/// Instantiates every case of the suite for a backend's fixture.
+macro_rules! conformance_suite {
+    ($name:ident, $fixture:expr) => {
+        mod $name {
+            use super::*;
+
+            conformance_suite!(@cases $fixture;
+                a_new_run_is_running_under_its_creators_lease,
+                an_existing_run_id_is_refused_and_nothing_changes,
+                a_model_call_starts_only_under_an_unexpired_lease_of_its_own,
+                a_refused_move_writes_nothing,
+                the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
+                a_failed_model_call_fails_the_run_and_releases_the_lease,
+                an_allowed_call_starts_with_its_idempotency_key,
+                a_denied_call_is_closed_with_the_denial,
+                a_call_that_needs_approval_pauses_the_run_and_releases_the_lease,
+                an_approval_is_recorded_once_and_only_for_a_waiting_call,
+                of_two_resumes_of_a_waiting_run_one_wins,
+                a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_cancel,
+                a_live_foreign_lease_refuses_a_takeover_without_a_write,
+                a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight,
+                a_takeover_of_a_released_run_names_no_previous_owner,
+                an_interrupted_step_is_reconciled_once,
+                a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled,
+                a_renewal_extends_only_the_owners_unexpired_leases,
+                a_release_is_a_compare_and_set_on_the_owner,
+                inspection_reads_runs_events_and_leases,
+                unknown_ids_are_not_found,
+                a_newer_schema_is_refused,
+            );
+        }
+    };
+    (@cases $fixture:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                crate::store::conformance::$case(&$fixture);
+            }
+        )*
+    };
+}
+pub(crate) use conformance_suite;
+
+const OWNER: &str = "me/000000000001";
+const OTHER: &str = "them/000000000002";
+
+fn holder(owner: &str, ttl: Duration) -> Holder {
+    Holder {
+        owner: owner.into(),
+        ttl,
+    }
+}
+
+fn me() -> Holder {
+    holder(OWNER, Duration::from_secs(30))
+}
+
+fn run(n: &str) -> RunId {
+    RunId::from(n)
+}
+
+fn call(id: &str) -> ToolCall {
+    ToolCall::new(id, "send", json!({"to": "a@example.com"}))
+}
+
+/// Applies one move in a transaction of its own.
+fn apply<R>(
+    store: &Store,
+    f: impl FnOnce(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R>,
+) -> Result<R> {
+    store.transact(&SystemClock, f)
+}
+
+fn create(store: &Store, run_id: &RunId, holder: &Holder) {
+    apply(store, |tx, now| {
+        moves::create_run(tx, now, run_id, "agent", &json!({"n": 1}), holder)
+    })
+    .unwrap();
+}
+
+/// A run whose lease, stamped by `owner`, has expired.
+fn create_expired(f: &dyn Fixture, store: &Store, run_id: &RunId, owner: &str) {
+    create(store, run_id, &holder(owner, Duration::from_secs(30)));
+    f.expire_lease(store, run_id);
+}
+
+fn kinds(store: &Store, run_id: &RunId) -> Vec<EventKind> {
+    store
+        .events(run_id)
+        .unwrap()
+        .into_iter()
+        .map(|event| event.kind)
+        .collect()
+}
+
+fn last_payload(store: &Store, run_id: &RunId) -> Value {
+    store.events(run_id).unwrap().pop().unwrap().payload
+}
+
+/// Model step 1 reserved and answered with `calls` (tool steps 2, 3, ...).
+fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
+    let me = me();
+    apply(store, |tx, now| {
+        moves::begin_model_step(tx, now, run_id, &me, 1)
+    })
+    .unwrap();
+    let response = ModelResponse::calls(calls);
+    let outcome = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    apply(store, |tx, now| {
+        moves::finish_model_step(tx, now, run_id, &me, 1, 1, &outcome)
+    })
+    .unwrap();
+}
+
+fn decide(store: &Store, run_id: &RunId, step: u32, c: &ToolCall, d: &ToolDecision) -> Result<()> {
+    let me = me();
+    apply(store, |tx, now| {
+        moves::decide_tool(tx, now, run_id, &me, step, c, d)
+    })
+}
+
+fn allow() -> ToolDecision {
+    ToolDecision::Allow {
+        reason: None,
+        by: None,
+        note: None,
+    }
+}
+
+fn require() -> ToolDecision {
+    ToolDecision::RequireApproval {
+        reason: "sends email".into(),
+    }
+}
+
+/// A run waiting for an approval of call `c1` at step 2.
+fn waiting(store: &Store, run_id: &RunId) {
+    create(store, run_id, &me());
+    model_answered(store, run_id, vec![call("c1")]);
+    decide(store, run_id, 2, &call("c1"), &require()).unwrap();
+}
+
+fn session(store: &Store) -> Session {
+    store.session(Arc::new(SystemClock), None).unwrap()
+}
+
+fn renew(store: &Store, owner: &str, held: &[RunId]) -> super::model::Renewal {
+    let mut session = session(store);
+    let ttl = Duration::from_secs(30);
+    match &mut session.renewer {
+        Some(renewer) => renewer.renew(owner, held, ttl, Duration::from_secs(1)),
+        None => session.writer.renew(owner, held, ttl),
+    }
+    .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases
+
+pub(crate) fn a_new_run_is_running_under_its_creators_lease(f: &dyn Fixture) {
+    let store = f.store();
+    let before = wall_millis();
+    create(&store, &run("r"), &me());
+    let stored = store.run(&run("r")).unwrap();
+    assert_eq!(stored.state, RunState::Running);
+    assert_eq!(stored.agent, "agent");
+    assert_eq!(stored.input, json!({"n": 1}));
+    let lease = store.lease(&run("r")).unwrap().expect("leased");
+    assert_eq!(lease.owner, OWNER);
+    let expires = super::to_millis(lease.expires_at);
+    assert!(expires >= before + 30_000, "stamped with the TTL");
+    assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+    assert_eq!(
+        last_payload(&store, &run("r")),
+        json!({"agent": "agent", "input": {"n": 1}})
+    );
+}
+
+pub(crate) fn an_existing_run_id_is_refused_and_nothing_changes(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    let them = holder(OTHER, Duration::from_secs(30));
+    let err = apply(&store, |tx, now| {
+        moves::create_run(tx, now, &run("r"), "other", &json!({}), &them)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RunExists(_)), "{err}");
+    assert!(err.is_run_state());
+    assert_eq!(store.run(&run("r")).unwrap().agent, "agent");
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
+    assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &dyn Fixture) {
+    let store = f.store();
+    // Expired: refused as lost by expiry.
+    create_expired(f, &store, &run("expired"), OWNER);
+    let mine = me();
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("expired"), &mine, 1)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::LeaseLost {
+                reason: LeaseLostReason::Expired,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // A move that starts nothing needs the lease held only: nobody took it over.
+    apply(&store, |tx, now| {
+        moves::fail_run(tx, now, &run("expired"), &mine, "stop")
+    })
+    .unwrap();
+    assert_eq!(
+        store.lease(&run("expired")).unwrap(),
+        None,
+        "finishing released it"
+    );
+
+    // Another owner's live lease: refused, naming it.
+    create(
+        &store,
+        &run("theirs"),
+        &holder(OTHER, Duration::from_secs(30)),
+    );
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("theirs"), &mine, 1)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::RunLeased { owner, .. } if owner == OTHER),
+        "{err}"
+    );
+
+    // Released (its call returned with an error): refused as released.
+    create(&store, &run("released"), &mine);
+    let mut session = session(&store);
+    assert!(session.writer.release(&run("released"), OWNER).unwrap());
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("released"), &mine, 1)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::LeaseLost {
+                reason: LeaseLostReason::ReleasedOrCancelled,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
+    let before = store.run(&run("r")).unwrap();
+    let mine = me();
+    for _ in 0..3 {
+        apply(&store, |tx, now| {
+            moves::begin_model_step(tx, now, &run("r"), &mine, 1)
+        })
+        .unwrap_err();
+        apply(&store, |tx, now| {
+            moves::fail_run(tx, now, &run("r"), &mine, "x")
+        })
+        .unwrap_err();
+    }
+    assert_eq!(store.run(&run("r")).unwrap(), before);
+    assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
+}
+
+pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    model_answered(&store, &run("r"), vec![call("c1"), call("c2")]);
+    let snapshot = store.read(|reads| moves::load(reads, &run("r"))).unwrap();
+    let states: Vec<(u32, StepState)> = snapshot.steps.iter().map(|s| (s.step, s.state)).collect();
+    assert_eq!(
+        states,
+        [
+            (1, StepState::Finished),
+            (2, StepState::Pending),
+            (3, StepState::Pending)
+        ]
+    );
+    assert_eq!(snapshot.steps[1].call, Some(call("c1")));
+    assert_eq!(
+        kinds(&store, &run("r")),
+        [
+            EventKind::RunStarted,
+            EventKind::ModelStarted,
+            EventKind::ModelFinished
+        ]
+    );
+
+    create(&store, &run("answered"), &me());
+    let mine = me();
+    apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("answered"), &mine, 1)
+    })
+    .unwrap();
+    let response = ModelResponse::answer("done");
+    let outcome = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    apply(&store, |tx, now| {
+        moves::finish_model_step(tx, now, &run("answered"), &mine, 1, 1, &outcome)
+    })
+    .unwrap();
+    let finished = store.run(&run("answered")).unwrap();
+    assert_eq!(finished.state, RunState::Succeeded);
+    assert_eq!(finished.output.as_deref(), Some("done"));
+    assert_eq!(store.lease(&run("answered")).unwrap(), None);
+    assert_eq!(
+        last_payload(&store, &run("answered")),
+        json!({"state": "SUCCEEDED", "output": "done"})
+    );
+}
+
+pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    let mine = me();
+    apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("r"), &mine, 1)
+    })
+    .unwrap();
+    let outcome = ModelOutcome::Failed("503".into());
+    apply(&store, |tx, now| {
+        moves::finish_model_step(tx, now, &run("r"), &mine, 1, 1, &outcome)
+    })
+    .unwrap();
+    let failed = store.run(&run("r")).unwrap();
+    assert_eq!(failed.state, RunState::Failed);
+    assert_eq!(failed.error.as_deref(), Some("the model failed: 503"));
+    assert_eq!(store.lease(&run("r")).unwrap(), None);
+    // A second answer to the same step is refused: the step is no longer in flight.
+    apply(&store, |tx, now| {
+        moves::finish_model_step(tx, now, &run("r"), &mine, 1, 1, &outcome)
+    })
+    .unwrap_err();
+}
+
+pub(crate) fn an_allowed_call_starts_with_its_idempotency_key(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    model_answered(&store, &run("r"), vec![call("c1")]);
+    decide(&store, &run("r"), 2, &call("c1"), &allow()).unwrap();
+    let events = store.events(&run("r")).unwrap();
+    let started = events.last().unwrap();
+    assert_eq!(started.kind, EventKind::ToolStarted);
+    assert_eq!(started.step, Some(2));
+    assert_eq!(
+        started.payload,
+        json!({
+            "call_id": "c1",
+            "tool": "send",
+            "args": {"to": "a@example.com"},
+            "attempt": 1,
+            "idempotency_key": "r/2",
+        })
+    );
+    assert_eq!(events[events.len() - 2].kind, EventKind::PolicyDecided);
+    // The same pending call cannot be decided twice.
+    let err = decide(&store, &run("r"), 2, &call("c1"), &allow()).unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+}
+
+pub(crate) fn a_denied_call_is_closed_with_the_denial(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    model_answered(&store, &run("r"), vec![call("c1")]);
+    let deny = ToolDecision::Deny {
+        reason: "not eligible".into(),
+        by: Some("carol".into()),
+        note: None,
+    };
+    decide(&store, &run("r"), 2, &call("c1"), &deny).unwrap();
+    let snapshot = store.read(|reads| moves::load(reads, &run("r"))).unwrap();
+    let step = &snapshot.steps[1];
+    assert_eq!(step.state, StepState::Finished);
+    let result: ToolResult = serde_json::from_value(step.result.clone().unwrap()).unwrap();
+    assert_eq!(
+        result,
+        ToolResult::Error("the call was denied: not eligible".into())
+    );
+    let decided = last_payload(&store, &run("r"));
+    assert_eq!(decided["decision"], "deny");
+    assert_eq!(decided["decided_by"], "carol");
+}
+
+pub(crate) fn a_call_that_needs_approval_pauses_the_run_and_releases_the_lease(f: &dyn Fixture) {
+    let store = f.store();
+    waiting(&store, &run("r"));
+    assert_eq!(
+        store.run(&run("r")).unwrap().state,
+        RunState::WaitingForApproval
+    );
+    assert_eq!(store.lease(&run("r")).unwrap(), None);
+    let pending = store.pending_calls(&run("r")).unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].call_id, "c1");
+    assert_eq!(pending[0].step, 2);
+    assert_eq!(
+        kinds(&store, &run("r")).last(),
+        Some(&EventKind::RunWaiting)
+    );
+    // The loop's lease is gone with the pause: it can start nothing more.
+    let mine = me();
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("r"), &mine, 3)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
+}
+
+pub(crate) fn an_approval_is_recorded_once_and_only_for_a_waiting_call(f: &dyn Fixture) {
+    let store = f.store();
+    waiting(&store, &run("r"));
+    let approval = Approval::approve(run("r"), "c1", "carol").note("ok");
+    store.record_approval(&approval).unwrap();
+    assert_eq!(
+        last_payload(&store, &run("r")),
+        json!({"call_id": "c1", "approved": true, "decided_by": "carol", "note": "ok"})
+    );
+    assert!(store.pending_calls(&run("r")).unwrap().is_empty());
+    let again = store
+        .record_approval(&Approval::deny(run("r"), "c1", "dave"))
+        .unwrap_err();
+    assert!(again.is_run_state(), "{again}");
+    let unknown = store
+        .record_approval(&Approval::approve(run("r"), "c9", "carol"))
+        .unwrap_err();
+    assert!(matches!(unknown, Error::CallNotFound { .. }), "{unknown}");
+    let no_run = store
+        .record_approval(&Approval::approve(run("x"), "c1", "carol"))
+        .unwrap_err();
+    assert!(matches!(no_run, Error::RunNotFound(_)), "{no_run}");
+    // A call of a running run does not wait.
+    create(&store, &run("running"), &me());
+    model_answered(&store, &run("running"), vec![call("c1")]);
+    let err = store
+        .record_approval(&Approval::approve(run("running"), "c1", "carol"))
+        .unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert_eq!(
+        kinds(&store, &run("running")).last(),
+        Some(&EventKind::ModelFinished)
+    );
+}
+
+pub(crate) fn of_two_resumes_of_a_waiting_run_one_wins(f: &dyn Fixture) {
+    let store = f.store();
+    waiting(&store, &run("r"));
+    let resume = |owner: &str| {
+        let resumer = holder(owner, Duration::from_secs(30));
+        apply(&store, |tx, now| {
+            moves::resume_waiting(
+                tx,
+                now,
+                &run("r"),
+                &resumer,
+                2,
+                0,
+                &call("c1"),
+                crate::ApprovalReason::Policy,
+                &allow(),
+                "approval",
+            )
+        })
+    };
+    resume(OWNER).unwrap();
+    let err = resume(OTHER).unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
+    let kinds = kinds(&store, &run("r"));
+    assert_eq!(
+        kinds[kinds.len() - 3..],
+        [
+            EventKind::RunResumed,
+            EventKind::PolicyDecided,
+            EventKind::ToolStarted
+        ]
+    );
+}
+
+pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_cancel(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let finish = |run_id: &RunId, holder: &Holder| {
+        let result = ToolResult::Ok(json!({"sent": true}));
+        let recorded = serde_json::to_value(&result).unwrap();
+        apply(&store, |tx, now| {
+            moves::finish_tool(tx, now, run_id, holder, 2, 1, "c1", &result, &recorded)
+        })
+    };
+    // Held: recorded.
+    create(&store, &run("held"), &me());
+    model_answered(&store, &run("held"), vec![call("c1")]);
+    decide(&store, &run("held"), 2, &call("c1"), &allow()).unwrap();
+    assert!(!finish(&run("held"), &me()).unwrap());
+
+    // Cancelled meanwhile: recorded late, the run stays cancelled.
+    create(&store, &run("cancelled"), &me());
+    model_answered(&store, &run("cancelled"), vec![call("c1")]);
+    decide(&store, &run("cancelled"), 2, &call("c1"), &allow()).unwrap();
+    store.cancel(&run("cancelled"), "operator").unwrap();
+    assert!(finish(&run("cancelled"), &me()).unwrap());
+    assert_eq!(last_payload(&store, &run("cancelled"))["late"], true);
+    assert_eq!(
+        store.run(&run("cancelled")).unwrap().state,
+        RunState::Cancelled
+    );
+
+    // Taken over meanwhile: refused, the step stays in flight for the new owner.
+    let them = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("taken"), &them);
+    apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("taken"), &them, 1)
+    })
+    .unwrap();
+    let response = ModelResponse::calls(vec![call("c1")]);
+    let outcome = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    apply(&store, |tx, now| {
+        moves::finish_model_step(tx, now, &run("taken"), &them, 1, 1, &outcome)
+    })
+    .unwrap();
+    apply(&store, |tx, now| {
+        moves::decide_tool(tx, now, &run("taken"), &them, 2, &call("c1"), &allow())
+    })
+    .unwrap();
+    f.expire_lease(&store, &run("taken"));
+    apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("taken"), &me())
+    })
+    .unwrap();
+    let err = finish(&run("taken"), &them).unwrap_err();
+    assert!(
+        matches!(&err, Error::RunLeased { owner, .. } if owner == OWNER),
+        "{err}"
+    );
+}
+
+pub(crate) fn a_live_foreign_lease_refuses_a_takeover_without_a_write(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
+    let before = store.run(&run("r")).unwrap();
+    let err = apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("r"), &me())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::RunLeased { owner, .. } if owner == OTHER),
+        "{err}"
+    );
+    assert!(err.is_run_state());
+    assert_eq!(store.run(&run("r")).unwrap(), before);
+    assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &dyn Fixture) {
+    let store = f.store();
+    let long = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &long);
+    // Its model step was in flight when it died.
+    apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("r"), &long, 1)
+    })
+    .unwrap();
+    f.expire_lease(&store, &run("r"));
+    let events_before = store.events(&run("r")).unwrap().len();
+
+    let (interrupted, expires_at) = apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("r"), &me())
+    })
+    .unwrap();
+    assert_eq!(interrupted, [1]);
+    assert!(expires_at > wall_millis());
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
+    let events = store.events(&run("r")).unwrap();
+    let new: Vec<EventKind> = events[events_before..].iter().map(|e| e.kind).collect();
+    assert_eq!(
+        new,
+        [
+            EventKind::RunResumed,
+            EventKind::LeaseTakenOver,
+            EventKind::StepInterrupted
+        ]
+    );
+    let taken = &events[events_before + 1].payload;
+    assert_eq!(taken["previous_owner"], OTHER);
+    assert_eq!(taken["new_owner"], OWNER);
+    assert_eq!(
+        events.last().unwrap().payload,
+        json!({"kind": "model", "attempt": 1})
+    );
+    // Seq is gapless.
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    // The old owner can start nothing more.
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("r"), &long, 2)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+}
+
+pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
+    assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
+    apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("r"), &me())
+    })
+    .unwrap();
+    assert_eq!(
+        kinds(&store, &run("r")),
+        [EventKind::RunStarted, EventKind::RunResumed]
+    );
+    // A finished run cannot be taken over.
+    let mine = me();
+    apply(&store, |tx, now| {
+        moves::fail_run(tx, now, &run("r"), &mine, "x")
+    })
+    .unwrap();
+    let err = apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("r"), &me())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::RunState {
+                state: RunState::Failed,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
+    let store = f.store();
+    let gone = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &gone);
+    // The dead owner's tool step in flight.
+    apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("r"), &gone, 1)
+    })
+    .unwrap();
+    let response = ModelResponse::calls(vec![call("c1"), call("c2")]);
+    let outcome = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    apply(&store, |tx, now| {
+        moves::finish_model_step(tx, now, &run("r"), &gone, 1, 1, &outcome)
+    })
+    .unwrap();
+    apply(&store, |tx, now| {
+        moves::decide_tool(tx, now, &run("r"), &gone, 2, &call("c1"), &allow())
+    })
+    .unwrap();
+    assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
+    let (interrupted, _) = apply(&store, |tx, now| {
+        moves::take_over(tx, now, &run("r"), &me())
+    })
+    .unwrap();
+    assert_eq!(interrupted, [2]);
+    let mine = me();
+    let applied = Resolution::Applied(json!({"sent": true}));
+    let reconcile = |resolution: &Resolution| {
+        apply(&store, |tx, now| {
+            moves::reconcile(
+                tx,
+                now,
+                &run("r"),
+                &mine,
+                2,
+                1,
+                Some(&call("c1")),
+                resolution,
+            )
+        })
+    };
+    reconcile(&applied).unwrap();
+    assert_eq!(
+        last_payload(&store, &run("r")),
+        json!({"call_id": "c1", "attempt": 1, "output": {"sent": true}, "reconciled": true})
+    );
+    // Once: the step is no longer interrupted.
+    let err = reconcile(&Resolution::Retry {
+        outcome: "not_applied",
+    })
+    .unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    let reconciled: Vec<Value> = store
+        .events(&run("r"))
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == EventKind::StepReconciled)
+        .map(|e| e.payload)
+        .collect();
+    assert_eq!(
+        reconciled,
+        [json!({"attempt": 1, "outcome": "applied", "action": "record_output"})]
+    );
+}
+
+pub(crate) fn a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled(f: &dyn Fixture) {
+    let store = f.store();
+    create(
+        &store,
+        &run("running"),
+        &holder(OTHER, Duration::from_secs(30)),
+    );
+    store.cancel(&run("running"), "operator").unwrap();
+    let cancelled = store.run(&run("running")).unwrap();
+    assert_eq!(cancelled.state, RunState::Cancelled);
+    assert_eq!(cancelled.error.as_deref(), Some("operator"));
+    assert_eq!(store.lease(&run("running")).unwrap(), None);
+    assert_eq!(
+        last_payload(&store, &run("running")),
+        json!({"state": "CANCELLED", "reason": "operator"})
+    );
+    waiting(&store, &run("waiting"));
+    store.cancel(&run("waiting"), "operator").unwrap();
+    assert!(store.pending_calls(&run("waiting")).unwrap().is_empty());
+    let err = store.cancel(&run("running"), "again").unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::RunState {
+                state: RunState::Cancelled,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The owner's loop learns it at its next move.
+    let them = holder(OTHER, Duration::from_secs(30));
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &run("running"), &them, 1)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::RunState {
+                state: RunState::Cancelled,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+pub(crate) fn a_renewal_extends_only_the_owners_unexpired_leases(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r0"), &me());
+    create_expired(f, &store, &run("r1"), OWNER);
+    create(&store, &run("r2"), &holder(OTHER, Duration::from_secs(30)));
+    let held = [run("r0"), run("r1"), run("r2"), run("gone")];
+    let before = store.lease(&run("r0")).unwrap().unwrap().expires_at;
+    let renewal = renew(&store, OWNER, &held);
+    assert_eq!(renewal.renewed, [run("r0")]);
+    let missing: Vec<&str> = renewal.missing.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(missing, ["r1", "r2", "gone"]);
+    assert_eq!(
+        renewal.missing[1].1.as_ref().unwrap().owner.as_deref(),
+        Some(OTHER)
+    );
+    assert!(renewal.missing[2].1.is_none());
+    assert!(store.lease(&run("r0")).unwrap().unwrap().expires_at >= before);
+    // An expired lease stays expired; a foreign one stays its owner's.
+    assert!(store.lease(&run("r1")).unwrap().unwrap().expires_at <= std::time::SystemTime::now());
+    assert_eq!(store.lease(&run("r2")).unwrap().unwrap().owner, OTHER);
+    // No event for a renewal.
+    assert_eq!(kinds(&store, &run("r0")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn a_release_is_a_compare_and_set_on_the_owner(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
+    let mut session = session(&store);
+    assert!(
+        !session.writer.release(&run("r"), OWNER).unwrap(),
+        "not ours"
+    );
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
+    assert!(session.writer.release(&run("r"), OTHER).unwrap());
+    assert_eq!(store.lease(&run("r")).unwrap(), None);
+    assert_eq!(store.run(&run("r")).unwrap().state, RunState::Running);
+    assert!(
+        !session.writer.release(&run("r"), OTHER).unwrap(),
+        "released once"
+    );
+    assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn inspection_reads_runs_events_and_leases(f: &dyn Fixture) {
+    let store = f.store();
+    create(&store, &run("a"), &me());
+    waiting(&store, &run("b"));
+    store.cancel(&run("a"), "operator").unwrap();
+    let all: Vec<String> = store
+        .runs(None)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id.to_string())
+        .collect();
+    assert_eq!(all.len(), 2);
+    let waiting: Vec<RunId> = store
+        .runs(Some(RunState::WaitingForApproval))
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(waiting, [run("b")]);
+    let events = store.events(&run("b")).unwrap();
+    let after = store.events_after(&run("b"), 2).unwrap();
+    assert_eq!(after, events[2..]);
+    assert!(
+        store
+            .events_after(&run("b"), events.len() as u64)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(store.schema_version().unwrap(), super::SCHEMA_VERSION);
+    let health = store.health().unwrap();
+    assert!(health.is_ok(), "{health:?}");
+    assert!(health.stale_leases.is_empty());
+}
+
+pub(crate) fn unknown_ids_are_not_found(f: &dyn Fixture) {
+    let store = f.store();
+    let x = run("nope");
+    assert!(store.run(&x).unwrap_err().is_not_found());
+    assert!(store.events(&x).unwrap_err().is_not_found());
+    assert!(store.events_after(&x, 3).unwrap_err().is_not_found());
+    assert!(store.lease(&x).unwrap_err().is_not_found());
+    assert!(store.pending_calls(&x).unwrap_err().is_not_found());
+    assert!(store.cancel(&x, "r").unwrap_err().is_not_found());
+    let mine = me();
+    let err = apply(&store, |tx, now| moves::take_over(tx, now, &x, &mine)).unwrap_err();
+    assert!(err.is_not_found(), "{err}");
+    let err = apply(&store, |tx, now| {
+        moves::begin_model_step(tx, now, &x, &mine, 1)
+    })
+    .unwrap_err();
+    assert!(err.is_not_found(), "{err}");
+    assert!(store.runs(None).unwrap().is_empty(), "nothing was created");
+}
+
+pub(crate) fn a_newer_schema_is_refused(f: &dyn Fixture) {
+    let Some(opened) = f.open_newer_schema() else {
+        return;
+    };
+    let err = opened.unwrap_err();
+    assert!(
+        matches!(&err, Error::SchemaTooNew { found, supported, .. } if found > supported),
+        "{err}"
+    );
+}

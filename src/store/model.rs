@@ -1,0 +1,281 @@
+//! The run's domain model as the moves and the loop see it, whatever the backend: steps and
+//! their states, the snapshot a loop resumes from, the lease a loop executes under, and what
+//! a decision or a reconciliation records.
+
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use serde_json::{Value, json};
+
+use crate::{
+    clock::Clock,
+    error::{Error, Result},
+    types::{ApprovalReason, Lease, ModelResponse, Run, RunId, RunState, ToolCall},
+};
+
+/// What a step is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepKind {
+    Model,
+    Tool,
+}
+
+impl StepKind {
+    /// As stored and as `step.interrupted` names it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Model => "model",
+            StepKind::Tool => "tool",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Result<Self> {
+        match s {
+            "model" => Ok(StepKind::Model),
+            "tool" => Ok(StepKind::Tool),
+            other => Err(Error::Corrupt(format!("unknown step kind {other:?}"))),
+        }
+    }
+}
+
+/// Where a step is: `pending` (a tool call not decided yet), `waiting` (for an approval),
+/// `in_flight` (started, not finished), `interrupted` (its executor died), `finished`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepState {
+    Pending,
+    Waiting,
+    InFlight,
+    Interrupted,
+    Finished,
+}
+
+impl StepState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StepState::Pending => "pending",
+            StepState::Waiting => "waiting",
+            StepState::InFlight => "in_flight",
+            StepState::Interrupted => "interrupted",
+            StepState::Finished => "finished",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "pending" => StepState::Pending,
+            "waiting" => StepState::Waiting,
+            "in_flight" => StepState::InFlight,
+            "interrupted" => StepState::Interrupted,
+            "finished" => StepState::Finished,
+            other => return Err(Error::Corrupt(format!("unknown step state {other:?}"))),
+        })
+    }
+}
+
+/// A step as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct StepRow {
+    pub step: u32,
+    pub kind: StepKind,
+    pub state: StepState,
+    pub attempt: u32,
+    /// Tool steps: the call.
+    pub call: Option<ToolCall>,
+    /// Model steps: the response; tool steps: a `ToolResult`.
+    pub result: Option<Value>,
+    pub waiting_for: Option<ApprovalReason>,
+}
+
+/// An operator's decision as the loop needs it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ApprovalRow {
+    pub approved: bool,
+    pub by: String,
+    pub note: Option<String>,
+}
+
+/// What a loop needs to execute a run: the run, its steps, and the decision recorded for the
+/// step that waits, if any.
+#[derive(Debug, Clone)]
+pub(crate) struct RunSnapshot {
+    pub run: Run,
+    pub steps: Vec<StepRow>,
+    pub approval: Option<ApprovalRow>,
+}
+
+/// The idempotency key of a tool call: stable across attempts, unique across calls.
+pub(crate) fn idempotency_key(run_id: &RunId, step: u32) -> String {
+    format!("{run_id}/{step}")
+}
+
+/// The lease a loop executes under: its owner, and how long a stamp or renewal lasts.
+#[derive(Debug, Clone)]
+pub(crate) struct Holder {
+    pub owner: Arc<str>,
+    pub ttl: Duration,
+}
+
+impl Holder {
+    /// The expiry of a lease stamped at wall-clock time `wall`.
+    pub(crate) fn expiry(&self, wall: i64) -> i64 {
+        wall + self.ttl.as_millis() as i64
+    }
+}
+
+/// A run's state and lease as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LeaseRow {
+    pub state: RunState,
+    pub owner: Option<String>,
+    pub expires_at: Option<i64>,
+}
+
+impl LeaseRow {
+    /// The lease it holds, if anybody holds one.
+    pub(crate) fn lease(&self) -> Option<Lease> {
+        match (&self.owner, self.expires_at) {
+            (Some(owner), Some(expires_at)) => Some(Lease {
+                owner: owner.clone(),
+                expires_at: from_millis(expires_at),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// How a model step ended.
+pub(crate) enum ModelOutcome {
+    /// The answer, and its JSON as recorded (built by the loop, off the writer's thread).
+    Answered {
+        response: ModelResponse,
+        recorded: Value,
+    },
+    Failed(String),
+}
+
+/// A decision on a tool call, as it is recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ToolDecision {
+    /// Run it: the step starts (its next attempt).
+    Allow {
+        reason: Option<String>,
+        by: Option<String>,
+        note: Option<String>,
+    },
+    /// Do not run it; the model is told why.
+    Deny {
+        reason: String,
+        by: Option<String>,
+        note: Option<String>,
+    },
+    /// Wait for an approval.
+    RequireApproval { reason: String },
+}
+
+impl ToolDecision {
+    /// The payload of its `policy.decided`.
+    pub(crate) fn payload(&self, call: &ToolCall, source: &str) -> Value {
+        let (decision, reason, by, note) = match self {
+            ToolDecision::Allow { reason, by, note } => ("allow", reason.as_deref(), by, note),
+            ToolDecision::Deny { reason, by, note } => ("deny", Some(reason.as_str()), by, note),
+            ToolDecision::RequireApproval { reason } => {
+                ("require_approval", Some(reason.as_str()), &None, &None)
+            }
+        };
+        let mut payload = json!({
+            "call_id": call.id,
+            "tool": call.name,
+            "decision": decision,
+            "source": source,
+        });
+        if let Some(reason) = reason {
+            payload["reason"] = json!(reason);
+        }
+        if let Some(by) = by {
+            payload["decided_by"] = json!(by);
+        }
+        if let Some(note) = note {
+            payload["note"] = json!(note);
+        }
+        payload
+    }
+}
+
+/// What reconciling an interrupted step decided.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Resolution {
+    /// A model step: dispatch it again.
+    Redispatch,
+    /// A tool step that took effect: this is its output.
+    Applied(Value),
+    /// Run the tool again; `outcome` says what the hook answered ("not_applied", "unknown",
+    /// "no_hook").
+    Retry { outcome: &'static str },
+    /// Ask a person; `outcome` as for `Retry`.
+    AwaitApproval { outcome: &'static str },
+}
+
+/// What one renewal tick found.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Renewal {
+    /// The new expiry of every run renewed.
+    pub expires_at: i64,
+    /// The runs renewed.
+    pub renewed: Vec<RunId>,
+    /// The runs asked for but not renewed, with their row as found (`None`: no such run).
+    pub missing: Vec<(RunId, Option<LeaseRow>)>,
+}
+
+/// RUNNING runs whose lease expired, with that lease; and RUNNING runs nobody holds.
+pub(crate) type LeaseReport = (Vec<(RunId, Lease)>, Vec<RunId>);
+
+/// The time of one move, read from the clock on first use only.
+pub(crate) struct Now<'a> {
+    clock: &'a dyn Clock,
+    read: Option<i64>,
+}
+
+impl<'a> Now<'a> {
+    /// The time of a move not applied yet.
+    pub(crate) fn new(clock: &'a dyn Clock) -> Self {
+        Now { clock, read: None }
+    }
+
+    /// The time of a move applied again: the reading it took before, if any.
+    pub(crate) fn resume(clock: &'a dyn Clock, read: Option<i64>) -> Self {
+        Now { clock, read }
+    }
+
+    /// The reading taken, if any.
+    pub(crate) fn reading(&self) -> Option<i64> {
+        self.read
+    }
+
+    /// Milliseconds since the Unix epoch.
+    pub(crate) fn millis(&mut self) -> i64 {
+        *self.read.get_or_insert_with(|| to_millis(self.clock.now()))
+    }
+}
+
+/// The wall clock in milliseconds: what lease times are read from, never `Config::clock`.
+pub(crate) fn wall_millis() -> i64 {
+    to_millis(SystemTime::now())
+}
+
+pub(crate) fn to_millis(time: SystemTime) -> i64 {
+    match time.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(after) => after.as_millis() as i64,
+        Err(before) => -(before.duration().as_millis() as i64),
+    }
+}
+
+pub(crate) fn from_millis(millis: i64) -> SystemTime {
+    let magnitude = Duration::from_millis(millis.unsigned_abs());
+    if millis >= 0 {
+        SystemTime::UNIX_EPOCH + magnitude
+    } else {
+        SystemTime::UNIX_EPOCH - magnitude
+    }
+}

@@ -1,0 +1,82 @@
+//! The write-ahead log of a file store, synced outside SQLite's commits: the deferred sync of
+//! a group commit, and the sync after a read of what another process committed.
+
+use std::{
+    path::PathBuf,
+    sync::{Mutex, MutexGuard},
+};
+
+use crate::error::{Error, Result};
+
+pub(crate) struct LogFile {
+    /// As SQLite names it: the database's full path and `-wal`.
+    path: PathBuf,
+    /// Opened on first use and kept: Linux reports a failed write-back once to each descriptor
+    /// open at the time, so a descriptor opened afresh for each sync could miss one.
+    file: Mutex<Option<std::fs::File>>,
+    /// Why a sync failed, once one has: the log may have lost pages that later commits build
+    /// on, so this store refuses every later write and durable read.
+    failed: Mutex<Option<String>>,
+}
+
+impl LogFile {
+    /// The log at `path`, opened now if it exists (the writer has read the database), else at
+    /// the first sync: so that the descriptor is there before the first write-back it must hear
+    /// of.
+    pub(crate) fn new(path: PathBuf) -> Self {
+        let log = LogFile {
+            path,
+            file: Mutex::new(None),
+            failed: Mutex::new(None),
+        };
+        drop(log.open());
+        log
+    }
+
+    pub(crate) fn refuse_if_failed(&self) -> Result<()> {
+        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::SyncFailed(format!(
+                "an earlier sync of {} failed ({why}); this store writes nothing more: \
+                 reopen the database (SQLite recovers the log) once the disk is sound",
+                self.path.display()
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the store failed: every later write and durable read is refused.
+    pub(crate) fn fail_with(&self, why: String) {
+        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    }
+
+    fn open(&self) -> std::io::Result<MutexGuard<'_, Option<std::fs::File>>> {
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if file.is_none() {
+            // Write access: Windows flushes only a handle that may write.
+            *file = Some(std::fs::OpenOptions::new().write(true).open(&self.path)?);
+        }
+        Ok(file)
+    }
+
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.refuse_if_failed()?;
+        let file = match self.open() {
+            Ok(file) => file,
+            // No log: nothing was written since the last connection closed.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            // Nothing was synced, nor lost: the next sync tries again.
+            Err(err) => {
+                return Err(Error::SyncFailed(format!(
+                    "opening {}: {err}",
+                    self.path.display()
+                )));
+            }
+        };
+        let synced = file.as_ref().map_or(Ok(()), |log| log.sync_data());
+        synced.map_err(|err| {
+            let why = err.to_string();
+            self.fail_with(why.clone());
+            Error::SyncFailed(format!("{}: {why}", self.path.display()))
+        })
+    }
+}

@@ -1,0 +1,214 @@
+//! Opening SQLite connections: the pragmas every connection gets, the hardening, the
+//! migrations, and the refusals that leave a file as it was.
+
+use std::path::Path;
+
+use rusqlite::{Connection, OpenFlags, TransactionBehavior, config::DbConfig};
+use rusqlite_migration::{M, Migrations};
+
+use super::{Options, db_error, wal_vfs_on};
+use crate::error::{Error, Result};
+
+include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+
+/// The migrations, in order, as `rusqlite_migration` applies them.
+pub(crate) fn migrations() -> Migrations<'static> {
+    Migrations::new(
+        MIGRATIONS
+            .iter()
+            .map(
+                |(name, sql)| match REBUILDS.iter().find(|(file, _)| file == name) {
+                    // Runs with foreign keys off (see `migrate`): the references of the tables it
+                    // touched are checked before it commits.
+                    Some((_, tables)) => M::up_with_hook(sql, move |tx: &rusqlite::Transaction| {
+                        check_references(tx, tables)
+                    }),
+                    None => M::up(sql),
+                },
+            )
+            .collect(),
+    )
+}
+
+/// The number of migrations in `migrations/`.
+pub(crate) const fn migration_count() -> usize {
+    MIGRATIONS.len()
+}
+
+/// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
+/// they need foreign keys off while the old table is dropped, and the references from and to
+/// the rebuilt table are checked afterwards (only those: the events table may be large).
+const REBUILDS: &[(&str, &[&str])] = &[
+    ("0006_steps_state_check.sql", &["steps", "approvals"]),
+    ("0007_steps_waiting_call_index.sql", &["steps", "approvals"]),
+];
+
+/// Fails the migration if a row of `tables` refers to nothing.
+fn check_references(tx: &rusqlite::Transaction, tables: &[&str]) -> rusqlite_migration::HookResult {
+    for table in tables {
+        let mut stmt = tx.prepare(&format!("PRAGMA foreign_key_check({table})"))?;
+        if stmt.exists([])? {
+            return Err(rusqlite_migration::HookError::Hook(format!(
+                "table {table} refers to rows that do not exist"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What a connection is for; decides which pragmas of [`pragmas`] it gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// The one connection that writes (also the whole database, for `:memory:`).
+    Writer,
+    /// The connection for inspection and the consumer's own queries.
+    Reader,
+    /// The lease keeper's connection: one UPDATE per renewal, outside any transaction.
+    Renewal,
+}
+
+/// The pragmas applied at every open, whatever the connection. Kept apart from migrations:
+/// they are per-connection settings, not schema.
+fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'static str)> {
+    let mut pragmas = vec![
+        // A schema object (trigger, view, CHECK) cannot call functions with side effects.
+        ("trusted_schema", "OFF"),
+        ("foreign_keys", "ON"),
+    ];
+    if file && role == Role::Writer {
+        // Readers never block the writer, and the writer never blocks readers.
+        pragmas.push(("journal_mode", "WAL"));
+    }
+    if file && role != Role::Reader {
+        // The writer checkpoints on its own schedule (between groups, once per period), not
+        // inside whichever commit (a move, a renewal) takes the log past 1,000 pages.
+        pragmas.push(("wal_autocheckpoint", "0"));
+    }
+    if role != Role::Reader {
+        pragmas.push(("synchronous", options.synchronous.as_str()));
+    }
+    if role == Role::Writer {
+        // 64 MiB of page cache: the pages every move touches (the tails of the events and steps
+        // trees, the runs being moved) stay in memory instead of being read back from the OS.
+        pragmas.push(("cache_size", "-65536"));
+        // The savepoint of each move journals the pages it changes: in memory, not in a
+        // temporary file written through the kernel.
+        pragmas.push(("temp_store", "MEMORY"));
+    }
+    if role == Role::Reader {
+        // Inspection and the consumer's queries cannot write behind the writer's back.
+        pragmas.push(("query_only", "ON"));
+    }
+    pragmas
+}
+
+/// Prepared statements kept per connection.
+const STATEMENT_CACHE: usize = 128;
+
+/// Opens a connection that writes to a database file: through the VFS that hands each commit's
+/// log frames to the file in one write per 124 KiB, where there is one and it is on.
+pub(crate) fn open_writing(
+    path: &Path,
+    flags: OpenFlags,
+    options: &Options,
+) -> rusqlite::Result<Connection> {
+    #[cfg(unix)]
+    if wal_vfs_on(options) {
+        return Connection::open_with_flags_and_vfs(path, flags, super::wal_vfs::NAME);
+    }
+    let _ = (options, wal_vfs_on);
+    Connection::open_with_flags(path, flags)
+}
+
+/// Applies the hardening and the pragmas every connection gets.
+pub(crate) fn configure(
+    conn: &Connection,
+    options: &Options,
+    file: bool,
+    role: Role,
+) -> Result<()> {
+    (|| {
+        conn.busy_timeout(options.busy_timeout)?;
+        // Every statement agentrt runs stays prepared (rusqlite keeps 16 by default; the moves
+        // alone use more).
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
+        // Defensive mode: no writes to the schema table or other ways to corrupt the file from
+        // SQL.
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)?;
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)?;
+        for (name, value) in pragmas(options, file, role) {
+            // journal_mode answers with a row; pragma_update_and_check reads it.
+            conn.pragma_update_and_check(None, name, value, |_| Ok(()))
+                .or_else(|err| match err {
+                    rusqlite::Error::QueryReturnedNoRows => Ok(()),
+                    err => Err(err),
+                })?;
+        }
+        Ok(())
+    })()
+    .map_err(db_error)
+}
+
+/// The schema version a connection's database is at.
+pub(crate) fn user_version(conn: &Connection) -> rusqlite::Result<u32> {
+    let found: i64 = conn.pragma_query_value(None, "user_version", |row| row.get(0))?;
+    Ok(found.clamp(0, u32::MAX.into()) as u32)
+}
+
+/// Applies the migrations the database lacks.
+pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
+    // Two processes opening a new file at once: the second waits on the write lock instead of
+    // failing to upgrade a read transaction.
+    conn.set_transaction_behavior(TransactionBehavior::Immediate);
+    // A migration that rebuilds a table needs foreign keys off (they can only be switched
+    // outside a transaction) and checks them itself before it commits; the others run with
+    // them on.
+    let found = user_version(conn).map_err(|err| on_open(err, path))?;
+    let rebuilds = MIGRATIONS
+        .iter()
+        .skip(found as usize)
+        .any(|(name, _)| REBUILDS.iter().any(|(file, _)| file == name));
+    if rebuilds {
+        conn.pragma_update(None, "foreign_keys", false)
+            .map_err(db_error)?;
+    }
+    let result = migrations().to_latest(conn);
+    if rebuilds {
+        conn.pragma_update(None, "foreign_keys", true)
+            .map_err(db_error)?;
+    }
+    conn.set_transaction_behavior(TransactionBehavior::Deferred);
+    result.map_err(|err| match err {
+        rusqlite_migration::Error::RusqliteError { err, .. } => on_open(err, path),
+        rusqlite_migration::Error::MigrationDefinition(
+            rusqlite_migration::MigrationDefinitionError::DatabaseTooFarAhead,
+        ) => Error::SchemaTooNew {
+            path: path.to_path_buf(),
+            // Another process upgraded the file since it was checked: say what it holds now.
+            found: user_version(conn).unwrap_or(0),
+            supported: crate::store::SCHEMA_VERSION,
+        },
+        other => Error::Migration(other.to_string()),
+    })
+}
+
+/// Names the file when SQLite says it is not a database, or that it is damaged.
+pub(crate) fn on_open(err: rusqlite::Error, path: &Path) -> Error {
+    if let rusqlite::Error::SqliteFailure(failure, _) = &err {
+        match failure.code {
+            rusqlite::ErrorCode::NotADatabase => {
+                return Error::NotADatabase {
+                    path: path.to_path_buf(),
+                };
+            }
+            rusqlite::ErrorCode::DatabaseCorrupt => {
+                return Error::DatabaseCorrupt {
+                    path: path.to_path_buf(),
+                    detail: err.to_string(),
+                };
+            }
+            _ => {}
+        }
+    }
+    db_error(err)
+}

@@ -1,0 +1,526 @@
+//! All of the SQLite backend's SQL: the primitives of the moves, the reads, and the lease's
+//! single-statement writes, on one connection (a transaction's, or one outside any).
+
+use rusqlite::{Connection, OptionalExtension, Row, params};
+use serde_json::Value;
+
+use crate::{
+    error::{Error, Result},
+    store::{
+        backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
+        model::{ApprovalRow, LeaseReport, LeaseRow, StepKind, StepRow, StepState, from_millis},
+    },
+    types::{Approval, ApprovalReason, Event, EventKind, Lease, Run, RunId, RunState, ToolCall},
+};
+
+/// A connection seen through the backend's primitives. A transaction derefs to its
+/// connection, so the same statements serve inside a move and outside.
+pub(crate) struct Sql<'c>(pub &'c Connection);
+
+/// The step and attempt count of a run's call that waits for a decision, found through the
+/// index of waiting calls (`steps_waiting_call`): the literal state is what lets SQLite use
+/// it.
+pub(crate) const WAITING_CALL: &str = "SELECT step, attempt FROM steps
+     WHERE run_id = ?1 AND call_id = ?2 AND state = 'waiting'";
+
+const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
+
+fn parse_json(text: String, what: &str) -> rusqlite::Result<Value> {
+    serde_json::from_str(&text).map_err(|err| {
+        rusqlite::Error::FromSqlConversionFailure(
+            0,
+            rusqlite::types::Type::Text,
+            format!("{what}: {err}").into(),
+        )
+    })
+}
+
+fn run_from_row(row: &Row<'_>) -> rusqlite::Result<Run> {
+    let state: String = row.get(3)?;
+    Ok(Run {
+        id: RunId::from(row.get::<_, String>(0)?),
+        agent: row.get(1)?,
+        input: parse_json(row.get(2)?, "run input")?,
+        state: state.parse().map_err(|err: String| {
+            rusqlite::Error::FromSqlConversionFailure(3, rusqlite::types::Type::Text, err.into())
+        })?,
+        output: row.get(4)?,
+        error: row.get(5)?,
+        created_at: from_millis(row.get(6)?),
+        updated_at: from_millis(row.get(7)?),
+    })
+}
+
+fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
+    let kind: String = row.get(1)?;
+    Ok(Event {
+        run_id: run_id.clone(),
+        seq: row.get::<_, i64>(0)? as u64,
+        kind: kind.parse().map_err(|err: String| {
+            rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Text, err.into())
+        })?,
+        at: from_millis(row.get(2)?),
+        step: row.get(3)?,
+        payload: parse_json(row.get(4)?, "event payload")?,
+    })
+}
+
+impl Reads for Sql<'_> {
+    fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
+        let row: Option<(String, Option<String>, Option<i64>)> = self
+            .0
+            .prepare_cached("SELECT state, lease_owner, lease_expires_at FROM runs WHERE id = ?1")?
+            .query_row([run_id.as_str()], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+            })
+            .optional()?;
+        row.map(|(state, owner, expires_at)| {
+            Ok(LeaseRow {
+                state: state.parse().map_err(Error::Corrupt)?,
+                owner,
+                expires_at,
+            })
+        })
+        .transpose()
+    }
+
+    fn run(&mut self, run_id: &RunId) -> Result<Option<Run>> {
+        Ok(self
+            .0
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"))?
+            .query_row([run_id.as_str()], run_from_row)
+            .optional()?)
+    }
+
+    fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>> {
+        let runs = match state {
+            Some(state) => self
+                .0
+                .prepare_cached(&format!(
+                    "SELECT {RUN_COLUMNS} FROM runs WHERE state = ?1 ORDER BY created_at, id"
+                ))?
+                .query_map([state.as_str()], run_from_row)?
+                .collect::<rusqlite::Result<_>>()?,
+            None => self
+                .0
+                .prepare_cached(&format!(
+                    "SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"
+                ))?
+                .query_map([], run_from_row)?
+                .collect::<rusqlite::Result<_>>()?,
+        };
+        Ok(runs)
+    }
+
+    fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
+        Ok(self
+            .0
+            .prepare_cached(
+                "SELECT seq, kind, at, step, payload FROM events
+                 WHERE run_id = ?1 AND seq > ?2 ORDER BY seq",
+            )?
+            .query_map(params![run_id.as_str(), after as i64], |row| {
+                event_from_row(run_id, row)
+            })?
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
+        type Columns = (
+            u32,
+            String,
+            String,
+            u32,
+            Option<ToolCall>,
+            Option<String>,
+            Option<String>,
+        );
+        let rows: Vec<Columns> = self
+            .0
+            .prepare_cached(
+                "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
+                 FROM steps WHERE run_id = ?1 ORDER BY step",
+            )?
+            .query_map([run_id.as_str()], |row| {
+                let call = match row.get::<_, Option<String>>(4)? {
+                    Some(id) => Some(ToolCall {
+                        id,
+                        name: row.get::<_, Option<String>>(5)?.unwrap_or_default(),
+                        args: parse_json(
+                            row.get::<_, Option<String>>(6)?
+                                .unwrap_or_else(|| "null".into()),
+                            "tool args",
+                        )?,
+                    }),
+                    None => None,
+                };
+                Ok((
+                    row.get(0)?,
+                    row.get(1)?,
+                    row.get(2)?,
+                    row.get(3)?,
+                    call,
+                    row.get(7)?,
+                    row.get(8)?,
+                ))
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        rows.into_iter()
+            .map(|(step, kind, state, attempt, call, result, waiting_for)| {
+                Ok(StepRow {
+                    step,
+                    kind: StepKind::parse(&kind)?,
+                    state: StepState::parse(&state)?,
+                    attempt,
+                    call,
+                    result: result
+                        .map(|text| serde_json::from_str(&text))
+                        .transpose()
+                        .map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
+                    waiting_for: match waiting_for.as_deref() {
+                        Some("policy") => Some(ApprovalReason::Policy),
+                        Some("reconcile") => Some(ApprovalReason::Reconcile),
+                        _ => None,
+                    },
+                })
+            })
+            .collect()
+    }
+
+    fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>> {
+        Ok(self
+            .0
+            .prepare_cached(
+                "SELECT approved, decided_by, note FROM approvals
+                 WHERE run_id = ?1 AND step = ?2 AND attempt = ?3",
+            )?
+            .query_row(params![run_id.as_str(), step, attempt], |row| {
+                Ok(ApprovalRow {
+                    approved: row.get(0)?,
+                    by: row.get(1)?,
+                    note: row.get(2)?,
+                })
+            })
+            .optional()?)
+    }
+
+    fn lease_report(&mut self, wall: i64) -> Result<LeaseReport> {
+        let rows: Vec<(String, Option<String>, Option<i64>)> = self
+            .0
+            .prepare_cached(
+                "SELECT id, lease_owner, lease_expires_at FROM runs
+                 WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
+                 ORDER BY id",
+            )?
+            .query_map([wall], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        let (mut stale, mut unleased) = (Vec::new(), Vec::new());
+        for (id, owner, expires_at) in rows {
+            match (owner, expires_at) {
+                (Some(owner), Some(expires_at)) => stale.push((
+                    RunId::from(id),
+                    Lease {
+                        owner,
+                        expires_at: from_millis(expires_at),
+                    },
+                )),
+                _ => unleased.push(RunId::from(id)),
+            }
+        }
+        Ok((stale, unleased))
+    }
+}
+
+impl Tx for Sql<'_> {
+    fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
+        self.0
+            .prepare_cached(
+                "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
+                                   lease_expires_at)
+                 VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4, ?5, ?6)",
+            )?
+            .execute(params![
+                run.run_id.as_str(),
+                run.agent,
+                run.input.to_string(),
+                run.at,
+                run.owner,
+                run.expires_at
+            ])?;
+        Ok(())
+    }
+
+    fn touch_run(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        unexpired_at: Option<i64>,
+    ) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET updated_at = ?2
+                 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3
+                   AND (?4 IS NULL OR lease_expires_at > ?4)",
+            )?
+            .execute(params![run_id.as_str(), at, owner, unexpired_at])?;
+        Ok(changed == 1)
+    }
+
+    fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
+                                 lease_owner = ?8, lease_expires_at = ?9
+                 WHERE id = ?1 AND state IN (?6, ?7) AND (?10 IS NULL OR lease_owner = ?10)",
+            )?
+            .execute(params![
+                run_id.as_str(),
+                m.to.as_str(),
+                m.output,
+                m.error,
+                m.at,
+                m.from[0].as_str(),
+                m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+                m.owner,
+                m.expires_at,
+                m.guard_owner,
+            ])?;
+        Ok(changed == 1)
+    }
+
+    fn take_lease(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        expires_at: i64,
+        seen: &LeaseRow,
+    ) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
+                 WHERE id = ?1 AND state = 'RUNNING'
+                   AND lease_owner IS ?5 AND lease_expires_at IS ?6",
+            )?
+            .execute(params![
+                run_id.as_str(),
+                owner,
+                expires_at,
+                at,
+                seen.owner,
+                seen.expires_at
+            ])?;
+        Ok(changed == 1)
+    }
+
+    fn touch_waiting(&mut self, run_id: &RunId, at: i64) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'",
+            )?
+            .execute(params![run_id.as_str(), at])?;
+        Ok(changed == 1)
+    }
+
+    fn insert_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        kind: StepKind,
+        state: StepState,
+        attempt: u32,
+        call: Option<&ToolCall>,
+    ) -> Result<()> {
+        self.0
+            .prepare_cached(
+                "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )?
+            .execute(params![
+                run_id.as_str(),
+                step,
+                kind.as_str(),
+                state.as_str(),
+                attempt,
+                call.map(|call| call.id.as_str()),
+                call.map(|call| call.name.as_str()),
+                call.map(|call| call.args.to_string()),
+            ])?;
+        Ok(())
+    }
+
+    fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE steps SET state = ?5, attempt = attempt + ?6,
+                                  result = COALESCE(?7, result), waiting_for = ?8
+                 WHERE run_id = ?1 AND step = ?2 AND state = ?3 AND attempt = ?4",
+            )?
+            .execute(params![
+                run_id.as_str(),
+                step,
+                m.from.as_str(),
+                m.attempt,
+                m.to.as_str(),
+                u32::from(m.starts),
+                m.result.map(Value::to_string),
+                m.waiting_for.map(ApprovalReason::as_str),
+            ])?;
+        Ok(changed == 1)
+    }
+
+    fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>> {
+        let rows: Vec<(u32, String, u32)> = self
+            .0
+            .prepare_cached(
+                "UPDATE steps SET state = 'interrupted' WHERE run_id = ?1 AND state = 'in_flight'
+                 RETURNING step, kind, attempt",
+            )?
+            .query_map([run_id.as_str()], |row| {
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+            })?
+            .collect::<rusqlite::Result<_>>()?;
+        rows.into_iter()
+            .map(|(step, kind, attempt)| Ok((step, StepKind::parse(&kind)?, attempt)))
+            .collect()
+    }
+
+    fn waiting_call(&mut self, run_id: &RunId, call_id: &str) -> Result<Option<(u32, u32)>> {
+        Ok(self
+            .0
+            .prepare_cached(WAITING_CALL)?
+            .query_row(params![run_id.as_str(), call_id], |row| {
+                Ok((row.get(0)?, row.get(1)?))
+            })
+            .optional()?)
+    }
+
+    fn call_exists(&mut self, run_id: &RunId, call_id: &str) -> Result<bool> {
+        Ok(self
+            .0
+            .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")?
+            .exists(params![run_id.as_str(), call_id])?)
+    }
+
+    fn insert_approval(
+        &mut self,
+        step: u32,
+        attempt: u32,
+        approval: &Approval,
+        at: i64,
+    ) -> Result<bool> {
+        let inserted = self
+            .0
+            .prepare_cached(
+                "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, note, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
+            )?
+            .execute(params![
+                approval.run_id.as_str(),
+                step,
+                attempt,
+                approval.approved,
+                approval.by,
+                approval.note,
+                at
+            ])?;
+        Ok(inserted == 1)
+    }
+
+    fn append_event(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &Value,
+    ) -> Result<()> {
+        self.0
+            .prepare_cached(
+                // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
+                // into would make SQLite stage the row in a temporary table.
+                "INSERT INTO events (run_id, seq, kind, at, step, payload)
+                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?1),
+                         ?2, ?3, ?4, ?5)",
+            )?
+            .execute(params![
+                run_id.as_str(),
+                kind.as_str(),
+                at,
+                step,
+                payload.to_string()
+            ])?;
+        Ok(())
+    }
+
+    fn savepoint(&mut self, name: &str) -> Result<()> {
+        self.0
+            .prepare_cached(&format!("SAVEPOINT {name}"))?
+            .execute([])?;
+        Ok(())
+    }
+
+    fn rollback_to(&mut self, name: &str) -> Result<()> {
+        self.0
+            .prepare_cached(&format!("ROLLBACK TO {name}"))?
+            .execute([])?;
+        Ok(())
+    }
+
+    fn release_savepoint(&mut self, name: &str) -> Result<()> {
+        self.0
+            .prepare_cached(&format!("RELEASE {name}"))?
+            .execute([])?;
+        Ok(())
+    }
+}
+
+impl LeaseWrites for Sql<'_> {
+    fn renew_leases(
+        &mut self,
+        owner: &str,
+        held: &[RunId],
+        wall: i64,
+        expires_at: i64,
+    ) -> Result<Vec<RunId>> {
+        let ids = serde_json::to_string(held).expect("ids serialize");
+        Ok(self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET lease_expires_at = ?3
+                 WHERE lease_owner = ?1 AND state = 'RUNNING' AND lease_expires_at > ?2
+                   AND id IN (SELECT value FROM json_each(?4))
+                 RETURNING id",
+            )?
+            .query_map(params![owner, wall, expires_at, ids], |row| {
+                row.get::<_, String>(0)
+            })?
+            .map(|id| id.map(RunId::from))
+            .collect::<rusqlite::Result<_>>()?)
+    }
+
+    fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL
+                 WHERE id = ?1 AND lease_owner = ?2",
+            )?
+            .execute(params![run_id.as_str(), owner])?;
+        Ok(changed == 1)
+    }
+}
+
+/// SQLite's `PRAGMA integrity_check`: `["ok"]`, or the problems found.
+pub(crate) fn integrity_check(conn: &Connection) -> Result<Vec<String>> {
+    Ok(conn
+        .prepare("PRAGMA integrity_check")?
+        .query_map([], |row| row.get(0))?
+        .collect::<rusqlite::Result<_>>()?)
+}

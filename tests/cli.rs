@@ -101,6 +101,9 @@ fn runs_lists_every_run_and_filters_by_state() {
     assert_eq!(runs.as_array().unwrap().len(), 1);
     assert_eq!(runs[0]["id"], json!("wait"));
     assert_eq!(runs[0]["state"], json!("WAITING_FOR_APPROVAL"));
+    // Each run in the library's JSON shape.
+    let stored = db.open().run(&RunId::from("wait")).unwrap();
+    assert_eq!(runs[0], serde_json::to_value(&stored).unwrap());
 }
 
 #[test]
@@ -141,6 +144,16 @@ fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finis
         .collect();
     assert_eq!(lines[0]["seq"], json!(3));
     assert_eq!(lines.last().unwrap()["kind"], json!("run.finished"));
+    // Each event in the library's JSON shape.
+    let stored = db.open().events_after(&RunId::from("done"), 2).unwrap();
+    assert_eq!(
+        lines,
+        serde_json::to_value(&stored)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    );
     // A finished run: --follow prints what is there and ends.
     agentrt(&db.path())
         .args(["events", "done", "--follow"])
@@ -238,6 +251,11 @@ fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     assert_eq!(report["ok"], json!(true));
     assert_eq!(report["stale_leases"][0]["run_id"], json!("crashed"));
     assert_eq!(report["settings"]["trusted_schema"], json!("0"));
+    // Each stale lease in the library's JSON shape, beside its run's id.
+    let lease = db.open().lease(&RunId::from("crashed")).unwrap().unwrap();
+    let mut stale = serde_json::to_value(&lease).unwrap();
+    stale["run_id"] = json!("crashed");
+    assert_eq!(report["stale_leases"], json!([stale]));
 }
 
 #[test]

@@ -252,7 +252,9 @@ fn deny_records_a_denial() {
 fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     let db = fixture();
     agentrt(&db.path()).arg("doctor").assert().success().stdout(
-        predicate::str::contains("integrity       ok").and(predicate::str::contains("crashed")),
+        predicate::str::contains("integrity       ok")
+            .and(predicate::str::contains("crashed"))
+            .and(predicate::str::contains("synchronous     FULL\n")),
     );
     let out = agentrt(&db.path())
         .args(["doctor", "--json"])
@@ -262,6 +264,7 @@ fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     assert_eq!(report["ok"], json!(true));
     assert_eq!(report["stale_leases"][0]["run_id"], json!("crashed"));
     assert_eq!(report["settings"]["trusted_schema"], json!("0"));
+    assert_eq!(report["settings"]["synchronous"], json!("FULL"));
     // Each stale lease in the library's JSON shape, beside its run's id.
     let lease = db.open().lease(&RunId::from("crashed")).unwrap().unwrap();
     let mut stale = serde_json::to_value(&lease).unwrap();

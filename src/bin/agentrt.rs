@@ -310,6 +310,18 @@ struct StaleLease<'a> {
     lease: &'a Lease,
 }
 
+/// A connection setting as people name it: SQLite reports `synchronous` as a number.
+fn setting(name: &str, value: &str) -> String {
+    let named = match (name, value) {
+        ("synchronous", "0") => "OFF",
+        ("synchronous", "1") => "NORMAL",
+        ("synchronous", "2") => "FULL",
+        ("synchronous", "3") => "EXTRA",
+        _ => value,
+    };
+    named.to_owned()
+}
+
 fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
     let runs = store.runs(state).map_err(|e| e.to_string())?;
     if json {
@@ -527,7 +539,7 @@ fn doctor(path: &Path, json: bool) -> Outcome {
             settings: health
                 .settings
                 .iter()
-                .map(|(name, value)| (name.as_str(), value.clone()))
+                .map(|(name, value)| (name.as_str(), setting(name, value)))
                 .collect(),
             defensive: health.defensive,
             integrity: &health.integrity,
@@ -542,7 +554,7 @@ fn doctor(path: &Path, json: bool) -> Outcome {
     } else {
         out!("schema version  {} (current)", health.schema.found);
         for (name, value) in &health.settings {
-            out!("{name:<15} {value}");
+            out!("{name:<15} {}", setting(name, value));
         }
         out!(
             "defensive       {}",

@@ -1,4 +1,8 @@
 //! The data agentrt stores and hands back: runs, events, outcomes, and the messages a model sees.
+//!
+//! Every type here is `Serialize` and `Deserialize` with a stable JSON shape, shown on each
+//! type: fields in `snake_case`, enums as the names they are stored under, and times as integer
+//! milliseconds since the Unix epoch (negative before it), the precision they are stored at.
 
 use std::{fmt, str::FromStr, time::SystemTime};
 
@@ -6,6 +10,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// The id of a run: chosen by the caller of `StartRun`, or a random UUID.
+///
+/// JSON: the id as a string, `"order-17"`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct RunId(String);
@@ -41,6 +47,9 @@ impl From<String> for RunId {
 }
 
 /// Where a run is in its life. See `docs/runs.md` for the moves between states.
+///
+/// JSON: the name it is stored under, [`RunState::as_str`]: `"RUNNING"`,
+/// `"WAITING_FOR_APPROVAL"`, `"SUCCEEDED"`, `"FAILED"` or `"CANCELLED"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum RunState {
@@ -99,7 +108,23 @@ impl FromStr for RunState {
 }
 
 /// A run as stored.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON (times in milliseconds since the Unix epoch; `output` and `error` are `null` when
+/// absent):
+///
+/// ```json
+/// {
+///   "id": "order-17",
+///   "agent": "support",
+///   "input": {"customer": "ada"},
+///   "state": "SUCCEEDED",
+///   "output": "done",
+///   "error": null,
+///   "created_at": 1700000000000,
+///   "updated_at": 1700000000250
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Run {
     /// Its id.
     pub id: RunId,
@@ -114,12 +139,17 @@ pub struct Run {
     /// Why it failed or was cancelled.
     pub error: Option<String>,
     /// When it was started, by `Config::clock`.
+    #[serde(with = "millis")]
     pub created_at: SystemTime,
     /// When it last moved, by `Config::clock`.
+    #[serde(with = "millis")]
     pub updated_at: SystemTime,
 }
 
-/// The kinds of event in the log. `docs/events.md` describes each one and its payload.
+/// The kinds of event in the log. `docs/runs.md` describes each one and its payload.
+///
+/// JSON: the name stored in the log, [`EventKind::as_str`], such as `"run.started"` or
+/// `"step.tool_finished"`; any other string is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum EventKind {
@@ -152,7 +182,7 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    /// Every kind, in the order of `docs/events.md`.
+    /// Every kind, in the order of `docs/runs.md`.
     pub const ALL: [EventKind; 13] = [
         EventKind::RunStarted,
         EventKind::ModelStarted,
@@ -207,7 +237,20 @@ impl FromStr for EventKind {
 }
 
 /// One entry of a run's event log.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON (`at` in milliseconds since the Unix epoch; `step` is `null` for a run-level event):
+///
+/// ```json
+/// {
+///   "run_id": "order-17",
+///   "seq": 3,
+///   "kind": "step.model_finished",
+///   "at": 1700000000100,
+///   "step": 1,
+///   "payload": {"text": "hi", "tool_calls": []}
+/// }
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Event {
     /// The run it belongs to.
     pub run_id: RunId,
@@ -216,14 +259,17 @@ pub struct Event {
     /// What happened.
     pub kind: EventKind,
     /// When, by `Config::clock`.
+    #[serde(with = "millis")]
     pub at: SystemTime,
     /// The step it concerns, if any.
     pub step: Option<u32>,
-    /// The details; `docs/events.md` lists the fields of each kind.
+    /// The details; `docs/runs.md` lists the fields of each kind.
     pub payload: Value,
 }
 
 /// A tool call the model asked for.
+///
+/// JSON: `{"id": "c1", "name": "weather", "args": {"city": "Oslo"}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {
     /// The call's id. agentrt keeps ids unique within a run: an empty or repeated id is
@@ -247,6 +293,13 @@ impl ToolCall {
 }
 
 /// What the model answered: text, tool calls, or both. No tool calls means a final answer.
+///
+/// JSON (this is also how a response is stored in the log): `text` is left out when absent,
+/// and `tool_calls` may be left out when empty on input:
+///
+/// ```json
+/// {"text": "Let me look.", "tool_calls": [{"id": "c1", "name": "weather", "args": {}}]}
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelResponse {
     /// The text of the answer.
@@ -276,6 +329,8 @@ impl ModelResponse {
 }
 
 /// The outcome of a tool call as the model sees it.
+///
+/// JSON (as stored in the log): `{"ok": OUTPUT}` or `{"error": "why"}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolResult {
@@ -286,6 +341,13 @@ pub enum ToolResult {
 }
 
 /// One entry of the conversation given to the model.
+///
+/// JSON: tagged by `role`, `"assistant"` with the fields of a [`ModelResponse`], or `"tool"`:
+///
+/// ```json
+/// {"role": "assistant", "text": "Let me look.", "tool_calls": []}
+/// {"role": "tool", "call_id": "c1", "name": "weather", "result": {"ok": {"sky": "clear"}}}
+/// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum Message {
@@ -303,6 +365,8 @@ pub enum Message {
 }
 
 /// Why a tool call waits for a person.
+///
+/// JSON: `"policy"` or `"reconcile"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalReason {
@@ -314,7 +378,8 @@ pub enum ApprovalReason {
 }
 
 impl ApprovalReason {
-    pub(crate) fn as_str(self) -> &'static str {
+    /// The name stored in the log and shown to people: `policy` or `reconcile`.
+    pub fn as_str(self) -> &'static str {
         match self {
             ApprovalReason::Policy => "policy",
             ApprovalReason::Reconcile => "reconcile",
@@ -323,7 +388,13 @@ impl ApprovalReason {
 }
 
 /// A tool call waiting for an approval.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON:
+///
+/// ```json
+/// {"step": 2, "call_id": "pay-1", "tool": "pay", "args": {"cents": 100}, "reason": "policy"}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PendingCall {
     /// The step of the call.
     pub step: u32,
@@ -338,7 +409,18 @@ pub struct PendingCall {
 }
 
 /// How a call to `StartRun` or `ResumeRun` ended.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON: tagged by `status` (`"succeeded"`, `"failed"`, `"waiting_for_approval"` or
+/// `"cancelled"`), beside the variant's field:
+///
+/// ```json
+/// {"status": "succeeded", "output": "done"}
+/// {"status": "failed", "error": "the step limit was reached"}
+/// {"status": "waiting_for_approval", "pending": {"step": 2, "call_id": "pay-1", "tool": "pay", "args": {}, "reason": "policy"}}
+/// {"status": "cancelled", "reason": "duplicate order"}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
 pub enum Outcome {
     /// The run finished with this final answer.
     Succeeded {
@@ -363,7 +445,10 @@ pub enum Outcome {
 }
 
 /// The reply to `StartRun` and `ResumeRun`.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON: `{"run_id": "order-17", "outcome": {"status": "succeeded", "output": "done"}}`, the
+/// outcome as [`Outcome`] shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunOutcome {
     /// The run.
     pub run_id: RunId,
@@ -372,7 +457,13 @@ pub struct RunOutcome {
 }
 
 /// An operator's decision on a waiting tool call.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// JSON (`note` is `null` when absent, and may be left out on input):
+///
+/// ```json
+/// {"run_id": "order-17", "call_id": "pay-1", "approved": true, "by": "alice", "note": "checked"}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Approval {
     /// The run.
     pub run_id: RunId,
@@ -422,17 +513,33 @@ impl Approval {
 }
 
 /// A run's lease as stored: who executes it, and until when.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// JSON (`expires_at` in wall-clock milliseconds since the Unix epoch):
+///
+/// ```json
+/// {"owner": "worker-1/3f2a", "expires_at": 1700000030000}
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
     /// The owner: `Config::lease_owner`, `/`, and the holding supervisor's random suffix.
     pub owner: String,
     /// When it expires unless renewed, by the holder's wall clock. A time in the past means a
     /// stale lease: its holder died or stalled, and a resume takes the run over.
+    #[serde(with = "millis")]
     pub expires_at: SystemTime,
 }
 
 /// Why a supervisor lost the lease of a run it was executing.
-#[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// JSON: tagged by `kind`, with the new owner as `by` for a takeover:
+///
+/// ```json
+/// {"kind": "taken_by", "by": "worker-2/9c1e"}
+/// {"kind": "released_or_cancelled"}
+/// {"kind": "expired"}
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "by", rename_all = "snake_case")]
 pub enum LeaseLostReason {
     /// Another owner took the run over (this lease had expired).
     TakenBy(String),
@@ -448,6 +555,77 @@ impl fmt::Display for LeaseLostReason {
             LeaseLostReason::TakenBy(owner) => write!(f, "taken over by {owner}"),
             LeaseLostReason::ReleasedOrCancelled => f.write_str("released or cancelled"),
             LeaseLostReason::Expired => f.write_str("expired before it could be renewed"),
+        }
+    }
+}
+
+impl Serialize for EventKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for EventKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // Borrowing would refuse strings with escapes; an owned string takes any.
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `SystemTime` as integer milliseconds since the Unix epoch, negative before it: the
+/// precision agentrt stores times at, so a stored time round-trips exactly.
+mod millis {
+    use std::{
+        fmt,
+        time::{Duration, SystemTime},
+    };
+
+    use serde::{Deserializer, Serializer, de};
+
+    pub(super) fn serialize<S: Serializer>(
+        time: &SystemTime,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        let millis = match time.duration_since(SystemTime::UNIX_EPOCH) {
+            Ok(after) => i64::try_from(after.as_millis()),
+            Err(before) => i64::try_from(before.duration().as_millis()).map(|m| -m),
+        }
+        .map_err(|_| {
+            serde::ser::Error::custom("time too far from the Unix epoch for an i64 of ms")
+        })?;
+        serializer.serialize_i64(millis)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<SystemTime, D::Error> {
+        deserializer.deserialize_i64(Millis)
+    }
+
+    struct Millis;
+
+    impl de::Visitor<'_> for Millis {
+        type Value = SystemTime;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a time as integer milliseconds since the Unix epoch")
+        }
+
+        fn visit_i64<E: de::Error>(self, millis: i64) -> Result<SystemTime, E> {
+            let offset = Duration::from_millis(millis.unsigned_abs());
+            if millis >= 0 {
+                SystemTime::UNIX_EPOCH.checked_add(offset)
+            } else {
+                SystemTime::UNIX_EPOCH.checked_sub(offset)
+            }
+            .ok_or_else(|| E::custom(format!("time {millis} ms is out of this platform's range")))
+        }
+
+        fn visit_u64<E: de::Error>(self, millis: u64) -> Result<SystemTime, E> {
+            let millis = i64::try_from(millis)
+                .map_err(|_| E::custom(format!("time {millis} ms is out of range")))?;
+            self.visit_i64(millis)
         }
     }
 }

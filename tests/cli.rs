@@ -1,6 +1,10 @@
 //! The `agentrt` operator binary, against real database files.
 
-use std::{path::Path, time::Duration};
+use std::{
+    path::Path,
+    pin::pin,
+    time::{Duration, SystemTime},
+};
 
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, RequireApprovalFor, RunId, RunState, StartRun, Store,
@@ -14,7 +18,7 @@ use predicates::prelude::*;
 use serde_json::{Value, json};
 
 /// A database with a finished run `done`, a run `wait` waiting for approval of call `pay-1`,
-/// and a run `crashed` whose process died mid-tool (its short lease already stale).
+/// and a run `crashed` whose process died mid-run (its short lease already stale).
 fn fixture() -> TempStore {
     let db = TempStore::new();
     let script = || {
@@ -35,9 +39,9 @@ fn fixture() -> TempStore {
         stuck.clone(),
     );
     with_system(|| async move {
-        let config = Config::default().lease_ttl(Duration::from_millis(100));
+        // The default TTL: these runs must finish whatever the machine's pace, and a short lease
+        // would be lost if a renewal came late.
         let sup = Supervisor::builder(store.clone())
-            .config(config.clone())
             .agent("waits", waiting)
             .agent("plain", plain)
             .start()
@@ -50,25 +54,32 @@ fn fixture() -> TempStore {
             .await
             .unwrap()
             .unwrap();
+        // A short TTL, so that the lease is stale soon after the crash.
         let doomed = Supervisor::builder(store)
-            .config(config)
+            .config(Config::default().lease_ttl(Duration::from_millis(100)))
             .agent("plain", blocking)
             .start()
             .unwrap();
-        actix_rt::spawn(doomed.send(StartRun::new("plain", json!({})).with_id("crashed")));
-        probe.wait_executions(1).await;
+        // The crash comes once the tool runs, or once the start gives up because a late renewal
+        // let the short lease lapse first: either way the run is left RUNNING under a lease of
+        // the dead process.
+        let started = doomed.send(StartRun::new("plain", json!({})).with_id("crashed"));
+        let executing = probe.wait_executions(1);
+        futures_util::future::select(pin!(started), pin!(executing)).await;
     });
-    // The dead process's lease goes stale at its stored expiry.
-    let lease = db
-        .open()
-        .lease(&RunId::from("crashed"))
-        .unwrap()
-        .expect("leased");
-    if let Ok(wait) = lease
-        .expires_at
-        .duration_since(std::time::SystemTime::now())
-    {
-        std::thread::sleep(wait + Duration::from_millis(5));
+    // Wait until the stored lease is stale, reading it again after each expiry: the dead
+    // process's keeper may renew once more while its thread winds down. A stale lease stays
+    // stale: a renewal extends only a live one.
+    let store = db.open();
+    loop {
+        let lease = store
+            .lease(&RunId::from("crashed"))
+            .unwrap()
+            .expect("leased");
+        match lease.expires_at.duration_since(SystemTime::now()) {
+            Ok(wait) => std::thread::sleep(wait + Duration::from_millis(1)),
+            Err(_) => break,
+        }
     }
     db
 }
@@ -101,6 +112,9 @@ fn runs_lists_every_run_and_filters_by_state() {
     assert_eq!(runs.as_array().unwrap().len(), 1);
     assert_eq!(runs[0]["id"], json!("wait"));
     assert_eq!(runs[0]["state"], json!("WAITING_FOR_APPROVAL"));
+    // Each run in the library's JSON shape.
+    let stored = db.open().run(&RunId::from("wait")).unwrap();
+    assert_eq!(runs[0], serde_json::to_value(&stored).unwrap());
 }
 
 #[test]
@@ -141,6 +155,16 @@ fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finis
         .collect();
     assert_eq!(lines[0]["seq"], json!(3));
     assert_eq!(lines.last().unwrap()["kind"], json!("run.finished"));
+    // Each event in the library's JSON shape.
+    let stored = db.open().events_after(&RunId::from("done"), 2).unwrap();
+    assert_eq!(
+        lines,
+        serde_json::to_value(&stored)
+            .unwrap()
+            .as_array()
+            .unwrap()
+            .clone()
+    );
     // A finished run: --follow prints what is there and ends.
     agentrt(&db.path())
         .args(["events", "done", "--follow"])
@@ -228,7 +252,9 @@ fn deny_records_a_denial() {
 fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     let db = fixture();
     agentrt(&db.path()).arg("doctor").assert().success().stdout(
-        predicate::str::contains("integrity       ok").and(predicate::str::contains("crashed")),
+        predicate::str::contains("integrity       ok")
+            .and(predicate::str::contains("crashed"))
+            .and(predicate::str::contains("synchronous     FULL\n")),
     );
     let out = agentrt(&db.path())
         .args(["doctor", "--json"])
@@ -238,6 +264,12 @@ fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     assert_eq!(report["ok"], json!(true));
     assert_eq!(report["stale_leases"][0]["run_id"], json!("crashed"));
     assert_eq!(report["settings"]["trusted_schema"], json!("0"));
+    assert_eq!(report["settings"]["synchronous"], json!("FULL"));
+    // Each stale lease in the library's JSON shape, beside its run's id.
+    let lease = db.open().lease(&RunId::from("crashed")).unwrap().unwrap();
+    let mut stale = serde_json::to_value(&lease).unwrap();
+    stale["run_id"] = json!("crashed");
+    assert_eq!(report["stale_leases"], json!([stale]));
 }
 
 #[test]

@@ -75,6 +75,10 @@ fn a_run_is_started_approved_resumed_and_streamed_and_another_cancelled_over_htt
         )
         .await;
         assert_eq!(status, 200, "{decided}");
+        assert_eq!(
+            decided,
+            json!({"run_id": "r1", "call_id": call, "approved": true, "by": "ops", "note": "fine"})
+        );
 
         let (status, resumed) = post(&client, format!("{url}/runs/r1/resume"), json!({})).await;
         assert_eq!(status, 200, "{resumed}");
@@ -105,6 +109,16 @@ fn a_run_is_started_approved_resumed_and_streamed_and_another_cancelled_over_htt
             body.contains("event: approval.recorded") && body.contains("event: run.finished"),
             "{body}"
         );
+        // Each event's data is the event in agentrt's JSON shape.
+        let first: agentrt::Event = body
+            .lines()
+            .find_map(|line| line.strip_prefix("data: "))
+            .map(|data| serde_json::from_str(data).unwrap())
+            .unwrap();
+        assert_eq!(
+            (first.run_id.as_str(), first.seq, first.kind),
+            ("r1", 1, agentrt::EventKind::RunStarted)
+        );
         // From a sequence number on: only what came after.
         let mut tail = client
             .get(format!("{url}/runs/r1/events?after=16"))
@@ -133,6 +147,14 @@ fn a_run_is_started_approved_resumed_and_streamed_and_another_cancelled_over_htt
         let shown: Value = shown.json().await.unwrap();
         assert_eq!(shown["state"], json!("CANCELLED"));
         assert_eq!(shown["error"], json!("customer left"));
+        assert_eq!(cancelled, json!({"run_id": "r2", "state": "CANCELLED"}));
+        // The run in agentrt's JSON shape, its lease and waiting calls beside it.
+        assert_eq!(shown["id"], json!("r2"));
+        assert!(shown["created_at"].is_u64(), "{shown}");
+        assert_eq!(
+            (shown["lease"].clone(), shown["pending_calls"].clone()),
+            (Value::Null, json!([]))
+        );
     });
 }
 

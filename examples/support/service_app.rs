@@ -6,11 +6,11 @@ use std::time::{Duration, SystemTime};
 use actix::{Actor, Addr, Context, Handler};
 use actix_web::{HttpResponse, ResponseError, http::StatusCode, web};
 use agentrt::{
-    Approval, CancelRun, Error, LeaseLost, Outcome, RecordApproval, ResumeRun, RunId, RunOutcome,
-    RunState, StartRun, Store, Supervisor,
+    Approval, CancelRun, Error, Lease, LeaseLost, PendingCall, RecordApproval, ResumeRun, Run,
+    RunId, RunState, StartRun, Store, Supervisor,
 };
 use futures_util::stream;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 /// What every handler needs.
@@ -89,23 +89,23 @@ async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
-fn outcome_json(reply: &RunOutcome) -> Value {
-    let outcome = match &reply.outcome {
-        Outcome::Succeeded { output } => json!({ "status": "succeeded", "output": output }),
-        Outcome::Failed { error } => json!({ "status": "failed", "error": error }),
-        Outcome::Cancelled { reason } => json!({ "status": "cancelled", "reason": reason }),
-        Outcome::WaitingForApproval { pending } => json!({
-            "status": "waiting_for_approval",
-            "pending": {
-                "call_id": pending.call_id,
-                "step": pending.step,
-                "tool": pending.tool,
-                "args": pending.args,
-                "reason": format!("{:?}", pending.reason).to_lowercase(),
-            },
-        }),
-    };
-    json!({ "run_id": reply.run_id, "outcome": outcome })
+// Response bodies are agentrt's own types in their documented JSON shape (times in
+// milliseconds since the Unix epoch), with what a route adds beside them.
+
+/// `GET /runs/{id}`: the run, its lease and the calls waiting for an approval.
+#[derive(Serialize)]
+struct Shown {
+    #[serde(flatten)]
+    run: Run,
+    lease: Option<Lease>,
+    pending_calls: Vec<PendingCall>,
+}
+
+/// `POST /runs/{id}/cancel`.
+#[derive(Serialize)]
+struct Cancelled {
+    run_id: RunId,
+    state: RunState,
 }
 
 #[derive(Deserialize)]
@@ -126,7 +126,7 @@ async fn start_run(
         start = start.with_id(run_id);
     }
     let reply = state.supervisor.send(start).await??;
-    Ok(HttpResponse::Ok().json(outcome_json(&reply)))
+    Ok(HttpResponse::Ok().json(reply))
 }
 
 async fn get_run(
@@ -134,24 +134,15 @@ async fn get_run(
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let (store, run_id) = (state.store.clone(), RunId::from(id.into_inner()));
-    let (run, lease, pending) = blocking(move || {
-        Ok((
-            store.run(&run_id)?,
-            store.lease(&run_id)?,
-            store.pending_calls(&run_id)?,
-        ))
+    let shown = blocking(move || {
+        Ok(Shown {
+            run: store.run(&run_id)?,
+            lease: store.lease(&run_id)?,
+            pending_calls: store.pending_calls(&run_id)?,
+        })
     })
     .await?;
-    Ok(HttpResponse::Ok().json(json!({
-        "id": run.id,
-        "agent": run.agent,
-        "state": run.state.as_str(),
-        "input": run.input,
-        "output": run.output,
-        "error": run.error,
-        "lease": lease.map(|lease| json!({ "owner": lease.owner, "expires_at": humantime::format_rfc3339_millis(lease.expires_at).to_string() })),
-        "pending_calls": pending.iter().map(|call| json!({ "call_id": call.call_id, "tool": call.tool, "args": call.args })).collect::<Vec<_>>(),
-    })))
+    Ok(HttpResponse::Ok().json(shown))
 }
 
 #[derive(Deserialize)]
@@ -193,7 +184,7 @@ async fn events(
                 if let Some(last) = events.last().map(|event| event.seq) {
                     let mut chunk = String::new();
                     for event in &events {
-                        let data = json!({ "seq": event.seq, "kind": event.kind.as_str(), "step": event.step, "payload": event.payload });
+                        let data = serde_json::to_string(event).expect("an event serializes");
                         chunk.push_str(&format!(
                             "id: {}\nevent: {}\ndata: {data}\n\n",
                             event.seq, event.kind
@@ -232,14 +223,16 @@ async fn decide(
     let (run_id, call_id) = path.into_inner();
     let body = body.into_inner();
     let mut approval = if body.approved {
-        Approval::approve(run_id.clone(), call_id.clone(), body.by)
+        Approval::approve(run_id, call_id, body.by)
     } else {
-        Approval::deny(run_id.clone(), call_id.clone(), body.by)
+        Approval::deny(run_id, call_id, body.by)
     };
     approval.note = body.note;
-    state.supervisor.send(RecordApproval(approval)).await??;
-    Ok(HttpResponse::Ok()
-        .json(json!({ "run_id": run_id, "call_id": call_id, "approved": body.approved })))
+    state
+        .supervisor
+        .send(RecordApproval(approval.clone()))
+        .await??;
+    Ok(HttpResponse::Ok().json(approval))
 }
 
 async fn resume(
@@ -250,7 +243,7 @@ async fn resume(
         .supervisor
         .send(ResumeRun::new(id.into_inner()))
         .await??;
-    Ok(HttpResponse::Ok().json(outcome_json(&reply)))
+    Ok(HttpResponse::Ok().json(reply))
 }
 
 #[derive(Deserialize)]
@@ -263,12 +256,15 @@ async fn cancel(
     id: web::Path<String>,
     body: web::Json<CancelBody>,
 ) -> Result<HttpResponse, ApiError> {
-    let run_id = id.into_inner();
+    let run_id = RunId::from(id.into_inner());
     state
         .supervisor
         .send(CancelRun::new(run_id.clone(), body.into_inner().reason))
         .await??;
-    Ok(HttpResponse::Ok().json(json!({ "run_id": run_id, "state": RunState::Cancelled.as_str() })))
+    Ok(HttpResponse::Ok().json(Cancelled {
+        run_id,
+        state: RunState::Cancelled,
+    }))
 }
 
 /// Logs every lease this process loses.
@@ -312,7 +308,8 @@ pub async fn recover_running_runs(supervisor: Addr<Supervisor>, store: Store) {
                         actix_rt::time::sleep(wait + Duration::from_millis(10)).await;
                     }
                     Ok(Ok(reply)) => {
-                        tracing::info!(run_id = %run.id, outcome = %outcome_json(&reply)["outcome"]["status"], "recovered");
+                        let outcome = serde_json::to_string(&reply.outcome).unwrap_or_default();
+                        tracing::info!(run_id = %run.id, %outcome, "recovered");
                         return;
                     }
                     Ok(Err(err)) => {

@@ -23,8 +23,9 @@ use actix::{
 };
 
 /// A supervisor lost the lease of a run it was executing: sent to the run's actor and to every
-/// subscriber ([`SubscribeLeaseLost`](crate::SubscribeLeaseLost)).
-#[derive(Debug, Clone, PartialEq, Eq, Message)]
+/// subscriber ([`SubscribeLeaseLost`](crate::SubscribeLeaseLost)). JSON:
+/// `{"run_id": "r1", "owner": "billing/0a1b2c3d4e5f", "reason": {"kind": "expired"}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Message, serde::Serialize, serde::Deserialize)]
 #[rtype(result = "()")]
 pub struct LeaseLost {
     /// The run.

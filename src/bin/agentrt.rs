@@ -5,15 +5,16 @@
 //! the command is meant to (`cancel`, `approve`, `deny`, `migrate --apply`).
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     process::ExitCode,
     time::{Duration, SystemTime},
 };
 
-use agentrt::{Approval, Event, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
+use agentrt::{Approval, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets};
-use serde_json::{Value, json};
+use serde::Serialize;
 
 #[derive(Parser)]
 #[command(
@@ -188,7 +189,10 @@ fn run(cli: Cli) -> Outcome {
                     done(
                         json,
                         &format!("run {run_id} cancelled"),
-                        json!({ "run_id": run_id, "state": "CANCELLED" }),
+                        &Cancelled {
+                            run_id: &run_id,
+                            state: RunState::Cancelled,
+                        },
                     )
                 }
                 Command::Approve(decide) => record(&store, decide, true, json),
@@ -211,7 +215,7 @@ fn table(header: &[&str]) -> Table {
     table
 }
 
-fn print_json(value: &Value) -> Outcome {
+fn print_json(value: &impl Serialize) -> Outcome {
     out!(
         "{}",
         serde_json::to_string_pretty(value).map_err(|e| e.to_string())?
@@ -219,62 +223,96 @@ fn print_json(value: &Value) -> Outcome {
     Ok(())
 }
 
-fn done(json: bool, text: &str, value: Value) -> Outcome {
+fn done(json: bool, text: &str, value: &impl Serialize) -> Outcome {
     if json {
-        return print_json(&value);
+        return print_json(value);
     }
     out!("{text}");
     Ok(())
 }
 
-fn run_json(run: &Run) -> Value {
-    json!({
-        "id": run.id,
-        "agent": run.agent,
-        "state": run.state.as_str(),
-        "input": run.input,
-        "output": run.output,
-        "error": run.error,
-        "created_at": time(run.created_at),
-        "updated_at": time(run.updated_at),
-    })
+// The `--json` documents: agentrt's own types in their documented JSON shape (times in
+// milliseconds since the Unix epoch), with what a command adds beside them.
+
+/// `cancel --json`.
+#[derive(Serialize)]
+struct Cancelled<'a> {
+    run_id: &'a RunId,
+    state: RunState,
 }
 
-fn lease_json(lease: &Option<Lease>) -> Value {
-    match lease {
-        None => Value::Null,
-        Some(lease) => json!({
-            "owner": lease.owner,
-            "expires_at": time(lease.expires_at),
-            "expired": lease.expires_at <= SystemTime::now(),
-        }),
+/// A lease as `show` and `lease` print it: whether it is stale comes with it, so that a
+/// script needs no clock of its own.
+#[derive(Serialize)]
+struct LeaseView<'a> {
+    #[serde(flatten)]
+    lease: &'a Lease,
+    expired: bool,
+}
+
+impl<'a> LeaseView<'a> {
+    fn of(lease: &'a Option<Lease>) -> Option<Self> {
+        lease.as_ref().map(|lease| LeaseView {
+            lease,
+            expired: lease.expires_at <= SystemTime::now(),
+        })
     }
 }
 
-fn pending_json(call: &PendingCall) -> Value {
-    json!({
-        "call_id": call.call_id,
-        "step": call.step,
-        "tool": call.tool,
-        "args": call.args,
-        "reason": format!("{:?}", call.reason).to_lowercase(),
-    })
+/// `show --json`: the run, its lease and the calls waiting for an approval.
+#[derive(Serialize)]
+struct Shown<'a> {
+    #[serde(flatten)]
+    run: &'a Run,
+    lease: Option<LeaseView<'a>>,
+    pending_calls: &'a [PendingCall],
 }
 
-fn event_json(event: &Event) -> Value {
-    json!({
-        "seq": event.seq,
-        "kind": event.kind.as_str(),
-        "at": time(event.at),
-        "step": event.step,
-        "payload": event.payload,
-    })
+/// `lease --json`.
+#[derive(Serialize)]
+struct LeaseReport<'a> {
+    run_id: &'a RunId,
+    lease: Option<LeaseView<'a>>,
+}
+
+/// `migrate --json`.
+#[derive(Serialize)]
+struct MigrateReport {
+    found: u32,
+    supported: u32,
+    applied: bool,
+    now: u32,
+}
+
+/// `doctor --json`.
+#[derive(Serialize)]
+struct DoctorReport<'a> {
+    schema: Schema,
+    settings: BTreeMap<&'a str, String>,
+    defensive: bool,
+    integrity: &'a [String],
+    stale_leases: Vec<StaleLease<'a>>,
+    running_without_lease: &'a [RunId],
+    ok: bool,
+}
+
+#[derive(Serialize)]
+struct Schema {
+    found: u32,
+    supported: u32,
+}
+
+#[derive(Serialize)]
+struct StaleLease<'a> {
+    run_id: &'a RunId,
+    #[serde(flatten)]
+    lease: &'a Lease,
 }
 
 fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
     let runs = store.runs(state).map_err(|e| e.to_string())?;
     if json {
-        return print_json(&Value::Array(runs.iter().map(run_json).collect()));
+        return print_json(&runs);
     }
     let mut table = table(&["RUN", "AGENT", "STATE", "UPDATED"]);
     for run in &runs {
@@ -294,10 +332,11 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     let lease = store.lease(run_id).map_err(|e| e.to_string())?;
     let pending = store.pending_calls(run_id).map_err(|e| e.to_string())?;
     if json {
-        let mut value = run_json(&run);
-        value["lease"] = lease_json(&lease);
-        value["pending_calls"] = Value::Array(pending.iter().map(pending_json).collect());
-        return print_json(&value);
+        return print_json(&Shown {
+            run: &run,
+            lease: LeaseView::of(&lease),
+            pending_calls: &pending,
+        });
     }
     out!("run       {}", run.id);
     out!("agent     {}", run.agent);
@@ -315,13 +354,12 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     if !pending.is_empty() {
         let mut table = table(&["CALL", "STEP", "TOOL", "ARGS", "WAITS FOR"]);
         for call in &pending {
-            let reason = format!("{:?}", call.reason).to_lowercase();
             table.add_row(vec![
                 call.call_id.clone(),
                 call.step.to_string(),
                 call.tool.clone(),
                 call.args.to_string(),
-                reason,
+                call.reason.as_str().to_owned(),
             ]);
         }
         out!("\n{}", table.trim_fmt());
@@ -352,7 +390,10 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
             .map_err(|e| e.to_string())?;
         if json {
             for event in &events {
-                out!("{}", event_json(event));
+                out!(
+                    "{}",
+                    serde_json::to_string(event).map_err(|e| e.to_string())?
+                );
             }
         } else if !events.is_empty() {
             let mut table = if printed_table {
@@ -396,7 +437,10 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
 fn lease(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     let lease = store.lease(run_id).map_err(|e| e.to_string())?;
     if json {
-        return print_json(&json!({ "run_id": run_id, "lease": lease_json(&lease) }));
+        return print_json(&LeaseReport {
+            run_id,
+            lease: LeaseView::of(&lease),
+        });
     }
     out!("{}", describe_lease(&lease));
     Ok(())
@@ -420,7 +464,7 @@ fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome 
             "call {} of run {run_id} {verb}; resume the run to continue",
             decide.call
         ),
-        json!({ "run_id": run_id, "call_id": decide.call, "approved": approved }),
+        &approval,
     )
 }
 
@@ -455,7 +499,12 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
     done(
         json,
         &text,
-        json!({ "found": before.found, "supported": before.supported, "applied": apply && before.pending() > 0, "now": after.found }),
+        &MigrateReport {
+            found: before.found,
+            supported: before.supported,
+            applied: apply && before.pending() > 0,
+            now: after.found,
+        },
     )
 }
 
@@ -470,18 +519,34 @@ fn doctor(path: &Path, json: bool) -> Outcome {
         .map_err(|e| e.to_string())?;
     let health = store.health().map_err(|e| e.to_string())?;
     if json {
-        print_json(&json!({
-            "schema": { "found": health.schema.found, "supported": health.schema.supported },
-            "settings": health.settings.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "defensive": health.setting("defensive") == Some("1"),
-            "integrity": health.integrity,
-            "stale_leases": health.stale_leases.iter().map(|(id, lease)| json!({ "run_id": id, "owner": lease.owner, "expires_at": time(lease.expires_at) })).collect::<Vec<_>>(),
-            "running_without_lease": health.running_without_lease,
-            "ok": health.is_ok(),
-        }))?;
+        print_json(&DoctorReport {
+            schema: Schema {
+                found: health.schema.found,
+                supported: health.schema.supported,
+            },
+            settings: health
+                .settings
+                .iter()
+                .filter(|(name, _)| name != "defensive")
+                .map(|(name, value)| (name.as_str(), value.clone()))
+                .collect(),
+            defensive: health.setting("defensive") == Some("1"),
+            integrity: &health.integrity,
+            stale_leases: health
+                .stale_leases
+                .iter()
+                .map(|(run_id, lease)| StaleLease { run_id, lease })
+                .collect(),
+            running_without_lease: &health.running_without_lease,
+            ok: health.is_ok(),
+        })?;
     } else {
         out!("schema version  {} (current)", health.schema.found);
-        for (name, value) in &health.settings {
+        for (name, value) in health
+            .settings
+            .iter()
+            .filter(|(name, _)| name != "defensive")
+        {
             out!("{name:<15} {value}");
         }
         out!(

@@ -27,8 +27,9 @@ use crate::{
 /// The schema version this build writes: the number of migrations it carries.
 pub const SCHEMA_VERSION: u32 = sqlite::migration_count() as u32;
 
-/// The schema version of a database, as found and as this build writes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The schema version of a database, as found and as this build writes it. JSON:
+/// `{"found": 7, "supported": 7}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SchemaStatus {
     /// The version the database is at (0: an empty database).
     pub found: u32,
@@ -43,8 +44,9 @@ impl SchemaStatus {
     }
 }
 
-/// What [`Store::health`] found.
-#[derive(Debug, Clone, PartialEq)]
+/// What [`Store::health`] found. JSON: its fields by name, `settings` as a list of
+/// `[name, value]` pairs and each stale lease as `[run_id, lease]`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Health {
     /// The schema version.
     pub schema: SchemaStatus,

@@ -95,7 +95,10 @@ async fn start_and_let_the_lease_lapse(
     sup: &Addr<Supervisor>,
     db_path: &std::path::Path,
     tool: &RecordingTool,
-) -> tokio::task::JoinHandle<agentrt::Result<RunOutcome>> {
+) -> (
+    tokio::task::JoinHandle<agentrt::Result<RunOutcome>>,
+    LeaseLostLog,
+) {
     let log = LeaseLostLog::new();
     sup.send(SubscribeLeaseLost(log.recipient())).await.unwrap();
     let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
@@ -107,7 +110,7 @@ async fn start_and_let_the_lease_lapse(
     let lost = &log.seen()[0];
     assert_eq!(lost.run_id, RunId::from("r1"));
     assert_eq!(lost.reason, LeaseLostReason::Expired);
-    call
+    (call, log)
 }
 
 #[test]
@@ -274,7 +277,7 @@ fn a_lapsed_lease_starts_no_side_effect() {
     let result = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         // Nobody takes the run: the lease only lapses, and the loop stalls past its expiry.
-        let call = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        let (call, _) = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
         call.await.unwrap()
     });
 
@@ -334,7 +337,7 @@ fn no_model_call_after_the_lease_is_lost() {
     let (store, path, probe) = (db.open(), db.path(), tool.clone());
     let result = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
-        let call = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        let (call, _) = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
         call.await.unwrap()
     });
 
@@ -370,6 +373,8 @@ struct Takeover {
     first: agentrt::Result<RunOutcome>,
     second: agentrt::Result<RunOutcome>,
     owner_a: String,
+    /// What the first supervisor's subscriber was told.
+    told: Vec<agentrt::LeaseLost>,
     charge: RecordingTool,
     notify: RecordingTool,
     db: TempStore,
@@ -389,7 +394,7 @@ fn lapse_then_take_over() -> Takeover {
     );
     let (first, second, owner_a) = with_system(|| async move {
         let a = supervisor(store_a, fast_lease(), agent_a);
-        let call_a = start_and_let_the_lease_lapse(&a, &path, &probe).await;
+        let (call_a, log) = start_and_let_the_lease_lapse(&a, &path, &probe).await;
         let owner_a = lease_of(path.clone(), "r1")
             .await
             .expect("stale, not released")
@@ -401,12 +406,14 @@ fn lapse_then_take_over() -> Takeover {
 
         // The first loop's charge returns only now.
         probe.release();
-        (call_a.await.unwrap(), second, owner_a)
+        (call_a.await.unwrap(), second, (owner_a, log.seen()))
     });
+    let (owner_a, told) = owner_a;
     Takeover {
         first,
         second,
         owner_a,
+        told,
         charge,
         notify,
         db,
@@ -419,11 +426,18 @@ fn a_loop_that_loses_its_lease_stops_before_its_next_tool_call() {
         first,
         second,
         notify,
+        told,
         ..
     } = lapse_then_take_over();
     assert!(
         matches!(&first, Err(Error::LeaseLost { .. })),
         "the first call lost its lease: {first:?}"
+    );
+    // The subscriber and the call are told the same reason, once.
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert!(
+        matches!(&first, Err(Error::LeaseLost { reason, .. }) if *reason == told[0].reason),
+        "{first:?} against {told:?}"
     );
     assert_eq!(
         second.unwrap().outcome,
@@ -830,7 +844,7 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
     };
     let (first, second) = with_system(|| async move {
         let a = supervisor(store_a, fast_lease(), agent_a);
-        let call_a = start_and_let_the_lease_lapse(&a, &path, &probe).await;
+        let (call_a, _) = start_and_let_the_lease_lapse(&a, &path, &probe).await;
 
         // B reads the run (the charge in flight), then stops right before its takeover.
         let b = supervisor(store_b, fast_lease().observer(hold), agent_b);

@@ -60,6 +60,9 @@ pub(crate) struct LeaseKeeper {
     subscribers: Vec<Recipient<LeaseLost>>,
     /// A renewal through the store actor is on its way: the next tick waits for it.
     renewing: bool,
+    /// The reason each loss was told with, until the call that lost it returns: the call ends
+    /// with the same one (see [`Lost`]).
+    told: HashMap<RunId, LeaseLostReason>,
 }
 
 impl LeaseKeeper {
@@ -71,6 +74,7 @@ impl LeaseKeeper {
             held: HashMap::new(),
             subscribers: Vec::new(),
             renewing: false,
+            told: HashMap::new(),
         }
     }
 
@@ -150,10 +154,9 @@ impl LeaseKeeper {
         }
     }
 
+    /// Why a lease that was not renewed is lost: the row says most (a new owner is named,
+    /// whether or not the lease had expired first), then the expiry.
     fn why_lost(&self, held: &Held, row: Option<LeaseRow>, wall: i64) -> Option<LeaseLostReason> {
-        if held.expires_at <= wall {
-            return Some(LeaseLostReason::Expired);
-        }
         match row {
             None => Some(LeaseLostReason::ReleasedOrCancelled),
             Some(LeaseRow {
@@ -163,6 +166,7 @@ impl LeaseKeeper {
                 state: RunState::Cancelled,
                 ..
             }) => Some(LeaseLostReason::ReleasedOrCancelled),
+            _ if held.expires_at <= wall => Some(LeaseLostReason::Expired),
             Some(_) => None,
         }
     }
@@ -172,6 +176,7 @@ impl LeaseKeeper {
             return;
         };
         tracing::warn!(%run_id, %reason, "lease lost");
+        self.told.insert(run_id.clone(), reason.clone());
         let lost = LeaseLost {
             run_id,
             owner: self.owner.to_string(),
@@ -229,6 +234,31 @@ impl Handler<Release> for LeaseKeeper {
 
     fn handle(&mut self, msg: Release, _: &mut Context<Self>) {
         self.held.remove(&msg.run_id);
+        self.told.remove(&msg.run_id);
+    }
+}
+
+/// A call found its run's lease lost (a move of its loop was refused): the keeper tells the
+/// subscribers, unless it told them already, and answers with the reason they were told, which
+/// is the one the call ends with. Whichever finds the loss first names its reason for both.
+#[derive(Message)]
+#[rtype(result = "LeaseLostReason")]
+pub(crate) struct Lost {
+    pub run_id: RunId,
+    pub reason: LeaseLostReason,
+}
+
+impl Handler<Lost> for LeaseKeeper {
+    type Result = MessageResult<Lost>;
+
+    fn handle(&mut self, msg: Lost, _: &mut Context<Self>) -> Self::Result {
+        if let Some(told) = self.told.get(&msg.run_id) {
+            return MessageResult(told.clone());
+        }
+        if self.held.contains_key(&msg.run_id) {
+            self.lost(msg.run_id, msg.reason.clone());
+        }
+        MessageResult(msg.reason)
     }
 }
 

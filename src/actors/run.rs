@@ -19,7 +19,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use super::{
-    lease_keeper::{Hold, LeaseKeeper, LeaseLost, Release},
+    lease_keeper::{Hold, LeaseKeeper, LeaseLost, Lost, Release},
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
@@ -97,12 +97,12 @@ impl Handler<Execute> for RunActor {
     type Result = ResponseActFuture<Self, Result<RunOutcome>>;
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
-        let agent = match &msg.job {
-            Job::Start { agent, .. } => tracing::field::display(agent.clone()),
-            // Known once the run is read.
-            Job::Resume => tracing::field::display(String::new()),
-        };
-        let span = tracing::info_span!("run", run_id = %msg.run_id, agent);
+        // A resumed run's agent is known once the run is read, and recorded then: the field
+        // is declared empty so that it is written once either way.
+        let span = tracing::info_span!("run", run_id = %msg.run_id, agent = tracing::field::Empty);
+        if let Job::Start { agent, .. } = &msg.job {
+            span.record("agent", agent.as_str());
+        }
         let env = Env {
             run_id: msg.run_id.clone(),
             store: msg.store.clone(),
@@ -132,6 +132,19 @@ impl Handler<Execute> for RunActor {
                         message: panic_message(panic),
                     })
                 });
+            // A loss this call found itself is told to the subscribers; one the keeper told
+            // them of first gives the call its reason: both hear the same.
+            let result = match result {
+                Err(Error::LeaseLost { run_id, reason }) => {
+                    let lost = Lost {
+                        run_id: run_id.clone(),
+                        reason: reason.clone(),
+                    };
+                    let reason = keeper.send(lost).await.unwrap_or(reason);
+                    Err(Error::LeaseLost { run_id, reason })
+                }
+                other => other,
+            };
             keeper.do_send(Release {
                 run_id: run_id.clone(),
             });

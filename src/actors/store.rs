@@ -31,7 +31,7 @@ use crate::{
 /// A move's work. It may be applied twice (see [`Pending::apply`]), with the same clock
 /// reading and on the same state each time.
 type ApplyFn<R> = Box<dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R> + Send>;
-type ReadFn<R> = Box<dyn FnOnce(&mut dyn Reads) -> Result<R> + Send>;
+type ReadFn<R> = Box<dyn FnMut(&mut dyn Reads) -> Result<R> + Send>;
 
 /// Hands the queued moves to the backend's writer for one supervisor.
 pub(crate) struct StoreActor {
@@ -174,7 +174,7 @@ pub(crate) struct ReadState<R> {
 }
 
 impl<R> ReadState<R> {
-    pub(crate) fn new(read: impl FnOnce(&mut dyn Reads) -> Result<R> + Send + 'static) -> Self {
+    pub(crate) fn new(read: impl FnMut(&mut dyn Reads) -> Result<R> + Send + 'static) -> Self {
         ReadState {
             read: Box::new(read),
         }
@@ -189,14 +189,13 @@ impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
     type Result = Result<R>;
 
     fn handle(&mut self, msg: ReadState<R>, _: &mut SyncContext<Self>) -> Result<R> {
-        let mut read = Some(msg.read);
+        let mut read = msg.read;
         let mut value = None;
         self.writer().read(&mut |reads| {
-            let read = read.take().expect("a read runs once");
             value = Some(read(reads)?);
             Ok(())
         })?;
-        Ok(value.expect("the read ran"))
+        value.ok_or_else(|| Error::CommitFailed("the backend never ran the read".into()))
     }
 }
 

@@ -81,6 +81,13 @@ pub(crate) struct StepUpdate<'a> {
 }
 
 /// A transaction of one backend: the guarded primitives every move is written with.
+///
+/// A move reads rows and then writes on what it read (`create_run` looks for the id before
+/// it inserts, `append_event` numbers after the run's last event), so a backend must run each
+/// transaction as if no other writer ran between its reads and its writes: SQLite's
+/// `BEGIN IMMEDIATE` serializes writers; a backend with concurrent writers locks the run's row
+/// first, or runs its transactions serializable and applies a move again after a conflict
+/// (which is why a move's closure may be called more than once, with the same clock reading).
 pub(crate) trait Tx: Reads {
     /// Inserts a run that does not exist (the move checked).
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()>;

@@ -43,6 +43,7 @@ macro_rules! conformance_suite {
                 an_existing_run_id_is_refused_and_nothing_changes,
                 a_model_call_starts_only_under_an_unexpired_lease_of_its_own,
                 a_refused_move_writes_nothing,
+                a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
                 the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
                 a_failed_model_call_fails_the_run_and_releases_the_lease,
                 an_allowed_call_starts_with_its_idempotency_key,
@@ -100,7 +101,7 @@ fn call(id: &str) -> ToolCall {
 /// Applies one move in a transaction of its own.
 fn apply<R>(
     store: &Store,
-    f: impl FnOnce(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R>,
+    f: impl FnMut(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R>,
 ) -> Result<R> {
     store.transact(&SystemClock, f)
 }
@@ -311,6 +312,63 @@ pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
     assert_eq!(store.run(&run("r")).unwrap(), before);
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
+}
+
+/// Applies `moves` through a supervisor's writer as one group (held back until all are
+/// queued); returns whether each committed.
+fn in_one_group(store: &Store, moves: Vec<crate::actors::store::ApplyMove<()>>) -> Vec<bool> {
+    use crate::actors::store::{ReadState, StoreActor};
+
+    let store = store.clone();
+    actix::System::new().block_on(async move {
+        let (handle, _) = StoreActor::start(&store, Arc::new(SystemClock), None).unwrap();
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        handle.addr().do_send(ReadState::new(move |_| {
+            gate.recv().ok();
+            Ok(())
+        }));
+        let calls: Vec<_> = moves
+            .into_iter()
+            .map(|mv| actix_rt::spawn(handle.apply(mv)))
+            .collect();
+        actix_rt::task::yield_now().await;
+        release.send(()).unwrap();
+        let mut committed = Vec::new();
+        for call in calls {
+            committed.push(call.await.unwrap().is_ok());
+        }
+        committed
+    })
+}
+
+pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &dyn Fixture) {
+    use crate::{actors::store::ApplyMove, store::backend::MoveKind};
+
+    let store = f.store();
+    create(&store, &run("r"), &me());
+    model_answered(&store, &run("r"), vec![call("c1")]);
+    decide(&store, &run("r"), 2, &call("c1"), &allow()).unwrap();
+    let before = store.events(&run("r")).unwrap();
+    let creates = |n: &str| {
+        let id = run(n);
+        ApplyMove::new(MoveKind::CreateRun, &id.clone(), move |tx, now| {
+            moves::create_run(tx, now, &id, "agent", &json!({}), &me()).map(|_| ())
+        })
+    };
+    // Deciding the call again stamps the run and appends `policy.decided` before its step
+    // guard refuses it: those writes must go with it, and nothing else.
+    let again = ApplyMove::new(MoveKind::DecideTool, &run("r"), move |tx, now| {
+        moves::decide_tool(tx, now, &run("r"), &me(), 2, &call("c1"), &allow())
+    });
+    let committed = in_one_group(&store, vec![creates("r1"), again, creates("r3")]);
+    assert_eq!(committed, [true, false, true]);
+    assert_eq!(
+        store.events(&run("r")).unwrap(),
+        before,
+        "the refused move left nothing"
+    );
+    assert_eq!(store.run(&run("r1")).unwrap().state, RunState::Running);
+    assert_eq!(store.run(&run("r3")).unwrap().state, RunState::Running);
 }
 
 pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &dyn Fixture) {
@@ -820,7 +878,13 @@ pub(crate) fn a_renewal_extends_only_the_owners_unexpired_leases(f: &dyn Fixture
         Some(OTHER)
     );
     assert!(renewal.missing[2].1.is_none());
-    assert!(store.lease(&run("r0")).unwrap().unwrap().expires_at >= before);
+    let renewed = store.lease(&run("r0")).unwrap().unwrap().expires_at;
+    assert_eq!(
+        super::to_millis(renewed),
+        renewal.expires_at,
+        "stamped with the renewal"
+    );
+    assert!(renewed >= before);
     // An expired lease stays expired; a foreign one stays its owner's.
     assert!(store.lease(&run("r1")).unwrap().unwrap().expires_at <= std::time::SystemTime::now());
     assert_eq!(store.lease(&run("r2")).unwrap().unwrap().owner, OTHER);
@@ -858,7 +922,7 @@ pub(crate) fn inspection_reads_runs_events_and_leases(f: &dyn Fixture) {
         .into_iter()
         .map(|r| r.id.to_string())
         .collect();
-    assert_eq!(all.len(), 2);
+    assert_eq!(all, ["a", "b"], "oldest first");
     let waiting: Vec<RunId> = store
         .runs(Some(RunState::WaitingForApproval))
         .unwrap()

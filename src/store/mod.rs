@@ -20,7 +20,7 @@ use self::{
 };
 use crate::{
     clock::{Clock, SystemClock},
-    error::Result,
+    error::{Error, Result},
     types::{Approval, Event, Lease, PendingCall, Run, RunId, RunState},
 };
 
@@ -133,15 +133,14 @@ impl Store {
     }
 
     /// An inspection read, returned once every move it could have seen is durable.
-    pub(crate) fn read<R>(&self, read: impl FnOnce(&mut dyn Reads) -> Result<R>) -> Result<R> {
-        let mut read = Some(read);
+    pub(crate) fn read<R>(&self, mut read: impl FnMut(&mut dyn Reads) -> Result<R>) -> Result<R> {
         let mut value = None;
+        // A backend may read again (after a conflict, say): the last reading stands.
         self.backend.read(&mut |reads| {
-            let read = read.take().expect("a read runs once");
             value = Some(read(reads)?);
             Ok(())
         })?;
-        Ok(value.expect("the read ran"))
+        value.ok_or_else(|| Error::CommitFailed("the backend never ran the read".into()))
     }
 
     /// One move in a transaction of its own, outside any supervisor: committed when `apply`
@@ -150,16 +149,16 @@ impl Store {
     pub(crate) fn transact<R>(
         &self,
         clock: &dyn Clock,
-        apply: impl FnOnce(&mut dyn Tx, &mut Now<'_>) -> Result<R>,
+        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R>,
     ) -> Result<R> {
-        let mut apply = Some(apply);
         let mut value = None;
+        // A backend may apply the move again (a transaction retried after a conflict): the
+        // result of the attempt that committed stands.
         self.backend.transact(clock, &mut |tx, now| {
-            let apply = apply.take().expect("a move is applied once here");
             value = Some(apply(tx, now)?);
             Ok(())
         })?;
-        Ok(value.expect("the move was applied"))
+        value.ok_or_else(|| Error::CommitFailed("the backend never applied the move".into()))
     }
 
     /// A run.

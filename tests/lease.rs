@@ -229,7 +229,8 @@ fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
         let consumer = std::thread::spawn(move || {
             let conn = agentrt::sqlite::Sqlite::of(&consumer_store)
                 .unwrap()
-                .connection();
+                .connection()
+                .unwrap();
             conn.execute_batch("BEGIN").unwrap();
             let mut stmt = conn.prepare("SELECT seq FROM events").unwrap();
             let mut rows = stmt.query([]).unwrap();
@@ -888,5 +889,68 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
             .count(),
         0,
         "nothing was in flight when B took over"
+    );
+}
+
+#[test]
+fn on_a_memory_store_a_consumer_holding_the_connection_holds_up_no_run() {
+    let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
+    let store = Store::in_memory().unwrap();
+    let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
+    let probe = slow.clone();
+    let outcome = with_system(|| async move {
+        let sup = supervisor(store.clone(), fast_lease(), agent);
+        let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
+        let call = actix_rt::spawn(async move { call.await.unwrap() });
+        probe.wait_executions(1).await;
+        let first = store.lease(&RunId::from("r1")).unwrap().unwrap();
+        // The consumer holds its connection, mid-query, for three lease periods and more.
+        let (held, holding) = std::sync::mpsc::channel();
+        let (done, finish) = std::sync::mpsc::channel::<()>();
+        let consumer_store = store.clone();
+        let consumer = std::thread::spawn(move || {
+            let conn = agentrt::sqlite::Sqlite::of(&consumer_store)
+                .unwrap()
+                .connection()
+                .unwrap();
+            conn.execute_batch("BEGIN").unwrap();
+            let state: String = conn
+                .query_row("SELECT state FROM runs WHERE id = 'r1'", [], |row| {
+                    row.get(0)
+                })
+                .unwrap();
+            held.send(state).unwrap();
+            finish.recv().unwrap();
+        });
+        let seen = actix_rt::task::spawn_blocking(move || holding.recv().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(seen, "RUNNING", "the consumer reads the database as it was");
+        // Meanwhile the lease is renewed past its first expiry, and the run goes on.
+        let deadline = SystemTime::now() + PATIENCE;
+        loop {
+            let now = store.lease(&RunId::from("r1")).unwrap().unwrap();
+            if SystemTime::now() > first.expires_at + TTL && now.expires_at > SystemTime::now() {
+                break;
+            }
+            assert!(
+                SystemTime::now() < deadline,
+                "not renewed while the consumer held on"
+            );
+            actix_rt::time::sleep(TTL / 10).await;
+        }
+        probe.release();
+        probe.wait_executions(2).await;
+        probe.release();
+        let outcome = call.await.unwrap();
+        done.send(()).unwrap();
+        consumer.join().unwrap();
+        outcome
+    });
+    assert_eq!(
+        outcome.unwrap().outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
     );
 }

@@ -393,17 +393,28 @@ impl Sqlite {
         &self.options
     }
 
-    /// A connection for the application's own queries (read-only on a file store).
+    /// A read-only connection for the application's own queries.
     ///
-    /// Hold it briefly: the store's inspection reads wait for it, and on `:memory:` it is the
-    /// writer's connection, so every move and every renewal waits for it too. A run whose
-    /// lease cannot be renewed meanwhile is not failed for it: on `:memory:` no other process
-    /// can take a run over, and the loop's own moves wait for the connection like the renewal
-    /// does, so the lease is renewed, and the run goes on, once the connection is let go (see
-    /// `docs/persistence.md`).
-    pub fn connection(&self) -> Connection<'_> {
-        let mutex = self.reader.as_ref().unwrap_or(&self.writer);
-        Connection(lock(mutex))
+    /// On a file store it is the store's inspection connection: hold it briefly, since the
+    /// store's inspection reads wait for it (moves and lease renewals do not: they have
+    /// connections of their own). On `:memory:`, whose one connection is the writer's, it is
+    /// a connection to a copy of the database taken now: holding it holds up nothing, not a
+    /// move and not a renewal, and it sees nothing committed after this call. The copy costs
+    /// about the database's size in memory and time.
+    pub fn connection(&self) -> Result<Connection<'_>> {
+        match &self.reader {
+            Some(reader) => Ok(Connection(Held::Shared(lock(reader)))),
+            None => {
+                let mut copy = rusqlite::Connection::open_in_memory()?;
+                {
+                    let writer = lock(&self.writer);
+                    let backup = rusqlite::backup::Backup::new(&writer, &mut copy)?;
+                    backup.run_to_completion(i32::MAX, Duration::ZERO, None)?;
+                }
+                configure(&copy, &self.options, false, Role::Reader)?;
+                Ok(Connection(Held::Copy(copy)))
+            }
+        }
     }
 
     fn open(path: &Path, options: Options) -> Result<Sqlite> {
@@ -612,13 +623,23 @@ impl Backend for Sqlite {
 }
 
 /// A connection handed to the application; see [`Sqlite::connection`].
-pub struct Connection<'a>(MutexGuard<'a, rusqlite::Connection>);
+pub struct Connection<'a>(Held<'a>);
+
+enum Held<'a> {
+    /// A file store's inspection connection.
+    Shared(MutexGuard<'a, rusqlite::Connection>),
+    /// A copy of an in-memory database.
+    Copy(rusqlite::Connection),
+}
 
 impl Deref for Connection<'_> {
     type Target = rusqlite::Connection;
 
     fn deref(&self) -> &rusqlite::Connection {
-        &self.0
+        match &self.0 {
+            Held::Shared(conn) => conn,
+            Held::Copy(conn) => conn,
+        }
     }
 }
 

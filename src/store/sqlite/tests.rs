@@ -89,7 +89,7 @@ fn every_connection_is_hardened() {
         .expect("a file store has a renewal connection");
     for conn in [
         &*lock(&sqlite.writer),
-        &*sqlite.connection(),
+        &*sqlite.connection().unwrap(),
         renewal.connection(),
     ] {
         let trusted: i64 = conn
@@ -133,6 +133,7 @@ fn the_reader_cannot_write() {
     let err = Sqlite::of(&store)
         .unwrap()
         .connection()
+        .unwrap()
         .execute("DELETE FROM runs", [])
         .unwrap_err();
     assert!(err.to_string().contains("readonly"), "{err}");

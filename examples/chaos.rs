@@ -285,7 +285,7 @@ fn parent(args: &Args, dir: &Path) -> bool {
             .expect("starts");
         for run_id in unfinished {
             let mut reply = resume_when_free(&sup, &run_id, Duration::from_secs(30)).await;
-            while let Ok(agentrt::RunOutcome {
+            while let Ok(agentrt::RunReply {
                 outcome: Outcome::WaitingForApproval { pending },
                 ..
             }) = &reply

@@ -14,6 +14,9 @@ mod types;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/lease.md")]
 mod lease_md {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/upgrading-0.6.md")]
+mod upgrading_0_6_md {}
 #[cfg(all(doctest, feature = "testkit"))]
 #[doc = include_str!("../docs/testing.md")]
 mod testing_md {}
@@ -37,7 +40,9 @@ pub use store::{
     backend::{MoveInfo, MoveKind, MoveObserver},
     sqlite,
 };
+#[allow(deprecated)]
+pub use types::RunOutcome;
 pub use types::{
     Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
-    Outcome, PendingCall, Run, RunId, RunOutcome, RunState, ToolCall, ToolResult,
+    Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
 };

@@ -146,7 +146,7 @@ pub struct Run {
     pub updated_at: SystemTime,
 }
 
-/// The kinds of event in the log. `docs/runs.md` describes each one and its payload.
+/// The kinds of event in the log. `docs/events.md` describes each one, when it is written, and its payload.
 ///
 /// JSON: the name stored in the log, [`EventKind::as_str`], such as `"run.started"` or
 /// `"step.tool_finished"`; any other string is refused.
@@ -182,7 +182,7 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    /// Every kind, in the order of `docs/runs.md`.
+    /// Every kind, in the order of `docs/events.md`.
     pub const ALL: [EventKind; 13] = [
         EventKind::RunStarted,
         EventKind::ModelStarted,
@@ -263,7 +263,7 @@ pub struct Event {
     pub at: SystemTime,
     /// The step it concerns, if any.
     pub step: Option<u32>,
-    /// The details; `docs/runs.md` lists the fields of each kind.
+    /// The details; `docs/events.md` lists the fields of each kind.
     pub payload: Value,
 }
 
@@ -444,17 +444,26 @@ pub enum Outcome {
     },
 }
 
-/// The reply to `StartRun` and `ResumeRun`.
+/// The reply to `StartRun` and `ResumeRun`: the run, and how this call ended.
+///
+/// Three names, three things: [`RunState`] is where the run is, as stored, for anyone who
+/// reads it; [`Outcome`] is how one call that executed it ended (it finished, it paused for an
+/// approval, it was cancelled); `RunReply` is the message that carries an outcome back with the
+/// run's id.
 ///
 /// JSON: `{"run_id": "order-17", "outcome": {"status": "succeeded", "output": "done"}}`, the
 /// outcome as [`Outcome`] shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunOutcome {
+pub struct RunReply {
     /// The run.
     pub run_id: RunId,
     /// How the call ended.
     pub outcome: Outcome,
 }
+
+/// The name [`RunReply`] had before 0.6.
+#[deprecated(since = "0.6.0", note = "renamed `RunReply`")]
+pub type RunOutcome = RunReply;
 
 /// An operator's decision on a waiting tool call.
 ///

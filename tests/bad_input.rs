@@ -15,7 +15,7 @@ fn lookup_then_answer() -> ScriptedModel {
 }
 
 /// Starts `agent` registered as "a" with `msg`; returns the reply.
-fn start(store: Store, agent: Agent, msg: StartRun) -> agentrt::Result<agentrt::RunOutcome> {
+fn start(store: Store, agent: Agent, msg: StartRun) -> agentrt::Result<agentrt::RunReply> {
     with_system(|| async move {
         let supervisor = Supervisor::builder(store)
             .agent("a", agent)
@@ -25,11 +25,7 @@ fn start(store: Store, agent: Agent, msg: StartRun) -> agentrt::Result<agentrt::
     })
 }
 
-fn resume(
-    store: Store,
-    agent: Option<Agent>,
-    run_id: &str,
-) -> agentrt::Result<agentrt::RunOutcome> {
+fn resume(store: Store, agent: Option<Agent>, run_id: &str) -> agentrt::Result<agentrt::RunReply> {
     let run_id = RunId::from(run_id);
     with_system(|| async move {
         let mut builder = Supervisor::builder(store);

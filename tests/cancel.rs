@@ -4,7 +4,7 @@
 use actix::Addr;
 use agentrt::{
     Agent, CancelRun, Config, Error, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
-    RunOutcome, RunState, StartRun, Store, Supervisor, ToolCall,
+    RunReply, RunState, StartRun, Store, Supervisor, ToolCall,
     testkit::{Behaviour, CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
@@ -28,7 +28,7 @@ async fn start_until_the_tool_runs(
     tool: &RecordingTool,
 ) -> (
     Addr<Supervisor>,
-    tokio::task::JoinHandle<Result<agentrt::Result<RunOutcome>, actix::MailboxError>>,
+    tokio::task::JoinHandle<Result<agentrt::Result<RunReply>, actix::MailboxError>>,
 ) {
     let supervisor = Supervisor::builder(store)
         .config(config)
@@ -109,7 +109,7 @@ fn cancel_from_another_process(
     config: Config,
     agent: Agent,
     tool: &RecordingTool,
-) -> RunOutcome {
+) -> RunReply {
     let (store, operator_store, running) = (db.open(), db.open(), tool.clone());
     with_system(|| async move {
         let (_supervisor, call) = start_until_the_tool_runs(store, config, agent, &running).await;

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use agentrt::{
     Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
-    Outcome, PendingCall, Run, RunId, RunOutcome, RunState, ToolCall, ToolResult,
+    Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
@@ -156,7 +156,7 @@ fn an_outcome_is_tagged_by_status() {
         r#"{"status":"cancelled","reason":"duplicate order"}"#,
     );
     pins(
-        &RunOutcome {
+        &RunReply {
             run_id: "order-17".into(),
             outcome: Outcome::WaitingForApproval { pending: pending() },
         },

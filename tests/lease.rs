@@ -9,7 +9,7 @@ use std::{
 use actix::Addr;
 use agentrt::{
     Agent, Approval, CancelRun, Config, Error, EventKind, Lease, LeaseLostReason, ModelResponse,
-    Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunOutcome, RunState, StartRun,
+    Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunReply, RunState, StartRun,
     Store, SubscribeLeaseLost, Supervisor, ToolCall,
     testkit::{
         Behaviour, CountingClock, HeldLeases, LeaseLostLog, ReconcileHook, RecordingTool,
@@ -96,7 +96,7 @@ async fn start_and_let_the_lease_lapse(
     db_path: &std::path::Path,
     tool: &RecordingTool,
 ) -> (
-    tokio::task::JoinHandle<agentrt::Result<RunOutcome>>,
+    tokio::task::JoinHandle<agentrt::Result<RunReply>>,
     LeaseLostLog,
 ) {
     let log = LeaseLostLog::new();
@@ -371,8 +371,8 @@ fn charge_then_notify(charge: &RecordingTool, notify: &RecordingTool) -> Agent {
 }
 
 struct Takeover {
-    first: agentrt::Result<RunOutcome>,
-    second: agentrt::Result<RunOutcome>,
+    first: agentrt::Result<RunReply>,
+    second: agentrt::Result<RunReply>,
     owner_a: String,
     /// What the first supervisor's subscriber was told.
     told: Vec<agentrt::LeaseLost>,

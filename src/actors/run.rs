@@ -26,16 +26,16 @@ use crate::{
     agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
     store::{
-        backend::{MoveKind, Tx},
+        backend::{Durability, MoveKind},
         model::{
-            Holder, ModelOutcome, Now, Resolution, RunSnapshot, StepKind, StepRow, StepState,
+            Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
             ToolDecision, idempotency_key,
         },
-        moves,
+        moves::{self, Move},
     },
     types::{
         ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
-        PendingCall, RunId, RunOutcome, RunState, ToolCall, ToolResult,
+        PendingCall, RunId, RunReply, RunState, ToolCall, ToolResult,
     },
 };
 
@@ -83,7 +83,7 @@ pub(crate) enum Job {
 
 /// Execute the run; the reply is the call's outcome.
 #[derive(Message)]
-#[rtype(result = "Result<RunOutcome>")]
+#[rtype(result = "Result<RunReply>")]
 pub(crate) struct Execute {
     pub run_id: RunId,
     pub job: Job,
@@ -94,7 +94,7 @@ pub(crate) struct Execute {
 }
 
 impl Handler<Execute> for RunActor {
-    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
         // A resumed run's agent is known once the run is read, and recorded then: the field
@@ -162,7 +162,7 @@ impl Handler<Execute> for RunActor {
                     tracing::warn!(%err, "could not release the lease; it will expire");
                 }
             }
-            result.map(|outcome| RunOutcome { run_id, outcome })
+            result.map(|outcome| RunReply { run_id, outcome })
         };
         Box::pin(
             work.instrument(span)
@@ -231,16 +231,19 @@ enum Planned {
 }
 
 impl Planned {
-    /// Whether this move reserves a model call, the next thing the loop does once it is
-    /// written: such a commit is answered before its sync (`StoreHandle::apply_written`),
+    /// The durability its commit is answered with. A model call's reservation, the next thing
+    /// the loop does once it is written, is answered before its sync ([`Durability::Written`]),
     /// which the next commit (the model's answer, before any tool starts) does. The
-    /// reservation is still written before the request, under the lease's guard; what a
-    /// power loss before that sync undoes (the reservation, and the outcome or the run's
-    /// insert committed with it) is what it undid during the reservation's own sync, and a
-    /// model call has no external side effect: a power loss that undoes the reservation only means the
+    /// reservation is still written before the request, under the lease's guard; what a power
+    /// loss before that sync undoes (the reservation, and the outcome or the run's insert
+    /// committed with it) is what it undid during the reservation's own sync, and a model call
+    /// has no external side effect: a power loss that undoes the reservation only means the
     /// model is asked again.
-    fn reserves_model(&self) -> bool {
-        matches!(self, Planned::BeginModel { .. })
+    fn durability(&self) -> Durability {
+        match self {
+            Planned::BeginModel { .. } => Durability::Written,
+            _ => Durability::Durable,
+        }
     }
 }
 
@@ -266,7 +269,7 @@ impl RunLoop {
                     env.holder.clone(),
                 );
                 let create = ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-                    moves::create_run(tx, now, &id, &name, &value, &holder)
+                    Move::new(tx, now, &id).create_run(&name, &value, &holder)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 // The first model step's reservation commits with the insert.
@@ -298,13 +301,14 @@ impl RunLoop {
                         let (id, holder) = (run_id.clone(), env.holder.clone());
                         let take = ApplyMove::new(MoveKind::TakeOver, &run_id, move |tx, now| {
                             let (interrupted, expires_at) =
-                                moves::take_over(tx, now, &id, &holder)?;
+                                Move::new(tx, now, &id).take_over(&holder)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
                             Ok((interrupted.len(), expires_at, moves::load(tx, &id)?))
                         });
-                        let (interrupted, expires_at, snapshot) = env.store.apply(take).await?;
+                        let (interrupted, expires_at, snapshot) =
+                            env.store.apply(take, Durability::Durable).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold(expires_at);
                         tracing::info!(interrupted, "run taken over");
@@ -465,11 +469,11 @@ impl RunLoop {
     fn move_of<R: Send + 'static>(
         &self,
         kind: MoveKind,
-        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>, &RunId, &Holder) -> Result<R> + Send + 'static,
+        mut apply: impl FnMut(&mut Move<'_, '_>, &Holder) -> Result<R> + Send + 'static,
     ) -> ApplyMove<R> {
         let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
         ApplyMove::new(kind, &self.run_id, move |tx, now| {
-            apply(tx, now, &run_id, &holder)
+            apply(&mut Move::new(tx, now, &run_id), &holder)
         })
     }
 
@@ -477,9 +481,12 @@ impl RunLoop {
     async fn apply<R: Send + 'static>(
         &self,
         kind: MoveKind,
-        apply: impl FnMut(&mut dyn Tx, &mut Now<'_>, &RunId, &Holder) -> Result<R> + Send + 'static,
+        apply: impl FnMut(&mut Move<'_, '_>, &Holder) -> Result<R> + Send + 'static,
     ) -> Result<R> {
-        self.env.store.apply(self.move_of(kind, apply)).await
+        self.env
+            .store
+            .apply(self.move_of(kind, apply), Durability::Durable)
+            .await
     }
 
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
@@ -510,11 +517,7 @@ impl RunLoop {
                 Err(err) => return Err(err),
                 Ok(Some(planned)) => {
                     let mv = self.planned_move(&planned);
-                    if planned.reserves_model() {
-                        self.env.store.apply_written(mv).await?;
-                    } else {
-                        self.env.store.apply(mv).await?;
-                    }
+                    self.env.store.apply(mv, planned.durability()).await?;
                     self.after_planned(planned)?
                 }
                 Ok(None) => {
@@ -614,25 +617,23 @@ impl RunLoop {
     fn planned_move(&self, planned: &Planned) -> ApplyMove<()> {
         match planned.clone() {
             Planned::BeginModel { step } => self
-                .move_of(MoveKind::BeginModelStep, move |tx, now, id, holder| {
-                    moves::begin_model_step(tx, now, id, holder, step)
+                .move_of(MoveKind::BeginModelStep, move |m, holder| {
+                    m.begin_model_step(holder, step)
                 }),
-            Planned::Fail { error } => self
-                .move_of(MoveKind::FailRun, move |tx, now, id, holder| {
-                    moves::fail_run(tx, now, id, holder, &error)
-                }),
+            Planned::Fail { error } => self.move_of(MoveKind::FailRun, move |m, holder| {
+                m.fail_run(holder, &error)
+            }),
             Planned::Decide {
                 step,
                 call,
                 decision,
-            } => self.move_of(MoveKind::DecideTool, move |tx, now, id, holder| {
-                moves::decide_tool(tx, now, id, holder, step, &call, &decision)
+            } => self.move_of(MoveKind::DecideTool, move |m, holder| {
+                m.decide_tool(holder, step, &call, &decision)
             }),
-            Planned::Reject { step, call, error } => {
-                self.move_of(MoveKind::RejectTool, move |tx, now, id, holder| {
-                    moves::reject_tool(tx, now, id, holder, step, &call, &error)
-                })
-            }
+            Planned::Reject { step, call, error } => self
+                .move_of(MoveKind::RejectTool, move |m, holder| {
+                    m.reject_tool(holder, step, &call, &error)
+                }),
         }
     }
 
@@ -670,7 +671,7 @@ impl RunLoop {
     /// into its state as if `first` committed): no side effect lies between them, so the
     /// run pays one commit for both. When that move reserves a model call, the loop goes on
     /// once they are written, and the answer's commit makes them durable (see
-    /// [`Planned::reserves_model`]). The planned move is not attempted when `proceed`
+    /// [`Planned::durability`]). The planned move is not attempted when `proceed`
     /// says no of `first`'s result (the caller then acts on that result). Returns `first`'s
     /// result and where the loop goes next: `Err` if the planned move could not be planned or
     /// was refused.
@@ -683,21 +684,24 @@ impl RunLoop {
         match next {
             Ok(Some(planned)) => {
                 let then = self.planned_move(&planned);
-                let (value, then) = if planned.reserves_model() {
-                    let store = &self.env.store;
-                    store.apply_then_written(first, then, proceed).await?
-                } else {
-                    self.env.store.apply_then(first, then, proceed).await?
-                };
+                let durability = planned.durability();
+                let store = &self.env.store;
+                let (value, then) = store.apply_then(first, then, proceed, durability).await?;
                 let next = match then {
                     Some(then) => then.and_then(|()| self.after_planned(planned)),
                     None => Ok(Next::Continue),
                 };
                 Ok((value, next))
             }
-            Ok(None) => Ok((self.env.store.apply(first).await?, Ok(Next::Continue))),
+            Ok(None) => Ok((
+                self.env.store.apply(first, Durability::Durable).await?,
+                Ok(Next::Continue),
+            )),
             // A panicking policy: `first` is still recorded, then the call ends.
-            Err(err) => Ok((self.env.store.apply(first).await?, Err(err))),
+            Err(err) => Ok((
+                self.env.store.apply(first, Durability::Durable).await?,
+                Err(err),
+            )),
         }
     }
 
@@ -722,8 +726,8 @@ impl RunLoop {
             Ok(response) => response,
             Err(error) => {
                 let outcome = ModelOutcome::Failed(error.0.clone());
-                self.apply(MoveKind::FinishModelStep, move |tx, now, id, holder| {
-                    moves::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
+                self.apply(MoveKind::FinishModelStep, move |m, holder| {
+                    m.finish_model_step(holder, step, attempt, &outcome)
                 })
                 .await?;
                 return Ok(Next::Return(Outcome::Failed {
@@ -752,12 +756,12 @@ impl RunLoop {
             response,
             recorded: stored_json.clone(),
         };
-        let first = self.move_of(MoveKind::FinishModelStep, move |tx, now, id, holder| {
-            moves::finish_model_step(tx, now, id, holder, step, attempt, &outcome)
+        let first = self.move_of(MoveKind::FinishModelStep, move |m, holder| {
+            m.finish_model_step(holder, step, attempt, &outcome)
         });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
-            self.env.store.apply(first).await?;
+            self.env.store.apply(first, Durability::Durable).await?;
             return Ok(Next::Return(Outcome::Succeeded { output }));
         }
         for row in created {
@@ -856,10 +860,8 @@ impl RunLoop {
         };
         let result_json = serde_json::to_value(&result).unwrap();
         let (call_id, recorded) = (call.id, result_json.clone());
-        let first = self.move_of(MoveKind::FinishTool, move |tx, now, id, holder| {
-            moves::finish_tool(
-                tx, now, id, holder, number, attempt, &call_id, &result, &recorded,
-            )
+        let first = self.move_of(MoveKind::FinishTool, move |m, holder| {
+            m.finish_tool(holder, number, attempt, &call_id, &result, &recorded)
         });
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
@@ -882,17 +884,8 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.apply(MoveKind::Reconcile, move |tx, now, id, holder| {
-                moves::reconcile(
-                    tx,
-                    now,
-                    id,
-                    holder,
-                    number,
-                    attempt,
-                    None,
-                    &Resolution::Redispatch,
-                )
+            self.apply(MoveKind::Reconcile, move |m, holder| {
+                m.reconcile(holder, number, attempt, None, &Resolution::Redispatch)
             })
             .await?;
             self.set_step(number, StepState::InFlight, attempt + 1, None);
@@ -937,8 +930,8 @@ impl RunLoop {
             "reconciling an interrupted step"
         );
         let (c, r) = (call.clone(), resolution.clone());
-        self.apply(MoveKind::Reconcile, move |tx, now, id, holder| {
-            moves::reconcile(tx, now, id, holder, number, attempt, Some(&c), &r)
+        self.apply(MoveKind::Reconcile, move |m, holder| {
+            m.reconcile(holder, number, attempt, Some(&c), &r)
         })
         .await?;
         match resolution {
@@ -1035,8 +1028,8 @@ impl RunLoop {
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
         let expires_at = self
-            .apply(MoveKind::ResumeWaiting, move |tx, now, id, holder| {
-                moves::resume_waiting(tx, now, id, holder, number, attempt, &c, reason, &d, source)
+            .apply(MoveKind::ResumeWaiting, move |m, holder| {
+                m.resume_waiting(holder, number, attempt, &c, reason, &d, source)
             })
             .await?;
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.

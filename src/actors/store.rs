@@ -20,8 +20,8 @@ use crate::{
     store::{
         Store,
         backend::{
-            GroupFailure, Isolation, MoveInfo, MoveKind, MoveObserver, Pending, Reads, Renewer, Tx,
-            Writer, final_result,
+            Durability, GroupFailure, Isolation, MoveInfo, MoveKind, MoveObserver, Pending, Reads,
+            Renewer, Tx, Writer, final_result,
         },
         model::{Now, Renewal},
     },
@@ -242,33 +242,12 @@ pub(crate) struct StoreHandle {
 }
 
 impl StoreHandle {
-    /// Submits a move; completes with its result once it committed (or was refused).
+    /// Submits a move; completes with its result once it committed (or was refused), with the
+    /// durability asked for: see [`Durability`].
     pub(crate) fn apply<R: Send + 'static>(
         &self,
         mv: ApplyMove<R>,
-    ) -> impl Future<Output = Result<R>> + 'static {
-        self.single(mv, false)
-    }
-
-    /// Submits a move that needs to be written before its caller goes on, not durable: it
-    /// completes once the move is committed to the log, before the sync that makes it durable,
-    /// which the next commit's does (the log keeps a prefix of its commits). Before the sync, a
-    /// crash of the process loses nothing; a power loss undoes this move, and no later move
-    /// survives without it. For a run's model reservation: a model call has no external side
-    /// effect. In a group with any move that waits for its sync, and where groups sync in
-    /// their commit (no log-sync thread: no group commit, `NORMAL`, `EXTRA`, `:memory:`, not
-    /// Unix), like [`apply`](Self::apply).
-    pub(crate) fn apply_written<R: Send + 'static>(
-        &self,
-        mv: ApplyMove<R>,
-    ) -> impl Future<Output = Result<R>> + 'static {
-        self.single(mv, true)
-    }
-
-    fn single<R: Send + 'static>(
-        &self,
-        mv: ApplyMove<R>,
-        when_written: bool,
+        durability: Durability,
     ) -> impl Future<Output = Result<R>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingMove {
@@ -277,7 +256,7 @@ impl StoreHandle {
             reading: None,
             result: None,
             reply,
-            when_written,
+            durability,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -286,34 +265,15 @@ impl StoreHandle {
     /// Submits `first` and `then` to be committed in one transaction, `then` applied only if
     /// `first` was and `proceed` says so of its result, each all-or-nothing with its own
     /// clock reading: for a move whose successor is known before the commit and no side
-    /// effect lies between them. Completes once they committed, with `first`'s result (an
-    /// error if it was refused) and `then`'s (`None` if it was not attempted).
+    /// effect lies between them. Completes once they committed, with `durability`, with
+    /// `first`'s result (an error if it was refused) and `then`'s (`None` if it was not
+    /// attempted).
     pub(crate) fn apply_then<A: Send + 'static, B: Send + 'static>(
         &self,
         first: ApplyMove<A>,
         then: ApplyMove<B>,
         proceed: fn(&A) -> bool,
-    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
-        self.pair(first, then, proceed, false)
-    }
-
-    /// [`apply_then`](Self::apply_then), completing once both are written, as
-    /// [`apply_written`](Self::apply_written) does.
-    pub(crate) fn apply_then_written<A: Send + 'static, B: Send + 'static>(
-        &self,
-        first: ApplyMove<A>,
-        then: ApplyMove<B>,
-        proceed: fn(&A) -> bool,
-    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
-        self.pair(first, then, proceed, true)
-    }
-
-    fn pair<A: Send + 'static, B: Send + 'static>(
-        &self,
-        first: ApplyMove<A>,
-        then: ApplyMove<B>,
-        proceed: fn(&A) -> bool,
-        when_written: bool,
+        durability: Durability,
     ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
         let (reply, answer) = oneshot::channel();
         let pending = PendingPair {
@@ -324,7 +284,7 @@ impl StoreHandle {
             readings: [None; 2],
             result: None,
             reply,
-            when_written,
+            durability,
         };
         self.submit(Box::new(pending));
         async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
@@ -373,7 +333,7 @@ struct PendingMove<R> {
     reading: Option<i64>,
     result: Option<Result<R>>,
     reply: oneshot::Sender<Result<R>>,
-    when_written: bool,
+    durability: Durability,
 }
 
 impl<R: Send> Pending for PendingMove<R> {
@@ -392,8 +352,8 @@ impl<R: Send> Pending for PendingMove<R> {
         matches!(self.result, Some(Err(_)))
     }
 
-    fn answered_when_written(&self) -> bool {
-        self.when_written
+    fn durability(&self) -> Durability {
+        self.durability
     }
 
     fn apply(&mut self, tx: &mut dyn Tx, clock: &dyn Clock, _: Isolation) -> bool {
@@ -423,7 +383,7 @@ struct PendingPair<A, B> {
     readings: [Option<i64>; 2],
     result: Option<Result<(A, Option<Result<B>>)>>,
     reply: oneshot::Sender<Result<(A, Option<Result<B>>)>>,
-    when_written: bool,
+    durability: Durability,
 }
 
 impl<A: Send, B: Send> Pending for PendingPair<A, B> {
@@ -443,8 +403,8 @@ impl<A: Send, B: Send> Pending for PendingPair<A, B> {
         matches!(self.result, Some(Err(_)) | Some(Ok((_, Some(Err(_))))))
     }
 
-    fn answered_when_written(&self) -> bool {
-        self.when_written
+    fn durability(&self) -> Durability {
+        self.durability
     }
 
     fn apply(&mut self, tx: &mut dyn Tx, clock: &dyn Clock, isolation: Isolation) -> bool {
@@ -518,7 +478,7 @@ mod tests {
     use crate::{
         clock::SystemClock,
         sqlite::{Options, Sqlite},
-        store::{model::Holder, moves},
+        store::{model::Holder, moves::Move},
     };
 
     /// Counts its readings.
@@ -552,7 +512,7 @@ mod tests {
             ttl: Duration::from_secs(30),
         };
         ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-            moves::create_run(tx, now, &id, "a", &json!({}), &holder)?;
+            Move::new(tx, now, &id).create_run("a", &json!({}), &holder)?;
             if refuse {
                 return Err(Error::InvalidInput("refused after writing".into()));
             }
@@ -590,12 +550,16 @@ mod tests {
                     Ok(())
                 }));
                 let moves = vec![
-                    actix_rt::spawn(handle.apply(create(1, false))),
-                    actix_rt::spawn(handle.apply(create(2, true))),
-                    actix_rt::spawn(handle.apply(create(3, false))),
+                    actix_rt::spawn(handle.apply(create(1, false), Durability::Durable)),
+                    actix_rt::spawn(handle.apply(create(2, true), Durability::Durable)),
+                    actix_rt::spawn(handle.apply(create(3, false), Durability::Durable)),
                 ];
-                let pair =
-                    actix_rt::spawn(handle.apply_then(create(4, false), create(5, true), |_| true));
+                let pair = actix_rt::spawn(handle.apply_then(
+                    create(4, false),
+                    create(5, true),
+                    |_| true,
+                    Durability::Durable,
+                ));
                 actix_rt::task::yield_now().await;
                 release.send(()).unwrap();
                 let mut committed = Vec::new();
@@ -632,13 +596,22 @@ mod tests {
             let store = store.clone();
             async move {
                 let (handle, _) = StoreActor::start(&store, Arc::new(SystemClock), None).unwrap();
-                let accepted = handle.apply(create(1, false)).await.is_ok();
+                let accepted = handle
+                    .apply(create(1, false), Durability::Durable)
+                    .await
+                    .is_ok();
                 let after = syncs(&store);
                 // Refused, perhaps on what another process committed and has not synced yet:
                 // the refusal must not be told before that is durable.
-                let refused = handle.apply(create(2, true)).await.is_err();
+                let refused = handle
+                    .apply(create(2, true), Durability::Durable)
+                    .await
+                    .is_err();
                 // So is one answered when written otherwise.
-                let refused_written = handle.apply_written(create(3, true)).await.is_err();
+                let refused_written = handle
+                    .apply(create(3, true), Durability::Written)
+                    .await
+                    .is_err();
                 (accepted, after, refused && refused_written)
             }
         });
@@ -668,11 +641,20 @@ mod tests {
                 let (handle, _) =
                     StoreActor::start(&store, Arc::new(SystemClock), Some(watched)).unwrap();
                 // A reservation, answered once written; the move after it syncs both.
-                handle.apply_written(create(1, false)).await.unwrap();
-                handle.apply(create(2, false)).await.unwrap();
+                handle
+                    .apply(create(1, false), Durability::Written)
+                    .await
+                    .unwrap();
+                handle
+                    .apply(create(2, false), Durability::Durable)
+                    .await
+                    .unwrap();
                 let after = syncs(&store);
                 // A reservation that nothing follows is synced when the watch ends.
-                handle.apply_written(create(3, false)).await.unwrap();
+                handle
+                    .apply(create(3, false), Durability::Written)
+                    .await
+                    .unwrap();
                 let deadline = Instant::now() + Duration::from_secs(10);
                 while observer.0.lock().unwrap().len() < 3 {
                     assert!(

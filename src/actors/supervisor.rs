@@ -1,6 +1,7 @@
 //! `Supervisor`: the front door. Holds the agent registry and the runs this process executes,
 //! and spawns one `RunActor` per run.
 
+use crate::store::moves::Move;
 use std::{
     collections::{BTreeMap, HashMap},
     sync::Arc,
@@ -24,11 +25,11 @@ use crate::{
     error::{Error, Result},
     store::{
         Store,
-        backend::{MoveKind, MoveObserver},
+        backend::{Durability, MoveKind, MoveObserver},
         model::Holder,
         moves,
     },
-    types::{Approval, RunId, RunOutcome},
+    types::{Approval, RunId, RunReply},
 };
 
 /// The lease TTL when [`Config::lease_ttl`] is not set: 30 s.
@@ -214,7 +215,7 @@ impl Supervisor {
     }
 
     /// Spawns the run's actor and answers when the call it serves returns.
-    fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunOutcome>> {
+    fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunReply>> {
         if self.executing.contains_key(&run_id) {
             // Executing it in another call: refuse, naming our own lease, without a write.
             let (owner, ttl, id) = (
@@ -303,7 +304,7 @@ impl Actor for Supervisor {
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<RunOutcome>")]
+#[rtype(result = "Result<RunReply>")]
 pub struct StartRun {
     /// The registered agent's name.
     pub agent: String,
@@ -332,7 +333,7 @@ impl StartRun {
 }
 
 impl Handler<StartRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
 
     fn handle(&mut self, msg: StartRun, _: &mut Context<Self>) -> Self::Result {
         if !self.agents.contains_key(&msg.agent) {
@@ -349,10 +350,25 @@ impl Handler<StartRun> for Supervisor {
     }
 }
 
-/// Resumes a run: one waiting for approval (once its call is decided), or a `RUNNING` one
-/// whose executor died. Answers when the call returns, like [`StartRun`].
+/// Resumes a run, whatever made it stop, and answers when the call returns, like [`StartRun`].
+/// What it does depends on what it finds:
+///
+/// - **A run waiting for an approval whose decision is recorded**: it moves the run back to
+///   `RUNNING`, takes the lease, and acts on the decision (runs the call, or tells the model it
+///   was denied), in one compare-and-set: of two resumers one wins, the other gets a state
+///   error ([`Error::is_run_state`]).
+/// - **A run still waiting** (no decision recorded yet): it changes nothing and answers
+///   [`Outcome::WaitingForApproval`](crate::Outcome::WaitingForApproval) again, naming the
+///   call.
+/// - **A `RUNNING` run whose executor died** (its lease expired, or nobody holds it): it takes
+///   the run over. Every step in flight is marked interrupted and reconciled exactly once (see
+///   `docs/reconciliation.md`) before the loop goes on. A run under another owner's live lease,
+///   or one this supervisor executes in another call, is refused with [`Error::RunLeased`],
+///   writing nothing: retry after its `expires_at`.
+///
+/// A finished run is a state error.
 #[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<RunOutcome>")]
+#[rtype(result = "Result<RunReply>")]
 pub struct ResumeRun {
     /// The run.
     pub run_id: RunId,
@@ -368,7 +384,7 @@ impl ResumeRun {
 }
 
 impl Handler<ResumeRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunOutcome>>;
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
 
     fn handle(&mut self, msg: ResumeRun, _: &mut Context<Self>) -> Self::Result {
         self.execute(msg.run_id, Job::Resume)
@@ -403,9 +419,9 @@ impl Handler<CancelRun> for Supervisor {
         let CancelRun { run_id, reason } = msg;
         let id = run_id.clone();
         let cancel = ApplyMove::new(MoveKind::CancelRun, &run_id, move |tx, now| {
-            moves::cancel_run(tx, now, &id, &reason)
+            Move::new(tx, now, &id).cancel_run(&reason)
         });
-        let cancel = self.store_actor.apply(cancel);
+        let cancel = self.store_actor.apply(cancel, Durability::Durable);
         Box::pin(
             cancel
                 .into_actor(self)
@@ -435,9 +451,9 @@ impl Handler<RecordApproval> for Supervisor {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
         let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
-            moves::record_approval(tx, now, &approval)
+            Move::new(tx, now, &approval.run_id).record_approval(&approval)
         });
-        let record = self.store_actor.apply(record);
+        let record = self.store_actor.apply(record, Durability::Durable);
         Box::pin(record.into_actor(self))
     }
 }

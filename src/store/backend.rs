@@ -278,6 +278,21 @@ pub(crate) enum Isolation {
     Savepoint,
 }
 
+/// When a caller is answered: the durability it asks of its moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    /// Once they are durable, as the store's settings say (at SQLite's `FULL`, synced).
+    Durable,
+    /// Once written, before the sync that makes them durable, which the next commit's does (a
+    /// log keeps a prefix of its commits): a crash of the process loses nothing; a power loss
+    /// undoes these moves, and no later move survives without them. For a run's model
+    /// reservation, since a model call has no external side effect. Where a backend makes each
+    /// commit durable by itself (SQLite without its log-sync thread: no group commit,
+    /// `NORMAL`, `EXTRA`, `:memory:`, not Unix), and in a group with any move that asked for
+    /// `Durable`, it is `Durable`.
+    Written,
+}
+
 /// A submitted move (or pair of moves), type-erased for the queue and the writer.
 pub(crate) trait Pending: Send {
     /// The moves it makes, in order.
@@ -286,8 +301,8 @@ pub(crate) trait Pending: Send {
     fn applied(&self) -> &[MoveInfo];
     /// Whether a move of it was refused.
     fn refused(&self) -> bool;
-    /// Whether its caller is answered once it is written, before it is durable.
-    fn answered_when_written(&self) -> bool;
+    /// When its caller is answered.
+    fn durability(&self) -> Durability;
     /// Applies the move inside the group's transaction, keeping its result (replacing the one
     /// of an earlier attempt); false when it was refused, or when only part of it stands and
     /// the group must be applied again with savepoints.

@@ -6,6 +6,7 @@
 //! fixture says how to make a fresh store (and, if the backend can hold one, a database of a
 //! newer schema). Every case must pass unchanged on every backend.
 
+use crate::store::moves::Move;
 use std::{sync::Arc, time::Duration};
 
 use serde_json::{Value, json};
@@ -108,7 +109,7 @@ fn apply<R>(
 
 fn create(store: &Store, run_id: &RunId, holder: &Holder) {
     apply(store, |tx, now| {
-        moves::create_run(tx, now, run_id, "agent", &json!({"n": 1}), holder)
+        Move::new(tx, now, run_id).create_run("agent", &json!({"n": 1}), holder)
     })
     .unwrap();
 }
@@ -136,7 +137,7 @@ fn last_payload(store: &Store, run_id: &RunId) -> Value {
 fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
     let me = me();
     apply(store, |tx, now| {
-        moves::begin_model_step(tx, now, run_id, &me, 1)
+        Move::new(tx, now, run_id).begin_model_step(&me, 1)
     })
     .unwrap();
     let response = ModelResponse::calls(calls);
@@ -145,7 +146,7 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
         response,
     };
     apply(store, |tx, now| {
-        moves::finish_model_step(tx, now, run_id, &me, 1, 1, &outcome)
+        Move::new(tx, now, run_id).finish_model_step(&me, 1, 1, &outcome)
     })
     .unwrap();
 }
@@ -153,7 +154,7 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
 fn decide(store: &Store, run_id: &RunId, step: u32, c: &ToolCall, d: &ToolDecision) -> Result<()> {
     let me = me();
     apply(store, |tx, now| {
-        moves::decide_tool(tx, now, run_id, &me, step, c, d)
+        Move::new(tx, now, run_id).decide_tool(&me, step, c, d)
     })
 }
 
@@ -219,7 +220,7 @@ pub(crate) fn an_existing_run_id_is_refused_and_nothing_changes(f: &dyn Fixture)
     create(&store, &run("r"), &me());
     let them = holder(OTHER, Duration::from_secs(30));
     let err = apply(&store, |tx, now| {
-        moves::create_run(tx, now, &run("r"), "other", &json!({}), &them)
+        Move::new(tx, now, &run("r")).create_run("other", &json!({}), &them)
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunExists(_)), "{err}");
@@ -235,7 +236,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     create_expired(f, &store, &run("expired"), OWNER);
     let mine = me();
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("expired"), &mine, 1)
+        Move::new(tx, now, &run("expired")).begin_model_step(&mine, 1)
     })
     .unwrap_err();
     assert!(
@@ -250,7 +251,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     );
     // A move that starts nothing needs the lease held only: nobody took it over.
     apply(&store, |tx, now| {
-        moves::fail_run(tx, now, &run("expired"), &mine, "stop")
+        Move::new(tx, now, &run("expired")).fail_run(&mine, "stop")
     })
     .unwrap();
     assert_eq!(
@@ -266,7 +267,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
         &holder(OTHER, Duration::from_secs(30)),
     );
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("theirs"), &mine, 1)
+        Move::new(tx, now, &run("theirs")).begin_model_step(&mine, 1)
     })
     .unwrap_err();
     assert!(
@@ -279,7 +280,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     let mut session = session(&store);
     assert!(session.writer.release(&run("released"), OWNER).unwrap());
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("released"), &mine, 1)
+        Move::new(tx, now, &run("released")).begin_model_step(&mine, 1)
     })
     .unwrap_err();
     assert!(
@@ -301,11 +302,11 @@ pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
     let mine = me();
     for _ in 0..3 {
         apply(&store, |tx, now| {
-            moves::begin_model_step(tx, now, &run("r"), &mine, 1)
+            Move::new(tx, now, &run("r")).begin_model_step(&mine, 1)
         })
         .unwrap_err();
         apply(&store, |tx, now| {
-            moves::fail_run(tx, now, &run("r"), &mine, "x")
+            Move::new(tx, now, &run("r")).fail_run(&mine, "x")
         })
         .unwrap_err();
     }
@@ -329,7 +330,7 @@ fn in_one_group(store: &Store, moves: Vec<crate::actors::store::ApplyMove<()>>) 
         }));
         let calls: Vec<_> = moves
             .into_iter()
-            .map(|mv| actix_rt::spawn(handle.apply(mv)))
+            .map(|mv| actix_rt::spawn(handle.apply(mv, crate::store::backend::Durability::Durable)))
             .collect();
         actix_rt::task::yield_now().await;
         release.send(()).unwrap();
@@ -352,13 +353,15 @@ pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &d
     let creates = |n: &str| {
         let id = run(n);
         ApplyMove::new(MoveKind::CreateRun, &id.clone(), move |tx, now| {
-            moves::create_run(tx, now, &id, "agent", &json!({}), &me()).map(|_| ())
+            Move::new(tx, now, &id)
+                .create_run("agent", &json!({}), &me())
+                .map(|_| ())
         })
     };
     // Deciding the call again stamps the run and appends `policy.decided` before its step
     // guard refuses it: those writes must go with it, and nothing else.
     let again = ApplyMove::new(MoveKind::DecideTool, &run("r"), move |tx, now| {
-        moves::decide_tool(tx, now, &run("r"), &me(), 2, &call("c1"), &allow())
+        Move::new(tx, now, &run("r")).decide_tool(&me(), 2, &call("c1"), &allow())
     });
     let committed = in_one_group(&store, vec![creates("r1"), again, creates("r3")]);
     assert_eq!(committed, [true, false, true]);
@@ -398,7 +401,7 @@ pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &
     create(&store, &run("answered"), &me());
     let mine = me();
     apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("answered"), &mine, 1)
+        Move::new(tx, now, &run("answered")).begin_model_step(&mine, 1)
     })
     .unwrap();
     let response = ModelResponse::answer("done");
@@ -407,7 +410,7 @@ pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &
         response,
     };
     apply(&store, |tx, now| {
-        moves::finish_model_step(tx, now, &run("answered"), &mine, 1, 1, &outcome)
+        Move::new(tx, now, &run("answered")).finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap();
     let finished = store.run(&run("answered")).unwrap();
@@ -425,12 +428,12 @@ pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn F
     create(&store, &run("r"), &me());
     let mine = me();
     apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("r"), &mine, 1)
+        Move::new(tx, now, &run("r")).begin_model_step(&mine, 1)
     })
     .unwrap();
     let outcome = ModelOutcome::Failed("503".into());
     apply(&store, |tx, now| {
-        moves::finish_model_step(tx, now, &run("r"), &mine, 1, 1, &outcome)
+        Move::new(tx, now, &run("r")).finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap();
     let failed = store.run(&run("r")).unwrap();
@@ -439,7 +442,7 @@ pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn F
     assert_eq!(store.lease(&run("r")).unwrap(), None);
     // A second answer to the same step is refused: the step is no longer in flight.
     apply(&store, |tx, now| {
-        moves::finish_model_step(tx, now, &run("r"), &mine, 1, 1, &outcome)
+        Move::new(tx, now, &run("r")).finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap_err();
 }
@@ -511,7 +514,7 @@ pub(crate) fn a_call_that_needs_approval_pauses_the_run_and_releases_the_lease(f
     // The loop's lease is gone with the pause: it can start nothing more.
     let mine = me();
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("r"), &mine, 3)
+        Move::new(tx, now, &run("r")).begin_model_step(&mine, 3)
     })
     .unwrap_err();
     assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
@@ -558,10 +561,7 @@ pub(crate) fn of_two_resumes_of_a_waiting_run_one_wins(f: &dyn Fixture) {
     let resume = |owner: &str| {
         let resumer = holder(owner, Duration::from_secs(30));
         apply(&store, |tx, now| {
-            moves::resume_waiting(
-                tx,
-                now,
-                &run("r"),
+            Move::new(tx, now, &run("r")).resume_waiting(
                 &resumer,
                 2,
                 0,
@@ -595,7 +595,7 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
         let result = ToolResult::Ok(json!({"sent": true}));
         let recorded = serde_json::to_value(&result).unwrap();
         apply(&store, |tx, now| {
-            moves::finish_tool(tx, now, run_id, holder, 2, 1, "c1", &result, &recorded)
+            Move::new(tx, now, run_id).finish_tool(holder, 2, 1, "c1", &result, &recorded)
         })
     };
     // Held: recorded.
@@ -620,7 +620,7 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     let them = holder(OTHER, Duration::from_secs(30));
     create(&store, &run("taken"), &them);
     apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("taken"), &them, 1)
+        Move::new(tx, now, &run("taken")).begin_model_step(&them, 1)
     })
     .unwrap();
     let response = ModelResponse::calls(vec![call("c1")]);
@@ -629,16 +629,16 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
         response,
     };
     apply(&store, |tx, now| {
-        moves::finish_model_step(tx, now, &run("taken"), &them, 1, 1, &outcome)
+        Move::new(tx, now, &run("taken")).finish_model_step(&them, 1, 1, &outcome)
     })
     .unwrap();
     apply(&store, |tx, now| {
-        moves::decide_tool(tx, now, &run("taken"), &them, 2, &call("c1"), &allow())
+        Move::new(tx, now, &run("taken")).decide_tool(&them, 2, &call("c1"), &allow())
     })
     .unwrap();
     f.expire_lease(&store, &run("taken"));
     apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("taken"), &me())
+        Move::new(tx, now, &run("taken")).take_over(&me())
     })
     .unwrap();
     let err = finish(&run("taken"), &them).unwrap_err();
@@ -653,7 +653,7 @@ pub(crate) fn a_live_foreign_lease_refuses_a_takeover_without_a_write(f: &dyn Fi
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     let before = store.run(&run("r")).unwrap();
     let err = apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("r"), &me())
+        Move::new(tx, now, &run("r")).take_over(&me())
     })
     .unwrap_err();
     assert!(
@@ -671,14 +671,14 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     create(&store, &run("r"), &long);
     // Its model step was in flight when it died.
     apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("r"), &long, 1)
+        Move::new(tx, now, &run("r")).begin_model_step(&long, 1)
     })
     .unwrap();
     f.expire_lease(&store, &run("r"));
     let events_before = store.events(&run("r")).unwrap().len();
 
     let (interrupted, expires_at) = apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("r"), &me())
+        Move::new(tx, now, &run("r")).take_over(&me())
     })
     .unwrap();
     assert_eq!(interrupted, [1]);
@@ -706,7 +706,7 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
     // The old owner can start nothing more.
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("r"), &long, 2)
+        Move::new(tx, now, &run("r")).begin_model_step(&long, 2)
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
@@ -717,7 +717,7 @@ pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixtu
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
     apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("r"), &me())
+        Move::new(tx, now, &run("r")).take_over(&me())
     })
     .unwrap();
     assert_eq!(
@@ -727,11 +727,11 @@ pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixtu
     // A finished run cannot be taken over.
     let mine = me();
     apply(&store, |tx, now| {
-        moves::fail_run(tx, now, &run("r"), &mine, "x")
+        Move::new(tx, now, &run("r")).fail_run(&mine, "x")
     })
     .unwrap();
     let err = apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("r"), &me())
+        Move::new(tx, now, &run("r")).take_over(&me())
     })
     .unwrap_err();
     assert!(
@@ -752,7 +752,7 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     create(&store, &run("r"), &gone);
     // The dead owner's tool step in flight.
     apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("r"), &gone, 1)
+        Move::new(tx, now, &run("r")).begin_model_step(&gone, 1)
     })
     .unwrap();
     let response = ModelResponse::calls(vec![call("c1"), call("c2")]);
@@ -761,16 +761,16 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
         response,
     };
     apply(&store, |tx, now| {
-        moves::finish_model_step(tx, now, &run("r"), &gone, 1, 1, &outcome)
+        Move::new(tx, now, &run("r")).finish_model_step(&gone, 1, 1, &outcome)
     })
     .unwrap();
     apply(&store, |tx, now| {
-        moves::decide_tool(tx, now, &run("r"), &gone, 2, &call("c1"), &allow())
+        Move::new(tx, now, &run("r")).decide_tool(&gone, 2, &call("c1"), &allow())
     })
     .unwrap();
     assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
     let (interrupted, _) = apply(&store, |tx, now| {
-        moves::take_over(tx, now, &run("r"), &me())
+        Move::new(tx, now, &run("r")).take_over(&me())
     })
     .unwrap();
     assert_eq!(interrupted, [2]);
@@ -778,16 +778,7 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     let applied = Resolution::Applied(json!({"sent": true}));
     let reconcile = |resolution: &Resolution| {
         apply(&store, |tx, now| {
-            moves::reconcile(
-                tx,
-                now,
-                &run("r"),
-                &mine,
-                2,
-                1,
-                Some(&call("c1")),
-                resolution,
-            )
+            Move::new(tx, now, &run("r")).reconcile(&mine, 2, 1, Some(&call("c1")), resolution)
         })
     };
     reconcile(&applied).unwrap();
@@ -847,7 +838,7 @@ pub(crate) fn a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled(f: 
     // The owner's loop learns it at its next move.
     let them = holder(OTHER, Duration::from_secs(30));
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &run("running"), &them, 1)
+        Move::new(tx, now, &run("running")).begin_model_step(&them, 1)
     })
     .unwrap_err();
     assert!(
@@ -955,10 +946,10 @@ pub(crate) fn unknown_ids_are_not_found(f: &dyn Fixture) {
     assert!(store.pending_calls(&x).unwrap_err().is_not_found());
     assert!(store.cancel(&x, "r").unwrap_err().is_not_found());
     let mine = me();
-    let err = apply(&store, |tx, now| moves::take_over(tx, now, &x, &mine)).unwrap_err();
+    let err = apply(&store, |tx, now| Move::new(tx, now, &x).take_over(&mine)).unwrap_err();
     assert!(err.is_not_found(), "{err}");
     let err = apply(&store, |tx, now| {
-        moves::begin_model_step(tx, now, &x, &mine, 1)
+        Move::new(tx, now, &x).begin_model_step(&mine, 1)
     })
     .unwrap_err();
     assert!(err.is_not_found(), "{err}");

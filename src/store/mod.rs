@@ -11,6 +11,7 @@ pub(crate) mod model;
 pub(crate) mod moves;
 pub mod sqlite;
 
+use crate::store::moves::Move;
 use std::{path::Path, sync::Arc};
 
 pub(crate) use self::model::{to_millis, wall_millis};
@@ -199,7 +200,7 @@ impl Store {
     /// its loop stops at its next write, and a tool running then has its outcome recorded late.
     pub fn cancel(&self, run_id: &RunId, reason: &str) -> Result<()> {
         self.transact(&SystemClock, |tx, now| {
-            moves::cancel_run(tx, now, run_id, reason)
+            Move::new(tx, now, run_id).cancel_run(reason)
         })
     }
 
@@ -207,7 +208,7 @@ impl Store {
     /// stamped by the system clock. Resume the run afterwards.
     pub fn record_approval(&self, approval: &Approval) -> Result<()> {
         self.transact(&SystemClock, |tx, now| {
-            moves::record_approval(tx, now, approval)
+            Move::new(tx, now, &approval.run_id).record_approval(approval)
         })
     }
 

@@ -1,6 +1,6 @@
 //! The moves, written once for every backend against the guarded primitives of [`Tx`]: which
 //! guard each write carries, which events it appends, with which payloads. A guard that
-//! matches no row changes nothing, and [`refused`] says why.
+//! matches no row changes nothing, and [`Move::refused`] says why.
 //!
 //! Also the reads and lease operations built on [`Reads`] and [`LeaseWrites`].
 
@@ -34,63 +34,12 @@ enum Need {
     Unexpired,
 }
 
-/// Explains a guard that matched no row: the run does not exist, is in another state, or (for
-/// a loop's move) its lease is another owner's, released, or expired.
-fn refused(tx: &mut dyn Reads, run_id: &RunId, holder: Option<&Holder>, reason: &str) -> Error {
-    let row = match tx.lease_row(run_id) {
-        Ok(Some(row)) => row,
-        Ok(None) => return Error::RunNotFound(run_id.clone()),
-        Err(err) => return err,
-    };
-    match (row.state, holder, row.owner) {
-        (RunState::Running, Some(holder), Some(owner)) if *owner != *holder.owner => {
-            Error::RunLeased {
-                run_id: run_id.clone(),
-                owner,
-                expires_at: from_millis(row.expires_at.unwrap_or_default()),
-            }
-        }
-        (RunState::Running, Some(_), Some(_)) => Error::LeaseLost {
-            run_id: run_id.clone(),
-            reason: LeaseLostReason::Expired,
-        },
-        (RunState::Running, Some(_), None) => Error::LeaseLost {
-            run_id: run_id.clone(),
-            reason: LeaseLostReason::ReleasedOrCancelled,
-        },
-        // A loop's run was moved by someone else than an operator's cancel: only an owner
-        // that took it over can have done that.
-        (state, Some(_), _) if state != RunState::Cancelled => Error::LeaseLost {
-            run_id: run_id.clone(),
-            reason: LeaseLostReason::ReleasedOrCancelled,
-        },
-        (state, ..) => Error::RunState {
-            run_id: run_id.clone(),
-            state,
-            reason: reason.to_owned(),
-        },
-    }
-}
-
-fn run_state(tx: &mut dyn Reads, run_id: &RunId) -> Result<Option<RunState>> {
-    Ok(tx.lease_row(run_id)?.map(|row| row.state))
-}
-
-/// Stamps a RUNNING run that `holder` holds as moved now; refuses it otherwise.
-fn touch_held(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    need: Need,
-    what: &str,
-) -> Result<()> {
-    let unexpired_at = (need == Need::Unexpired).then(wall_millis);
-    if tx.touch_run(run_id, now.millis(), &holder.owner, unexpired_at)? {
-        Ok(())
-    } else {
-        Err(refused(tx, run_id, Some(holder), what))
-    }
+/// A move of one run being applied: its transaction, its time (read from the clock on first
+/// use), and the run. Each move is a method; a loop's moves take the lease they run under.
+pub(crate) struct Move<'a, 'c> {
+    tx: &'a mut dyn Tx,
+    now: &'a mut Now<'c>,
+    run_id: &'a RunId,
 }
 
 /// A move of a run between states. Leaving RUNNING releases the lease in the same write;
@@ -121,726 +70,614 @@ impl<'a> RunMove<'a> {
     }
 }
 
-/// Applies a [`RunMove`]; returns the expiry of the lease it took, if any.
-fn move_run(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    m: RunMove<'_>,
-) -> Result<Option<i64>> {
-    let expires_at = m.take.map(|holder| holder.expiry(wall_millis()));
-    let update = RunUpdate {
-        from: m.from,
-        to: m.to,
-        output: m.output,
-        error: m.error,
-        at: now.millis(),
-        owner: m.take.map(|holder| &*holder.owner),
-        expires_at,
-        guard_owner: m.guard.map(|holder| &*holder.owner),
-    };
-    if tx.update_run(run_id, &update)? {
-        Ok(expires_at)
-    } else {
-        Err(refused(tx, run_id, m.guard, m.what))
+impl<'a, 'c> Move<'a, 'c> {
+    /// A move of `run_id` in `tx`, at the time `now` reads.
+    pub(crate) fn new(tx: &'a mut dyn Tx, now: &'a mut Now<'c>, run_id: &'a RunId) -> Self {
+        Move { tx, now, run_id }
     }
-}
 
-/// Moves one step out of the state (and attempt) its executor saw. A step found elsewhere
-/// means another executor got there first, and nothing changes.
-fn move_step(tx: &mut dyn Tx, run_id: &RunId, step: u32, update: StepUpdate<'_>) -> Result<()> {
-    if tx.update_step(run_id, step, &update)? {
-        return Ok(());
-    }
-    let state = run_state(tx, run_id)?.ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
-    Err(Error::RunState {
-        run_id: run_id.clone(),
-        state,
-        reason: format!(
-            "step {step} is no longer {} at attempt {}",
-            update.from.as_str(),
-            update.attempt
-        ),
-    })
-}
-
-/// Finishes a step (with its result, if any) from the state and attempt its executor saw.
-fn close_step(
-    tx: &mut dyn Tx,
-    run_id: &RunId,
-    step: u32,
-    from: StepState,
-    attempt: u32,
-    result: Option<&Value>,
-) -> Result<()> {
-    let update = StepUpdate {
-        from,
-        attempt,
-        to: StepState::Finished,
-        starts: false,
-        result,
-        waiting_for: None,
-    };
-    move_step(tx, run_id, step, update)
-}
-
-/// Moves a step in flight as its next attempt.
-fn start_attempt(
-    tx: &mut dyn Tx,
-    run_id: &RunId,
-    step: u32,
-    from: StepState,
-    attempt: u32,
-) -> Result<()> {
-    let update = StepUpdate {
-        from,
-        attempt,
-        to: StepState::InFlight,
-        starts: true,
-        result: None,
-        waiting_for: None,
-    };
-    move_step(tx, run_id, step, update)
-}
-
-/// Starts the next attempt of a tool step and writes its `step.tool_started`.
-fn start_tool_attempt(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    step: u32,
-    from: StepState,
-    attempt: u32,
-    call: &ToolCall,
-) -> Result<()> {
-    start_attempt(tx, run_id, step, from, attempt)?;
-    let payload = json!({
-        "call_id": call.id,
-        "tool": call.name,
-        "args": call.args,
-        "attempt": attempt + 1,
-        "idempotency_key": idempotency_key(run_id, step),
-    });
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ToolStarted,
-        Some(step),
-        &payload,
-    )
-}
-
-fn append(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    kind: EventKind,
-    step: Option<u32>,
-    payload: &Value,
-) -> Result<()> {
-    let at = now.millis();
-    tx.append_event(run_id, kind, at, step, payload)
-}
-
-// ---------------------------------------------------------------------------------------------
-// Moves
-
-/// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
-/// The lease is stamped in the insert; returns its expiry.
-pub(crate) fn create_run(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    agent: &str,
-    input: &Value,
-    holder: &Holder,
-) -> Result<i64> {
-    if run_state(tx, run_id)?.is_some() {
-        return Err(Error::RunExists(run_id.clone()));
-    }
-    let expires_at = holder.expiry(wall_millis());
-    tx.insert_run(&NewRun {
-        run_id,
-        agent,
-        input,
-        at: now.millis(),
-        owner: &holder.owner,
-        expires_at,
-    })?;
-    let payload = json!({ "agent": agent, "input": input });
-    append(tx, now, run_id, EventKind::RunStarted, None, &payload)?;
-    Ok(expires_at)
-}
-
-/// Reserves model step `step` before the request is dispatched.
-pub(crate) fn begin_model_step(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-) -> Result<()> {
-    let what = "a model call cannot start";
-    touch_held(tx, now, run_id, holder, Need::Unexpired, what)?;
-    tx.insert_step(run_id, step, StepKind::Model, StepState::InFlight, 1, None)?;
-    let payload = json!({ "attempt": 1 });
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ModelStarted,
-        Some(step),
-        &payload,
-    )
-}
-
-/// Records the model's answer. Tool calls (their ids already unique within the run) become
-/// pending steps numbered after this one; a final answer finishes the run; a model error fails
-/// it.
-pub(crate) fn finish_model_step(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    attempt: u32,
-    outcome: &ModelOutcome,
-) -> Result<()> {
-    let what = "the model's answer cannot be recorded";
-    touch_held(tx, now, run_id, holder, Need::Held, what)?;
-    let (response, recorded) = match outcome {
-        ModelOutcome::Failed(error) => {
-            close_step(tx, run_id, step, StepState::InFlight, attempt, None)?;
-            let payload = json!({ "error": error });
-            append(
-                tx,
-                now,
-                run_id,
-                EventKind::ModelFinished,
-                Some(step),
-                &payload,
-            )?;
-            let error = format!("the model failed: {error}");
-            return finish_run(
-                tx,
-                now,
-                run_id,
-                holder,
-                RunState::Failed,
-                None,
-                Some(&error),
-            );
-        }
-        ModelOutcome::Answered { response, recorded } => (response, recorded),
-    };
-    // The loop made the call ids unique within the run, from every id it read back on resume;
-    // the database checks only those of waiting calls.
-    for (call, tool_step) in response.tool_calls.iter().zip(step + 1..) {
-        let (kind, state) = (StepKind::Tool, StepState::Pending);
-        tx.insert_step(run_id, tool_step, kind, state, 0, Some(call))?;
-    }
-    close_step(
-        tx,
-        run_id,
-        step,
-        StepState::InFlight,
-        attempt,
-        Some(recorded),
-    )?;
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ModelFinished,
-        Some(step),
-        recorded,
-    )?;
-    if response.tool_calls.is_empty() {
-        let output = response.text.clone().unwrap_or_default();
-        let state = RunState::Succeeded;
-        finish_run(tx, now, run_id, holder, state, Some(&output), None)?;
-    }
-    Ok(())
-}
-
-/// Moves a RUNNING run to a finished state and writes `run.finished`.
-fn finish_run(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    state: RunState,
-    output: Option<&str>,
-    error: Option<&str>,
-) -> Result<()> {
-    let finish = RunMove {
-        output,
-        error,
-        guard: Some(holder),
-        ..RunMove::new(&[RunState::Running], state, "it cannot finish")
-    };
-    move_run(tx, now, run_id, finish)?;
-    let mut payload = json!({ "state": state.as_str() });
-    if let Some(output) = output {
-        payload["output"] = json!(output);
-    }
-    if let Some(error) = error {
-        payload["error"] = json!(error);
-    }
-    append(tx, now, run_id, EventKind::RunFinished, None, &payload)
-}
-
-/// Fails a RUNNING run (e.g. it reached its step limit).
-pub(crate) fn fail_run(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    error: &str,
-) -> Result<()> {
-    finish_run(tx, now, run_id, holder, RunState::Failed, None, Some(error))
-}
-
-/// Records the policy's decision on a pending tool call and acts on it in the same
-/// transaction: starts the tool, records the denial, or pauses the run.
-pub(crate) fn decide_tool(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    call: &ToolCall,
-    decision: &ToolDecision,
-) -> Result<()> {
-    let what = "a tool call cannot be decided";
-    match decision {
-        ToolDecision::RequireApproval { .. } => pause(tx, now, run_id, holder)?,
-        ToolDecision::Allow { .. } => touch_held(tx, now, run_id, holder, Need::Unexpired, what)?,
-        ToolDecision::Deny { .. } => touch_held(tx, now, run_id, holder, Need::Held, what)?,
-    }
-    let payload = decision.payload(call, "policy");
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::PolicyDecided,
-        Some(step),
-        &payload,
-    )?;
-    let (from, reason) = (StepState::Pending, ApprovalReason::Policy);
-    apply_decision(tx, now, run_id, step, from, 0, call, decision, reason)
-}
-
-/// Moves the run to WAITING_FOR_APPROVAL, releasing `holder`'s lease.
-fn pause(tx: &mut dyn Tx, now: &mut Now<'_>, run_id: &RunId, holder: &Holder) -> Result<()> {
-    let to = RunState::WaitingForApproval;
-    let pause = RunMove {
-        guard: Some(holder),
-        ..RunMove::new(&[RunState::Running], to, "it cannot pause")
-    };
-    move_run(tx, now, run_id, pause)?;
-    Ok(())
-}
-
-/// The step's side of a decision: start it, close it with the denial, or make it wait.
-#[allow(clippy::too_many_arguments)]
-fn apply_decision(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    step: u32,
-    from: StepState,
-    attempt: u32,
-    call: &ToolCall,
-    decision: &ToolDecision,
-    reason: ApprovalReason,
-) -> Result<()> {
-    match decision {
-        ToolDecision::Allow { .. } => {
-            start_tool_attempt(tx, now, run_id, step, from, attempt, call)
-        }
-        ToolDecision::Deny { reason: why, .. } => {
-            let error = format!("the call was denied: {why}");
-            let result = serde_json::to_value(ToolResult::Error(error.clone())).unwrap();
-            close_step(tx, run_id, step, from, attempt, Some(&result))?;
-            if attempt > 0 {
-                // An attempt ran before (and was interrupted): close the step in the log too.
-                let payload = json!({
-                    "call_id": call.id,
-                    "attempt": attempt,
-                    "error": error,
-                    "denied": true,
-                });
-                append(
-                    tx,
-                    now,
-                    run_id,
-                    EventKind::ToolFinished,
-                    Some(step),
-                    &payload,
-                )?;
+    /// Explains a guard that matched no row: the run does not exist, is in another state, or
+    /// (for a loop's move) its lease is another owner's, released, or expired.
+    fn refused(&mut self, holder: Option<&Holder>, reason: &str) -> Error {
+        let run_id = self.run_id;
+        let row = match self.tx.lease_row(run_id) {
+            Ok(Some(row)) => row,
+            Ok(None) => return Error::RunNotFound(run_id.clone()),
+            Err(err) => return err,
+        };
+        match (row.state, holder, row.owner) {
+            (RunState::Running, Some(holder), Some(owner)) if *owner != *holder.owner => {
+                Error::RunLeased {
+                    run_id: run_id.clone(),
+                    owner,
+                    expires_at: from_millis(row.expires_at.unwrap_or_default()),
+                }
             }
-            Ok(())
-        }
-        ToolDecision::RequireApproval { .. } => {
-            let update = StepUpdate {
-                from,
-                attempt,
-                to: StepState::Waiting,
-                starts: false,
-                result: None,
-                waiting_for: Some(reason),
-            };
-            move_step(tx, run_id, step, update)?;
-            let payload =
-                json!({ "call_id": call.id, "tool": call.name, "reason": reason.as_str() });
-            append(tx, now, run_id, EventKind::RunWaiting, Some(step), &payload)
-        }
-    }
-}
-
-/// Closes a pending call the loop cannot execute (unknown tool, arguments not an object): the
-/// model is told why; nothing ran.
-pub(crate) fn reject_tool(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    call: &ToolCall,
-    error: &str,
-) -> Result<()> {
-    let what = "a tool call cannot be rejected";
-    touch_held(tx, now, run_id, holder, Need::Held, what)?;
-    let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
-    close_step(tx, run_id, step, StepState::Pending, 0, Some(&result))?;
-    let payload = json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true });
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ToolFinished,
-        Some(step),
-        &payload,
-    )
-}
-
-/// Records a tool's outcome. On a RUNNING run it is an ordinary step; on a run an operator
-/// cancelled meanwhile it is recorded as late (the run stays cancelled). Returns whether late.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn finish_tool(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    attempt: u32,
-    call_id: &str,
-    result: &ToolResult,
-    result_json: &Value,
-) -> Result<bool> {
-    // Written only while the loop holds the lease (or, late, once an operator cancelled):
-    // otherwise the step stays in flight for the owner that took the run over.
-    let what = "the tool's outcome cannot be recorded";
-    let late = match touch_held(tx, now, run_id, holder, Need::Held, what) {
-        Ok(()) => false,
-        Err(Error::RunState {
-            state: RunState::Cancelled,
-            ..
-        }) => true,
-        Err(err) => return Err(err),
-    };
-    let from = StepState::InFlight;
-    close_step(tx, run_id, step, from, attempt, Some(result_json))?;
-    let mut payload = json!({ "call_id": call_id, "attempt": attempt });
-    match result {
-        ToolResult::Ok(output) => payload["output"] = output.clone(),
-        ToolResult::Error(error) => payload["error"] = json!(error),
-    }
-    if late {
-        payload["late"] = json!(true);
-    }
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ToolFinished,
-        Some(step),
-        &payload,
-    )?;
-    Ok(late)
-}
-
-/// Resumes a waiting run: back to RUNNING, the resume-time decision recorded and acted on, in
-/// one compare-and-set on the run's state, so of two resumers one wins. Returns the expiry
-/// of the lease it took.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn resume_waiting(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    attempt: u32,
-    call: &ToolCall,
-    reason: ApprovalReason,
-    decision: &ToolDecision,
-    source: &str,
-) -> Result<i64> {
-    let what = "only a run waiting for approval can be resumed this way";
-    let from = [RunState::WaitingForApproval];
-    let resume = RunMove {
-        take: Some(holder),
-        ..RunMove::new(&from, RunState::Running, what)
-    };
-    let expires_at = move_run(tx, now, run_id, resume)?.expect("entering RUNNING takes the lease");
-    let payload = json!({ "from": RunState::WaitingForApproval.as_str() });
-    append(tx, now, run_id, EventKind::RunResumed, None, &payload)?;
-    let payload = decision.payload(call, source);
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::PolicyDecided,
-        Some(step),
-        &payload,
-    )?;
-    let from = StepState::Waiting;
-    apply_decision(tx, now, run_id, step, from, attempt, call, decision, reason)?;
-    Ok(expires_at)
-}
-
-/// Takes over a RUNNING run whose lease expired or is absent: the lease is taken and every
-/// step in flight marked interrupted, in one transaction with `run.resumed` (and
-/// `lease.taken_over` when someone held it). Returns the steps marked and the new expiry.
-///
-/// A live lease of another owner is refused with `RunLeased` before the clock is read or
-/// anything is written.
-pub(crate) fn take_over(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-) -> Result<(Vec<u32>, i64)> {
-    let what = "only a RUNNING run can be taken over";
-    let row = tx
-        .lease_row(run_id)?
-        .ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
-    if row.state != RunState::Running {
-        return Err(refused(tx, run_id, None, what));
-    }
-    let wall = wall_millis();
-    if let (Some(owner), Some(expires_at)) = (&row.owner, row.expires_at) {
-        // This supervisor's own live lease is not refused: the caller checked that it executes
-        // no call of this run, so that lease is a leftover.
-        if expires_at > wall && **owner != *holder.owner {
-            return Err(Error::RunLeased {
+            (RunState::Running, Some(_), Some(_)) => Error::LeaseLost {
                 run_id: run_id.clone(),
-                owner: owner.clone(),
-                expires_at: from_millis(expires_at),
-            });
+                reason: LeaseLostReason::Expired,
+            },
+            (RunState::Running, Some(_), None) => Error::LeaseLost {
+                run_id: run_id.clone(),
+                reason: LeaseLostReason::ReleasedOrCancelled,
+            },
+            // A loop's run was moved by someone else than an operator's cancel: only an owner
+            // that took it over can have done that.
+            (state, Some(_), _) if state != RunState::Cancelled => Error::LeaseLost {
+                run_id: run_id.clone(),
+                reason: LeaseLostReason::ReleasedOrCancelled,
+            },
+            (state, ..) => Error::RunState {
+                run_id: run_id.clone(),
+                state,
+                reason: reason.to_owned(),
+            },
         }
     }
-    let expires_at = holder.expiry(wall);
-    if !tx.take_lease(run_id, now.millis(), &holder.owner, expires_at, &row)? {
-        return Err(refused(tx, run_id, None, what));
-    }
-    let payload = json!({ "from": RunState::Running.as_str() });
-    append(tx, now, run_id, EventKind::RunResumed, None, &payload)?;
-    if let Some(previous) = &row.owner {
-        let payload = json!({
-            "previous_owner": previous,
-            "previous_expires_at": row.expires_at,
-            "new_owner": &*holder.owner,
-            "new_expires_at": expires_at,
-        });
-        append(tx, now, run_id, EventKind::LeaseTakenOver, None, &payload)?;
-    }
-    let mut interrupted = tx.interrupt_steps(run_id)?;
-    interrupted.sort_unstable_by_key(|(step, ..)| *step);
-    let mut steps = Vec::with_capacity(interrupted.len());
-    for (step, kind, attempt) in interrupted {
-        let payload = json!({ "kind": kind.as_str(), "attempt": attempt });
-        append(
-            tx,
-            now,
-            run_id,
-            EventKind::StepInterrupted,
-            Some(step),
-            &payload,
-        )?;
-        steps.push(step);
-    }
-    Ok((steps, expires_at))
-}
 
-/// Records the one reconciliation of an interrupted step together with what it leads to.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn reconcile(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    holder: &Holder,
-    step: u32,
-    attempt: u32,
-    call: Option<&ToolCall>,
-    resolution: &Resolution,
-) -> Result<()> {
-    let what = "an interrupted step cannot be reconciled";
-    match resolution {
-        Resolution::AwaitApproval { .. } => pause(tx, now, run_id, holder)?,
-        // Running again starts a side effect: the lease must be unexpired.
-        Resolution::Redispatch | Resolution::Retry { .. } => {
-            touch_held(tx, now, run_id, holder, Need::Unexpired, what)?
-        }
-        Resolution::Applied(_) => touch_held(tx, now, run_id, holder, Need::Held, what)?,
+    fn run_state(&mut self) -> Result<Option<RunState>> {
+        Ok(self.tx.lease_row(self.run_id)?.map(|row| row.state))
     }
-    let from = StepState::Interrupted;
-    let (outcome, action) = match resolution {
-        Resolution::Redispatch => ("model_call", "dispatch_again"),
-        Resolution::Applied(_) => ("applied", "record_output"),
-        Resolution::Retry { outcome } => (*outcome, "run_again"),
-        Resolution::AwaitApproval { outcome } => (*outcome, "await_approval"),
-    };
-    let payload = json!({ "attempt": attempt, "outcome": outcome, "action": action });
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::StepReconciled,
-        Some(step),
-        &payload,
-    )?;
-    match (resolution, call) {
-        (Resolution::Redispatch, _) => {
-            start_attempt(tx, run_id, step, from, attempt)?;
-            let payload = json!({ "attempt": attempt + 1 });
-            append(
-                tx,
-                now,
-                run_id,
-                EventKind::ModelStarted,
-                Some(step),
-                &payload,
-            )
-        }
-        (Resolution::Applied(output), Some(call)) => {
-            let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
-            close_step(tx, run_id, step, from, attempt, Some(&result))?;
-            let payload = json!({
-                "call_id": call.id,
-                "attempt": attempt,
-                "output": output,
-                "reconciled": true,
-            });
-            append(
-                tx,
-                now,
-                run_id,
-                EventKind::ToolFinished,
-                Some(step),
-                &payload,
-            )
-        }
-        (Resolution::Retry { .. }, Some(call)) => {
-            start_tool_attempt(tx, now, run_id, step, from, attempt, call)
-        }
-        (Resolution::AwaitApproval { .. }, Some(call)) => {
-            let decision = ToolDecision::RequireApproval {
-                reason: String::new(),
-            };
-            let reason = ApprovalReason::Reconcile;
-            apply_decision(
-                tx, now, run_id, step, from, attempt, call, &decision, reason,
-            )
-        }
-        (_, None) => Err(Error::Corrupt(format!(
-            "tool step {step} of run {run_id} has no call"
-        ))),
-    }
-}
 
-/// Records an operator's decision on a call that waits for one. A call that does not wait, or
-/// whose decision is already recorded, is refused unchanged.
-pub(crate) fn record_approval(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    approval: &Approval,
-) -> Result<()> {
-    let run_id = &approval.run_id;
-    let call_id = approval.call_id.as_str();
-    let not_pending = |tx: &mut dyn Tx, reason: String| -> Error {
-        match run_state(tx, run_id) {
+    /// A state error about this run, or not found if it does not exist.
+    fn state_error(&mut self, reason: String) -> Error {
+        match self.run_state() {
             Ok(Some(state)) => Error::RunState {
-                run_id: run_id.clone(),
+                run_id: self.run_id.clone(),
                 state,
                 reason,
             },
-            Ok(None) => Error::RunNotFound(run_id.clone()),
+            Ok(None) => Error::RunNotFound(self.run_id.clone()),
             Err(err) => err,
         }
-    };
-    let Some((step, attempt)) = tx.waiting_call(run_id, call_id)? else {
-        // Which error: a scan of the run's steps, on this path only.
-        let known = tx.call_exists(run_id, call_id)?;
-        return Err(match run_state(tx, run_id)? {
-            None => Error::RunNotFound(run_id.clone()),
-            Some(_) if known => not_pending(
-                tx,
-                format!("call {call_id:?} is not waiting for an approval"),
-            ),
-            Some(_) => Error::CallNotFound {
-                run_id: run_id.clone(),
-                call_id: call_id.to_owned(),
-            },
-        });
-    };
-    if !tx.touch_waiting(run_id, now.millis())? {
-        let reason = format!("call {call_id:?} cannot be decided: the run is not waiting");
-        return Err(not_pending(tx, reason));
     }
-    if !tx.insert_approval(step, attempt + 1, approval, now.millis())? {
-        return Err(not_pending(
-            tx,
-            format!("call {call_id:?} is already decided"),
-        ));
-    }
-    let mut payload = json!({
-        "call_id": call_id,
-        "approved": approval.approved,
-        "decided_by": approval.by,
-    });
-    if let Some(note) = &approval.note {
-        payload["note"] = json!(note);
-    }
-    append(
-        tx,
-        now,
-        run_id,
-        EventKind::ApprovalRecorded,
-        Some(step),
-        &payload,
-    )
-}
 
-/// An operator's cancel: no lease needed; the run moves to CANCELLED from RUNNING or
-/// WAITING_FOR_APPROVAL, and its lease is released with the move.
-pub(crate) fn cancel_run(
-    tx: &mut dyn Tx,
-    now: &mut Now<'_>,
-    run_id: &RunId,
-    reason: &str,
-) -> Result<()> {
-    let from = [RunState::Running, RunState::WaitingForApproval];
-    let what = "a finished run cannot be cancelled";
-    let cancel = RunMove {
-        error: Some(reason),
-        ..RunMove::new(&from, RunState::Cancelled, what)
-    };
-    move_run(tx, now, run_id, cancel)?;
-    let payload = json!({ "state": "CANCELLED", "reason": reason });
-    append(tx, now, run_id, EventKind::RunFinished, None, &payload)
+    /// Stamps a RUNNING run that `holder` holds as moved now; refuses it otherwise.
+    fn touch_held(&mut self, holder: &Holder, need: Need, what: &str) -> Result<()> {
+        let unexpired_at = (need == Need::Unexpired).then(wall_millis);
+        let at = self.now.millis();
+        if self
+            .tx
+            .touch_run(self.run_id, at, &holder.owner, unexpired_at)?
+        {
+            Ok(())
+        } else {
+            Err(self.refused(Some(holder), what))
+        }
+    }
+
+    /// Applies a [`RunMove`]; returns the expiry of the lease it took, if any.
+    fn move_run(&mut self, m: RunMove<'_>) -> Result<Option<i64>> {
+        let expires_at = m.take.map(|holder| holder.expiry(wall_millis()));
+        let update = RunUpdate {
+            from: m.from,
+            to: m.to,
+            output: m.output,
+            error: m.error,
+            at: self.now.millis(),
+            owner: m.take.map(|holder| &*holder.owner),
+            expires_at,
+            guard_owner: m.guard.map(|holder| &*holder.owner),
+        };
+        if self.tx.update_run(self.run_id, &update)? {
+            Ok(expires_at)
+        } else {
+            Err(self.refused(m.guard, m.what))
+        }
+    }
+
+    /// Moves one step out of the state (and attempt) its executor saw. A step found elsewhere
+    /// means another executor got there first, and nothing changes.
+    fn move_step(&mut self, step: u32, update: StepUpdate<'_>) -> Result<()> {
+        if self.tx.update_step(self.run_id, step, &update)? {
+            return Ok(());
+        }
+        let (from, attempt) = (update.from.as_str(), update.attempt);
+        let state = self
+            .run_state()?
+            .ok_or_else(|| Error::RunNotFound(self.run_id.clone()))?;
+        Err(Error::RunState {
+            run_id: self.run_id.clone(),
+            state,
+            reason: format!("step {step} is no longer {from} at attempt {attempt}"),
+        })
+    }
+
+    /// Finishes a step (with its result, if any) from the state and attempt its executor saw.
+    fn close_step(
+        &mut self,
+        step: u32,
+        from: StepState,
+        attempt: u32,
+        result: Option<&Value>,
+    ) -> Result<()> {
+        let update = StepUpdate {
+            from,
+            attempt,
+            to: StepState::Finished,
+            starts: false,
+            result,
+            waiting_for: None,
+        };
+        self.move_step(step, update)
+    }
+
+    /// Moves a step in flight as its next attempt.
+    fn start_attempt(&mut self, step: u32, from: StepState, attempt: u32) -> Result<()> {
+        let update = StepUpdate {
+            from,
+            attempt,
+            to: StepState::InFlight,
+            starts: true,
+            result: None,
+            waiting_for: None,
+        };
+        self.move_step(step, update)
+    }
+
+    /// Starts the next attempt of a tool step and writes its `step.tool_started`.
+    fn start_tool_attempt(
+        &mut self,
+        step: u32,
+        from: StepState,
+        attempt: u32,
+        call: &ToolCall,
+    ) -> Result<()> {
+        self.start_attempt(step, from, attempt)?;
+        let payload = json!({
+            "call_id": call.id,
+            "tool": call.name,
+            "args": call.args,
+            "attempt": attempt + 1,
+            "idempotency_key": idempotency_key(self.run_id, step),
+        });
+        self.append(EventKind::ToolStarted, Some(step), &payload)
+    }
+
+    fn append(&mut self, kind: EventKind, step: Option<u32>, payload: &Value) -> Result<()> {
+        let at = self.now.millis();
+        self.tx.append_event(self.run_id, kind, at, step, payload)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The moves
+
+    /// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
+    /// The lease is stamped in the insert; returns its expiry.
+    pub(crate) fn create_run(
+        &mut self,
+        agent: &str,
+        input: &Value,
+        holder: &Holder,
+    ) -> Result<i64> {
+        if self.run_state()?.is_some() {
+            return Err(Error::RunExists(self.run_id.clone()));
+        }
+        let expires_at = holder.expiry(wall_millis());
+        self.tx.insert_run(&NewRun {
+            run_id: self.run_id,
+            agent,
+            input,
+            at: self.now.millis(),
+            owner: &holder.owner,
+            expires_at,
+        })?;
+        let payload = json!({ "agent": agent, "input": input });
+        self.append(EventKind::RunStarted, None, &payload)?;
+        Ok(expires_at)
+    }
+
+    /// Reserves model step `step` before the request is dispatched.
+    pub(crate) fn begin_model_step(&mut self, holder: &Holder, step: u32) -> Result<()> {
+        self.touch_held(holder, Need::Unexpired, "a model call cannot start")?;
+        let (kind, state) = (StepKind::Model, StepState::InFlight);
+        self.tx
+            .insert_step(self.run_id, step, kind, state, 1, None)?;
+        self.append(
+            EventKind::ModelStarted,
+            Some(step),
+            &json!({ "attempt": 1 }),
+        )
+    }
+
+    /// Records the model's answer. Tool calls (their ids already unique within the run) become
+    /// pending steps numbered after this one; a final answer finishes the run; a model error
+    /// fails it.
+    pub(crate) fn finish_model_step(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        attempt: u32,
+        outcome: &ModelOutcome,
+    ) -> Result<()> {
+        self.touch_held(holder, Need::Held, "the model's answer cannot be recorded")?;
+        let (response, recorded) = match outcome {
+            ModelOutcome::Failed(error) => {
+                self.close_step(step, StepState::InFlight, attempt, None)?;
+                let payload = json!({ "error": error });
+                self.append(EventKind::ModelFinished, Some(step), &payload)?;
+                let error = format!("the model failed: {error}");
+                return self.finish_run(holder, RunState::Failed, None, Some(&error));
+            }
+            ModelOutcome::Answered { response, recorded } => (response, recorded),
+        };
+        // The loop made the call ids unique within the run, from every id it read back on
+        // resume; the database checks only those of waiting calls.
+        for (call, tool_step) in response.tool_calls.iter().zip(step + 1..) {
+            let (kind, state) = (StepKind::Tool, StepState::Pending);
+            self.tx
+                .insert_step(self.run_id, tool_step, kind, state, 0, Some(call))?;
+        }
+        self.close_step(step, StepState::InFlight, attempt, Some(recorded))?;
+        self.append(EventKind::ModelFinished, Some(step), recorded)?;
+        if response.tool_calls.is_empty() {
+            let output = response.text.clone().unwrap_or_default();
+            self.finish_run(holder, RunState::Succeeded, Some(&output), None)?;
+        }
+        Ok(())
+    }
+
+    /// Moves a RUNNING run to a finished state and writes `run.finished`.
+    fn finish_run(
+        &mut self,
+        holder: &Holder,
+        state: RunState,
+        output: Option<&str>,
+        error: Option<&str>,
+    ) -> Result<()> {
+        self.move_run(RunMove {
+            output,
+            error,
+            guard: Some(holder),
+            ..RunMove::new(&[RunState::Running], state, "it cannot finish")
+        })?;
+        let mut payload = json!({ "state": state.as_str() });
+        if let Some(output) = output {
+            payload["output"] = json!(output);
+        }
+        if let Some(error) = error {
+            payload["error"] = json!(error);
+        }
+        self.append(EventKind::RunFinished, None, &payload)
+    }
+
+    /// Fails a RUNNING run (e.g. it reached its step limit).
+    pub(crate) fn fail_run(&mut self, holder: &Holder, error: &str) -> Result<()> {
+        self.finish_run(holder, RunState::Failed, None, Some(error))
+    }
+
+    /// Records the policy's decision on a pending tool call and acts on it in the same
+    /// transaction: starts the tool, records the denial, or pauses the run.
+    pub(crate) fn decide_tool(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        call: &ToolCall,
+        decision: &ToolDecision,
+    ) -> Result<()> {
+        let what = "a tool call cannot be decided";
+        match decision {
+            ToolDecision::RequireApproval { .. } => self.pause(holder)?,
+            ToolDecision::Allow { .. } => self.touch_held(holder, Need::Unexpired, what)?,
+            ToolDecision::Deny { .. } => self.touch_held(holder, Need::Held, what)?,
+        }
+        let payload = decision.payload(call, "policy");
+        self.append(EventKind::PolicyDecided, Some(step), &payload)?;
+        let (from, reason) = (StepState::Pending, ApprovalReason::Policy);
+        self.apply_decision(step, from, 0, call, decision, reason)
+    }
+
+    /// Moves the run to WAITING_FOR_APPROVAL, releasing `holder`'s lease.
+    fn pause(&mut self, holder: &Holder) -> Result<()> {
+        let to = RunState::WaitingForApproval;
+        self.move_run(RunMove {
+            guard: Some(holder),
+            ..RunMove::new(&[RunState::Running], to, "it cannot pause")
+        })?;
+        Ok(())
+    }
+
+    /// The step's side of a decision: start it, close it with the denial, or make it wait.
+    fn apply_decision(
+        &mut self,
+        step: u32,
+        from: StepState,
+        attempt: u32,
+        call: &ToolCall,
+        decision: &ToolDecision,
+        reason: ApprovalReason,
+    ) -> Result<()> {
+        match decision {
+            ToolDecision::Allow { .. } => self.start_tool_attempt(step, from, attempt, call),
+            ToolDecision::Deny { reason: why, .. } => {
+                let error = format!("the call was denied: {why}");
+                let result = serde_json::to_value(ToolResult::Error(error.clone())).unwrap();
+                self.close_step(step, from, attempt, Some(&result))?;
+                if attempt > 0 {
+                    // An attempt ran before (and was interrupted): close the step in the log
+                    // too.
+                    let payload = json!({
+                        "call_id": call.id,
+                        "attempt": attempt,
+                        "error": error,
+                        "denied": true,
+                    });
+                    self.append(EventKind::ToolFinished, Some(step), &payload)?;
+                }
+                Ok(())
+            }
+            ToolDecision::RequireApproval { .. } => {
+                self.move_step(
+                    step,
+                    StepUpdate {
+                        from,
+                        attempt,
+                        to: StepState::Waiting,
+                        starts: false,
+                        result: None,
+                        waiting_for: Some(reason),
+                    },
+                )?;
+                let payload =
+                    json!({ "call_id": call.id, "tool": call.name, "reason": reason.as_str() });
+                self.append(EventKind::RunWaiting, Some(step), &payload)
+            }
+        }
+    }
+
+    /// Closes a pending call the loop cannot execute (unknown tool, arguments not an object):
+    /// the model is told why; nothing ran.
+    pub(crate) fn reject_tool(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        call: &ToolCall,
+        error: &str,
+    ) -> Result<()> {
+        self.touch_held(holder, Need::Held, "a tool call cannot be rejected")?;
+        let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
+        self.close_step(step, StepState::Pending, 0, Some(&result))?;
+        let payload = json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true });
+        self.append(EventKind::ToolFinished, Some(step), &payload)
+    }
+
+    /// Records a tool's outcome. On a RUNNING run it is an ordinary step; on a run an operator
+    /// cancelled meanwhile it is recorded as late (the run stays cancelled). Returns whether
+    /// late.
+    pub(crate) fn finish_tool(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        attempt: u32,
+        call_id: &str,
+        result: &ToolResult,
+        result_json: &Value,
+    ) -> Result<bool> {
+        // Written only while the loop holds the lease (or, late, once an operator cancelled):
+        // otherwise the step stays in flight for the owner that took the run over.
+        let what = "the tool's outcome cannot be recorded";
+        let late = match self.touch_held(holder, Need::Held, what) {
+            Ok(()) => false,
+            Err(Error::RunState {
+                state: RunState::Cancelled,
+                ..
+            }) => true,
+            Err(err) => return Err(err),
+        };
+        self.close_step(step, StepState::InFlight, attempt, Some(result_json))?;
+        let mut payload = json!({ "call_id": call_id, "attempt": attempt });
+        match result {
+            ToolResult::Ok(output) => payload["output"] = output.clone(),
+            ToolResult::Error(error) => payload["error"] = json!(error),
+        }
+        if late {
+            payload["late"] = json!(true);
+        }
+        self.append(EventKind::ToolFinished, Some(step), &payload)?;
+        Ok(late)
+    }
+
+    /// Resumes a waiting run: back to RUNNING, the resume-time decision recorded and acted on,
+    /// in one compare-and-set on the run's state, so of two resumers one wins. Returns the
+    /// expiry of the lease it took.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn resume_waiting(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        attempt: u32,
+        call: &ToolCall,
+        reason: ApprovalReason,
+        decision: &ToolDecision,
+        source: &str,
+    ) -> Result<i64> {
+        let what = "only a run waiting for approval can be resumed this way";
+        let from = [RunState::WaitingForApproval];
+        let expires_at = self
+            .move_run(RunMove {
+                take: Some(holder),
+                ..RunMove::new(&from, RunState::Running, what)
+            })?
+            .expect("entering RUNNING takes the lease");
+        let payload = json!({ "from": RunState::WaitingForApproval.as_str() });
+        self.append(EventKind::RunResumed, None, &payload)?;
+        let payload = decision.payload(call, source);
+        self.append(EventKind::PolicyDecided, Some(step), &payload)?;
+        let from = StepState::Waiting;
+        self.apply_decision(step, from, attempt, call, decision, reason)?;
+        Ok(expires_at)
+    }
+
+    /// Takes over a RUNNING run whose lease expired or is absent: the lease is taken and every
+    /// step in flight marked interrupted, in one transaction with `run.resumed` (and
+    /// `lease.taken_over` when someone held it). Returns the steps marked and the new expiry.
+    ///
+    /// A live lease of another owner is refused with `RunLeased` before the clock is read or
+    /// anything is written.
+    pub(crate) fn take_over(&mut self, holder: &Holder) -> Result<(Vec<u32>, i64)> {
+        let what = "only a RUNNING run can be taken over";
+        let run_id = self.run_id;
+        let row = self
+            .tx
+            .lease_row(run_id)?
+            .ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
+        if row.state != RunState::Running {
+            return Err(self.refused(None, what));
+        }
+        let wall = wall_millis();
+        if let (Some(owner), Some(expires_at)) = (&row.owner, row.expires_at) {
+            // This supervisor's own live lease is not refused: the caller checked that it
+            // executes no call of this run, so that lease is a leftover.
+            if expires_at > wall && **owner != *holder.owner {
+                return Err(Error::RunLeased {
+                    run_id: run_id.clone(),
+                    owner: owner.clone(),
+                    expires_at: from_millis(expires_at),
+                });
+            }
+        }
+        let expires_at = holder.expiry(wall);
+        let at = self.now.millis();
+        if !self
+            .tx
+            .take_lease(run_id, at, &holder.owner, expires_at, &row)?
+        {
+            return Err(self.refused(None, what));
+        }
+        let payload = json!({ "from": RunState::Running.as_str() });
+        self.append(EventKind::RunResumed, None, &payload)?;
+        if let Some(previous) = &row.owner {
+            let payload = json!({
+                "previous_owner": previous,
+                "previous_expires_at": row.expires_at,
+                "new_owner": &*holder.owner,
+                "new_expires_at": expires_at,
+            });
+            self.append(EventKind::LeaseTakenOver, None, &payload)?;
+        }
+        let mut interrupted = self.tx.interrupt_steps(run_id)?;
+        interrupted.sort_unstable_by_key(|(step, ..)| *step);
+        let mut steps = Vec::with_capacity(interrupted.len());
+        for (step, kind, attempt) in interrupted {
+            let payload = json!({ "kind": kind.as_str(), "attempt": attempt });
+            self.append(EventKind::StepInterrupted, Some(step), &payload)?;
+            steps.push(step);
+        }
+        Ok((steps, expires_at))
+    }
+
+    /// Records the one reconciliation of an interrupted step together with what it leads to.
+    pub(crate) fn reconcile(
+        &mut self,
+        holder: &Holder,
+        step: u32,
+        attempt: u32,
+        call: Option<&ToolCall>,
+        resolution: &Resolution,
+    ) -> Result<()> {
+        let what = "an interrupted step cannot be reconciled";
+        match resolution {
+            Resolution::AwaitApproval { .. } => self.pause(holder)?,
+            // Running again starts a side effect: the lease must be unexpired.
+            Resolution::Redispatch | Resolution::Retry { .. } => {
+                self.touch_held(holder, Need::Unexpired, what)?
+            }
+            Resolution::Applied(_) => self.touch_held(holder, Need::Held, what)?,
+        }
+        let from = StepState::Interrupted;
+        let (outcome, action) = match resolution {
+            Resolution::Redispatch => ("model_call", "dispatch_again"),
+            Resolution::Applied(_) => ("applied", "record_output"),
+            Resolution::Retry { outcome } => (*outcome, "run_again"),
+            Resolution::AwaitApproval { outcome } => (*outcome, "await_approval"),
+        };
+        let payload = json!({ "attempt": attempt, "outcome": outcome, "action": action });
+        self.append(EventKind::StepReconciled, Some(step), &payload)?;
+        match (resolution, call) {
+            (Resolution::Redispatch, _) => {
+                self.start_attempt(step, from, attempt)?;
+                let payload = json!({ "attempt": attempt + 1 });
+                self.append(EventKind::ModelStarted, Some(step), &payload)
+            }
+            (Resolution::Applied(output), Some(call)) => {
+                let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
+                self.close_step(step, from, attempt, Some(&result))?;
+                let payload = json!({
+                    "call_id": call.id,
+                    "attempt": attempt,
+                    "output": output,
+                    "reconciled": true,
+                });
+                self.append(EventKind::ToolFinished, Some(step), &payload)
+            }
+            (Resolution::Retry { .. }, Some(call)) => {
+                self.start_tool_attempt(step, from, attempt, call)
+            }
+            (Resolution::AwaitApproval { .. }, Some(call)) => {
+                let decision = ToolDecision::RequireApproval {
+                    reason: String::new(),
+                };
+                let reason = ApprovalReason::Reconcile;
+                self.apply_decision(step, from, attempt, call, &decision, reason)
+            }
+            (_, None) => Err(Error::Corrupt(format!(
+                "tool step {step} of run {} has no call",
+                self.run_id
+            ))),
+        }
+    }
+
+    /// Records an operator's decision on a call of this run that waits for one. A call that
+    /// does not wait, or whose decision is already recorded, is refused unchanged.
+    pub(crate) fn record_approval(&mut self, approval: &Approval) -> Result<()> {
+        debug_assert_eq!(&approval.run_id, self.run_id);
+        let run_id = self.run_id;
+        let call_id = approval.call_id.as_str();
+        let Some((step, attempt)) = self.tx.waiting_call(run_id, call_id)? else {
+            // Which error: a scan of the run's steps, on this path only.
+            let known = self.tx.call_exists(run_id, call_id)?;
+            return Err(match self.run_state()? {
+                None => Error::RunNotFound(run_id.clone()),
+                Some(_) if known => {
+                    self.state_error(format!("call {call_id:?} is not waiting for an approval"))
+                }
+                Some(_) => Error::CallNotFound {
+                    run_id: run_id.clone(),
+                    call_id: call_id.to_owned(),
+                },
+            });
+        };
+        let at = self.now.millis();
+        if !self.tx.touch_waiting(run_id, at)? {
+            let reason = format!("call {call_id:?} cannot be decided: the run is not waiting");
+            return Err(self.state_error(reason));
+        }
+        if !self.tx.insert_approval(step, attempt + 1, approval, at)? {
+            return Err(self.state_error(format!("call {call_id:?} is already decided")));
+        }
+        let mut payload = json!({
+            "call_id": call_id,
+            "approved": approval.approved,
+            "decided_by": approval.by,
+        });
+        if let Some(note) = &approval.note {
+            payload["note"] = json!(note);
+        }
+        self.append(EventKind::ApprovalRecorded, Some(step), &payload)
+    }
+
+    /// An operator's cancel: no lease needed; the run moves to CANCELLED from RUNNING or
+    /// WAITING_FOR_APPROVAL, and its lease is released with the move.
+    pub(crate) fn cancel_run(&mut self, reason: &str) -> Result<()> {
+        let from = [RunState::Running, RunState::WaitingForApproval];
+        let what = "a finished run cannot be cancelled";
+        self.move_run(RunMove {
+            error: Some(reason),
+            ..RunMove::new(&from, RunState::Cancelled, what)
+        })?;
+        let payload = json!({ "state": "CANCELLED", "reason": reason });
+        self.append(EventKind::RunFinished, None, &payload)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ use tokio::sync::watch;
 use super::{TempStore, resume_when_free, with_system};
 use crate::{
     Agent, Approval, Config, Error, Event, EventKind, MoveInfo, MoveObserver, Outcome, PendingCall,
-    Reconciliation, RecordApproval, Result, RunId, RunOutcome, RunState, StartRun, Store,
-    Supervisor, Tool, ToolContext, ToolError, async_trait,
+    Reconciliation, RecordApproval, Result, RunId, RunReply, RunState, StartRun, Store, Supervisor,
+    Tool, ToolContext, ToolError, async_trait,
 };
 
 /// [`CaseReport::crash_thread`] of a crash on the store actor's thread.
@@ -357,7 +357,7 @@ async fn drive(
     input: Value,
     approve: &Approver,
     start: bool,
-) -> Result<RunOutcome> {
+) -> Result<RunReply> {
     let patience = Duration::from_secs(30);
     let mut reply = if start {
         sup.send(StartRun::new(AGENT, input).with_id(run_id.clone()))
@@ -368,7 +368,7 @@ async fn drive(
     };
     loop {
         match reply {
-            Ok(RunOutcome {
+            Ok(RunReply {
                 outcome: Outcome::WaitingForApproval { pending },
                 ..
             }) => {

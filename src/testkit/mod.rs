@@ -55,7 +55,7 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::{
     Clock, Error, LeaseLost, Model, ModelError, ModelRequest, ModelResponse, Reconciliation,
-    Result, ResumeRun, RunId, RunOutcome, Store, Supervisor, Tool, ToolContext, ToolError,
+    Result, ResumeRun, RunId, RunReply, Store, Supervisor, Tool, ToolContext, ToolError,
     async_trait, types::Message,
 };
 
@@ -492,7 +492,7 @@ pub async fn resume_when_free(
     supervisor: &actix::Addr<Supervisor>,
     run_id: &RunId,
     patience: Duration,
-) -> Result<RunOutcome> {
+) -> Result<RunReply> {
     let deadline = SystemTime::now() + patience;
     loop {
         match supervisor

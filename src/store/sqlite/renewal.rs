@@ -117,7 +117,7 @@ mod tests {
         let run_id = RunId::from("r");
         store
             .transact(&SystemClock, |tx, now| {
-                moves::create_run(tx, now, &run_id, "a", &serde_json::json!({}), &holder)
+                moves::Move::new(tx, now, &run_id).create_run("a", &serde_json::json!({}), &holder)
             })
             .unwrap();
 

@@ -239,15 +239,10 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         let ids: Vec<RunId> = (0..held).map(|i| RunId::from(format!("r{i}"))).collect();
         for id in &ids {
             let clock = crate::clock::SystemClock;
-            moves::create_run(
-                &mut Sql(&tx),
-                &mut Now::new(&clock),
-                id,
-                "a",
-                &serde_json::json!({}),
-                &me,
-            )
-            .unwrap();
+            let (mut sql, mut now) = (Sql(&tx), Now::new(&clock));
+            moves::Move::new(&mut sql, &mut now, id)
+                .create_run("a", &serde_json::json!({}), &me)
+                .unwrap();
         }
         tx.commit().unwrap();
         conn.trace_v2(

@@ -21,7 +21,8 @@ use crate::{
     error::{Error, Result},
     store::{
         backend::{
-            GroupFailure, Isolation, MoveInfo, MoveObserver, Pending, Reads, Session, Tx, Writer,
+            Durability, GroupFailure, Isolation, MoveInfo, MoveObserver, Pending, Reads, Session,
+            Tx, Writer,
         },
         model::{Now, Renewal},
         moves,
@@ -295,7 +296,9 @@ impl Writer for SqliteWriter {
                 && (batch.len() > 1
                     || !self.unsynced.is_empty()
                     || more_queued
-                    || batch.iter().all(|pending| pending.answered_when_written()));
+                    || batch
+                        .iter()
+                        .all(|pending| pending.durability() == Durability::Written));
             let sync = if defer {
                 LogSync::Deferred
             } else {
@@ -384,7 +387,7 @@ impl SqliteWriter {
             && sync == LogSync::Deferred
             && batch
                 .iter()
-                .all(|pending| pending.answered_when_written() && !pending.refused())
+                .all(|pending| pending.durability() == Durability::Written && !pending.refused())
         {
             let applied: Vec<MoveInfo> = batch
                 .iter()

@@ -44,10 +44,40 @@ const WRITE_LIMIT: usize = 0x1f000;
 /// commit) is not zero.
 const FRAME_HEADER: usize = 24;
 
-/// Registers the VFS once, and says whether it is there.
+/// The SQLite versions this VFS was written for and checked against: 3.53.x, the release that
+/// rusqlite 0.40's `bundled` feature builds.
+///
+/// SQLite's VFS contract says nothing of the order or the size of a log's writes, and this VFS
+/// relies on both, as SQLite 3.53 makes them: each frame written as two calls (its 24-byte
+/// header, then its page), the commit frame told by its header, nothing of a commit left to
+/// write once its commit frame's page is written except in-place rewrites, padding and the
+/// remainder of a write split at a sync, and the shared-index barrier passed between writing
+/// a commit's frames and publishing it, under the write lock (the shared-index lock at offset
+/// 0). Another release may write its log otherwise: it gets SQLite's default VFS until its
+/// log writes are checked again and this range widened.
+const SUPPORTED: std::ops::Range<c_int> = 3_053_000..3_054_000;
+
+/// Whether the SQLite of `version` (as `sqlite3_libversion_number` gives it: 3.53.2 is
+/// 3053002) is one this VFS was written for.
+pub(crate) fn supported(version: c_int) -> bool {
+    SUPPORTED.contains(&version)
+}
+
+/// Registers the VFS once, and says whether it is there. Refused (with a warning, once) when
+/// the running SQLite is not one it was written for, or its default VFS not the unix one:
+/// connections then use SQLite's default VFS.
 pub(crate) fn register() -> bool {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
     *REGISTERED.get_or_init(|| {
+        let version = rusqlite::version_number();
+        if !supported(version) {
+            tracing::warn!(
+                sqlite = rusqlite::version(),
+                "the log-gathering VFS was not written for this SQLite: connections use \
+                 SQLite's default VFS"
+            );
+            return false;
+        }
         // SAFETY: the default VFS outlives the process; the VFS registered is leaked, so it
         // lives as long as SQLite may use it.
         unsafe {
@@ -61,6 +91,10 @@ pub(crate) fn register() -> bool {
                     .to_bytes()
                     .starts_with(b"unix")
             {
+                tracing::warn!(
+                    "SQLite's default VFS is not the unix one: connections use it, without \
+                     the log-gathering VFS"
+                );
                 return false;
             }
             let mut vfs = *real;
@@ -531,6 +565,23 @@ mod tests {
     fn count(conn: &Connection) -> i64 {
         conn.query_row("SELECT count(*) FROM t", [], |r| r.get(0))
             .unwrap()
+    }
+
+    #[test]
+    fn only_the_sqlite_it_was_written_for_gets_the_vfs() {
+        // The SQLite this crate is built with is one of them.
+        assert!(
+            supported(rusqlite::version_number()),
+            "{}",
+            rusqlite::version()
+        );
+        assert!(register());
+        for version in [3_053_000, 3_053_002, 3_053_999] {
+            assert!(supported(version), "{version}");
+        }
+        for version in [3_052_999, 3_054_000, 3_045_001, 4_053_000, 0, -1] {
+            assert!(!supported(version), "{version}");
+        }
     }
 
     #[test]

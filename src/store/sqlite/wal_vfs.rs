@@ -145,18 +145,6 @@ struct LogBuffer {
     failed: bool,
 }
 
-#[cfg(test)]
-thread_local! {
-    /// Writes that reached a log file from this thread.
-    static LOG_WRITES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// Makes this thread's next writes to a log file fail.
-    static FAIL_LOG_WRITES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// Makes this thread's write to a log file fail when `LOG_WRITES` reaches it.
-    static FAIL_LOG_WRITE_AT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-    /// A barrier on this thread found bytes still to write (and wrote them).
-    static BARRIER_FOUND_BYTES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
 unsafe extern "C" fn open(
     _: *mut ffi::sqlite3_vfs,
     name: ffi::sqlite3_filename,
@@ -251,13 +239,10 @@ unsafe fn write_out(file: *mut ffi::sqlite3_file, log: &mut LogBuffer) -> c_int 
         let mut rc = ffi::SQLITE_OK;
         let mut offset = log.start;
         for chunk in log.data.chunks(WRITE_LIMIT) {
-            #[cfg(test)]
-            {
-                LOG_WRITES.set(LOG_WRITES.get() + 1);
-                if FAIL_LOG_WRITES.get() || LOG_WRITES.get() == FAIL_LOG_WRITE_AT.get() {
-                    rc = ffi::SQLITE_IOERR_WRITE;
-                    break;
-                }
+            #[cfg(any(test, feature = "testkit"))]
+            if super::faults::vfs::before_log_write() {
+                rc = ffi::SQLITE_IOERR_WRITE;
+                break;
             }
             rc = (methods.xWrite.expect("xWrite"))(
                 real,
@@ -482,10 +467,8 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
         // process that cannot write a commit it is about to publish stops here, and the next
         // to open the database recovers the log from the file, without that commit.
         if let Some((log, buffer)) = log_of(file) {
-            #[cfg(test)]
-            if !buffer.data.is_empty() || buffer.failed {
-                BARRIER_FOUND_BYTES.set(true);
-            }
+            #[cfg(any(test, feature = "testkit"))]
+            super::faults::vfs::at_barrier(!buffer.data.is_empty() || buffer.failed);
             // A failed write marks the buffer failed.
             let _ = write_out(log, buffer);
             if buffer.failed {
@@ -532,6 +515,7 @@ mod tests {
     use rusqlite::{Connection, OpenFlags};
 
     use super::*;
+    use crate::store::sqlite::faults::vfs;
 
     fn open(path: &std::path::Path, synchronous: &str) -> Connection {
         assert!(register());
@@ -620,10 +604,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let writer = open(&dir.path().join("db"), "NORMAL");
         commit_rows(&writer, 0, 10).unwrap();
-        let before = LOG_WRITES.get();
+        let before = vfs::log_writes();
         // About 60 pages: 120 writes through the default VFS.
         commit_rows(&writer, 1000, 600).unwrap();
-        let writes = LOG_WRITES.get() - before;
+        let writes = vfs::log_writes() - before;
         assert!((1..=3).contains(&writes), "{writes} writes");
     }
 
@@ -634,9 +618,9 @@ mod tests {
         let writer = open(&path, "FULL");
         let reader = Connection::open(&path).unwrap();
         commit_rows(&writer, 0, 100).unwrap();
-        FAIL_LOG_WRITES.set(true);
+        vfs::fail_log_writes(true);
         let failed = commit_rows(&writer, 100, 100);
-        FAIL_LOG_WRITES.set(false);
+        vfs::fail_log_writes(false);
         let err = failed.unwrap_err();
         assert_eq!(
             err.sqlite_error_code(),
@@ -737,17 +721,17 @@ mod tests {
         for rows in 1000..1030 {
             let dir = tempfile::tempdir().unwrap();
             let writer = open(&dir.path().join("db"), "NORMAL");
-            BARRIER_FOUND_BYTES.set(false);
+            vfs::take_barrier_found_bytes();
             commit_pages(&writer, 0, rows).unwrap();
-            assert!(!BARRIER_FOUND_BYTES.get(), "{rows} rows");
+            assert!(!vfs::take_barrier_found_bytes(), "{rows} rows");
         }
         let dir = tempfile::tempdir().unwrap();
         let writer = open(&dir.path().join("db"), "NORMAL");
         writer.execute_batch("PRAGMA cache_size = 20").unwrap();
-        BARRIER_FOUND_BYTES.set(false);
+        vfs::take_barrier_found_bytes();
         commit_rows(&writer, 0, 20_000).unwrap();
         commit_rows(&writer, 5_000, 20_000).unwrap();
-        assert!(!BARRIER_FOUND_BYTES.get(), "a spilled transaction");
+        assert!(!vfs::take_barrier_found_bytes(), "a spilled transaction");
         // Another connection starts the log over: this one's idea of the log's end is past
         // its next frames, whose commit headers look like rewrites.
         writer
@@ -758,7 +742,7 @@ mod tests {
         for round in 0..20 {
             commit_rows(&writer, round * 10, 10).unwrap();
             assert!(
-                !BARRIER_FOUND_BYTES.get(),
+                !vfs::take_barrier_found_bytes(),
                 "after a restart by another, round {round}"
             );
         }
@@ -773,13 +757,16 @@ mod tests {
             let writer = open(&path, "NORMAL");
             writer.execute_batch("PRAGMA cache_size = 20").unwrap();
             commit_rows(&writer, 0, 500).unwrap();
-            let before = LOG_WRITES.get();
-            FAIL_LOG_WRITE_AT.set(fail_at.map_or(0, |k| before + k));
-            BARRIER_FOUND_BYTES.set(false);
+            let before = vfs::log_writes();
+            vfs::fail_log_write_at(fail_at.map(|k| before + k));
+            vfs::take_barrier_found_bytes();
             let result = commit_rows(&writer, 200, 3_000);
-            FAIL_LOG_WRITE_AT.set(0);
-            let writes = LOG_WRITES.get() - before;
-            assert!(!BARRIER_FOUND_BYTES.get(), "failing write {fail_at:?}");
+            vfs::fail_log_write_at(None);
+            let writes = vfs::log_writes() - before;
+            assert!(
+                !vfs::take_barrier_found_bytes(),
+                "failing write {fail_at:?}"
+            );
             let expected = if result.is_ok() { 3_200 } else { 500 };
             assert_eq!(count(&writer), expected, "failing write {fail_at:?}");
             let (_copy, recovered) = crash_image(&path);

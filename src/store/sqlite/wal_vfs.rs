@@ -1,13 +1,15 @@
 //! A VFS over SQLite's default one that hands each commit's log frames to the file in one write.
 //!
 //! SQLite appends a frame to the write-ahead log with two `write` calls (its 24-byte header, then
-//! the page), so a group commit of a few hundred pages costs twice as many system calls: on this
-//! project's machine, the commit was about half of the writer's statement time. This VFS gathers the consecutive writes to a log
+//! the page), so a group commit of a few hundred pages costs twice as many system calls (what
+//! that costs is in `docs/performance.md`). This VFS gathers the consecutive writes to a log
 //! file in memory and writes them with one call per [`WRITE_LIMIT`] bytes:
 //!
 //! - when the page of a commit frame (the frame whose header holds the database's size after the
 //!   transaction) is written: the transaction's frames reach the file inside that write, so a
-//!   failure is the commit's failure, which SQLite rolls back;
+//!   failure is the commit's failure, which SQLite rolls back. What the transaction writes after
+//!   it (checksums rewritten in place, padding to a sector, the rest of a write split at a sync)
+//!   goes to the file at once, in the write that carries it, until the write lock is released;
 //! - before anything else is done with the log (a read, a sync, a size query, a close);
 //! - before the database file's shared-index barrier, which SQLite passes between writing a
 //!   commit's frames and publishing the commit to other connections: no connection can read a
@@ -16,6 +18,14 @@
 //! - before any change of the database's shared-index locks, among them the release of the
 //!   write lock: frames of a transaction rolled back never outlive it, to land on frames another
 //!   connection wrote since.
+//!
+//! A gathered write that fails drops what it held; until the write lock is released, every
+//! later write, read and sync of that log fails too, so that the transaction, which may have
+//! been told (or may have ignored, as SQLite does a size query's error) of the failure in a
+//! call it could not fail, cannot commit. Only the barrier cannot fail: a write that fails
+//! there aborts the process rather than let a commit be published whose frames are not in the
+//! file. SQLite 3.53 never leaves bytes to write there (the commit frame's page sent them, and
+//! what follows it goes at once); it is the guard for a write pattern this VFS does not know.
 //!
 //! The bytes, their offsets and their order are SQLite's own, so the file is exactly what SQLite
 //! would have written. Files other than a log pass straight through, and so does a log whose
@@ -138,10 +148,14 @@ struct LogBuffer {
     data: Vec<u8>,
     /// The last write was a commit frame's header: its page completes the commit.
     commit_next: bool,
+    /// A commit frame's page was written since the write lock was taken: every write goes to
+    /// the file at once, so that its failure is the commit's.
+    through: bool,
     /// The end of the furthest write since the log last started over (a write at offset 0).
     end: i64,
-    /// A write failed since the write lock was last taken or released: the barrier must not
-    /// let a commit be published (SQLite ignores some errors, of a size query, say).
+    /// A write failed (and its bytes were dropped) since the write lock was last taken or
+    /// released: the log's writes, reads and syncs fail until it is released, and the barrier
+    /// must not let a commit be published (SQLite ignores some errors, of a size query, say).
     failed: bool,
 }
 
@@ -262,6 +276,19 @@ unsafe fn write_out(file: *mut ffi::sqlite3_file, log: &mut LogBuffer) -> c_int 
     }
 }
 
+/// `SQLITE_IOERR_WRITE` for a log one of whose gathered writes failed since the write lock was
+/// taken: the transaction cannot commit, nor read back the frames dropped.
+unsafe fn refused(file: *mut ffi::sqlite3_file) -> Option<c_int> {
+    // SAFETY: only called on files this VFS opened.
+    unsafe {
+        (*(file as *mut ShimFile))
+            .log
+            .as_ref()
+            .filter(|log| log.failed)
+            .map(|_| ffi::SQLITE_IOERR_WRITE)
+    }
+}
+
 /// For a database file: its log and the log's buffer, if it has a log of ours.
 unsafe fn log_of<'a>(
     db: *mut ffi::sqlite3_file,
@@ -293,6 +320,9 @@ unsafe extern "C" fn write(
             let (real, methods) = real(file);
             return (methods.xWrite.expect("xWrite"))(real, data, amount, offset);
         };
+        if log.failed {
+            return ffi::SQLITE_IOERR_WRITE;
+        }
         let bytes = std::slice::from_raw_parts(data as *const u8, amount as usize);
         let completes_commit = log.commit_next && bytes.len() != FRAME_HEADER;
         let commit_header = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
@@ -311,8 +341,9 @@ unsafe extern "C" fn write(
         }
         log.data.extend_from_slice(bytes);
         // The commit frame is complete: the transaction's frames go to the file now, so that
-        // a failure is the commit's.
-        if completes_commit {
+        // a failure is the commit's; and so does everything the transaction writes after it.
+        if completes_commit || log.through {
+            log.through = true;
             return write_out(file, log);
         }
         let mut rc = ffi::SQLITE_OK;
@@ -375,6 +406,9 @@ unsafe extern "C" fn read(
     amount: c_int,
     offset: i64,
 ) -> c_int {
+    if let Some(rc) = unsafe { refused(file) } {
+        return rc;
+    }
     flushed!(file, xRead, data, amount, offset)
 }
 
@@ -383,6 +417,9 @@ unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int 
 }
 
 unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+    if let Some(rc) = unsafe { refused(file) } {
+        return rc;
+    }
     flushed!(file, xSync, flags)
 }
 
@@ -447,13 +484,21 @@ unsafe extern "C" fn shm_lock(
     // SAFETY: the file is ours. What the log still holds here was never published (a commit's
     // frames went at its commit frame, or at the barrier): frames of a transaction rolled back,
     // or spilled before a failure. They are written as SQLite would have written them, while
-    // this connection still holds the write lock; if that fails they are dropped (`flush`
-    // empties the buffer either way), and the next writer writes over them. A failure before
-    // it no longer concerns the next transaction.
+    // this connection still holds the write lock. If that fails they are dropped (`write_out`
+    // empties the buffer either way): the lock asked for is refused with the error, which
+    // SQLite reports (a release cannot fail: its frames were never published, and the next
+    // writer writes over them). Taking or releasing the write lock (offset 0 of the shared
+    // index's locks) starts a transaction afresh: a failure before it no longer concerns it.
     unsafe {
         if let Some((log, buffer)) = log_of(file) {
-            let _ = write_out(log, buffer);
-            buffer.failed = false;
+            let rc = write_out(log, buffer);
+            if rc != ffi::SQLITE_OK && flags & ffi::SQLITE_SHM_LOCK != 0 {
+                return rc;
+            }
+            if offset == 0 && flags & ffi::SQLITE_SHM_EXCLUSIVE != 0 {
+                buffer.failed = false;
+                buffer.through = false;
+            }
         }
     }
     flushed!(file, xShmLock, offset, n, flags)
@@ -463,9 +508,13 @@ unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
     // SAFETY: the file is ours.
     unsafe {
         // SQLite passes the barrier between writing a commit's frames and publishing it: the
-        // frames must be in the file first. The barrier cannot fail, so neither may this: a
+        // frames must be in the file first. The barrier cannot fail (`xShmBarrier` returns
+        // nothing, and SQLite publishes the commit right after it), so neither may this: a
         // process that cannot write a commit it is about to publish stops here, and the next
-        // to open the database recovers the log from the file, without that commit.
+        // to open the database recovers the log from the file, without that commit. A failure
+        // since the write lock was taken failed every later write, the commit frame's among
+        // them, so no commit gets here after one; and SQLite 3.53 leaves nothing to write here
+        // (see the module's documentation).
         if let Some((log, buffer)) = log_of(file) {
             #[cfg(any(test, feature = "testkit"))]
             super::faults::vfs::at_barrier(!buffer.data.is_empty() || buffer.failed);
@@ -518,10 +567,19 @@ mod tests {
     use crate::store::sqlite::faults::vfs;
 
     fn open(path: &std::path::Path, synchronous: &str) -> Connection {
+        open_as(path, synchronous, true)
+    }
+
+    /// `psow`: whether the file is taken to be safe from overwrites at a power loss (SQLite's
+    /// default). If not, a commit at `FULL` pads the log to the end of a sector with copies of
+    /// its commit frame, and splits the write that crosses the sector's end at a sync.
+    fn open_as(path: &std::path::Path, synchronous: &str, psow: bool) -> Connection {
         assert!(register());
         let conn = Connection::open_with_flags_and_vfs(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,
+            format!("file:{}?psow={}", path.display(), u8::from(psow)),
+            OpenFlags::SQLITE_OPEN_READ_WRITE
+                | OpenFlags::SQLITE_OPEN_CREATE
+                | OpenFlags::SQLITE_OPEN_URI,
             NAME,
         )
         .unwrap();
@@ -746,15 +804,35 @@ mod tests {
                 "after a restart by another, round {round}"
             );
         }
+        // Commits padded to a sector, whose last write is split at a sync: what follows the
+        // commit frame goes at once.
+        let dir = tempfile::tempdir().unwrap();
+        let writer = open_as(&dir.path().join("db"), "FULL", false);
+        vfs::take_barrier_found_bytes();
+        for rows in [1, 10, 100, 1_000] {
+            commit_rows(&writer, rows, rows).unwrap();
+            assert!(!vfs::take_barrier_found_bytes(), "padded, {rows} rows");
+        }
     }
 
     #[test]
     fn a_write_that_fails_anywhere_in_a_commit_fails_it_or_leaves_it_whole() {
-        // The writes a spilled transaction makes when nothing fails.
+        // Each write of a spilled transaction, and of one padded to a sector, fails in turn;
+        // none may reach the barrier (which would abort the process).
+        for (synchronous, psow) in [("NORMAL", true), ("FULL", false)] {
+            a_write_that_fails_anywhere_fails_the_commit_or_leaves_it_whole(synchronous, psow);
+        }
+    }
+
+    fn a_write_that_fails_anywhere_fails_the_commit_or_leaves_it_whole(
+        synchronous: &str,
+        psow: bool,
+    ) {
+        // The writes the transaction makes, when `fail_at` is `None`.
         let writes_of = |fail_at: Option<usize>| {
             let dir = tempfile::tempdir().unwrap();
             let path = dir.path().join("db");
-            let writer = open(&path, "NORMAL");
+            let writer = open_as(&path, synchronous, psow);
             writer.execute_batch("PRAGMA cache_size = 20").unwrap();
             commit_rows(&writer, 0, 500).unwrap();
             let before = vfs::log_writes();
@@ -770,7 +848,14 @@ mod tests {
             let expected = if result.is_ok() { 3_200 } else { 500 };
             assert_eq!(count(&writer), expected, "failing write {fail_at:?}");
             let (_copy, recovered) = crash_image(&path);
-            assert_eq!(count(&recovered), expected, "failing write {fail_at:?}");
+            let recovered = count(&recovered);
+            // A padding frame that fails after the commit frame reached the file fails the
+            // commit, which recovery from the file alone finds whole: as with SQLite's own
+            // writes.
+            assert!(
+                recovered == expected || (!psow && result.is_err() && recovered == 3_200),
+                "failing write {fail_at:?}: {recovered} rows recovered"
+            );
             writes
         };
         let writes = writes_of(None);
@@ -778,5 +863,75 @@ mod tests {
         for k in 1..=writes {
             writes_of(Some(k));
         }
+    }
+
+    /// The log file of a connection's main database.
+    fn log_file(conn: &Connection) -> *mut ffi::sqlite3_file {
+        let mut log: *mut ffi::sqlite3_file = ptr::null_mut();
+        // SAFETY: the handle is open; SQLITE_FCNTL_JOURNAL_POINTER writes its log's file.
+        let rc = unsafe {
+            ffi::sqlite3_file_control(
+                conn.handle(),
+                c"main".as_ptr(),
+                ffi::SQLITE_FCNTL_JOURNAL_POINTER,
+                (&mut log as *mut *mut ffi::sqlite3_file).cast(),
+            )
+        };
+        assert_eq!(rc, ffi::SQLITE_OK);
+        assert!(!log.is_null());
+        log
+    }
+
+    #[test]
+    fn a_failed_write_whose_error_sqlite_ignores_still_fails_the_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let writer = open(&path, "NORMAL");
+        writer.execute_batch("PRAGMA cache_size = 20").unwrap();
+        commit_rows(&writer, 0, 100).unwrap();
+        let tx = writer.unchecked_transaction().unwrap();
+        // Spills frames until some are still gathered, then asks for the log's size as SQLite
+        // does when it limits the log (which ignores the error): the gathered write fails.
+        let mut k = 1_000;
+        loop {
+            for k in k..k + 100 {
+                tx.execute(
+                    "INSERT INTO t (k, v) VALUES (?1, ?2)",
+                    rusqlite::params![k, "s".repeat(300)],
+                )
+                .unwrap();
+            }
+            k += 100;
+            let log = log_file(&tx);
+            let before = vfs::log_writes();
+            vfs::fail_log_writes(true);
+            let mut size = 0;
+            // SAFETY: the log is open, and ours.
+            let rc = unsafe { file_size(log, &mut size) };
+            vfs::fail_log_writes(false);
+            if vfs::log_writes() > before {
+                assert_eq!(rc, ffi::SQLITE_IOERR_WRITE);
+                break;
+            }
+            assert!(k < 50_000, "nothing was ever left gathered");
+        }
+        // The frames dropped cannot be read back, nor the transaction committed.
+        vfs::take_barrier_found_bytes();
+        let err = tx.commit().unwrap_err();
+        assert!(!vfs::take_barrier_found_bytes());
+        assert_eq!(
+            err.sqlite_error_code(),
+            Some(rusqlite::ErrorCode::SystemIoFailure),
+            "{err}"
+        );
+        if !writer.is_autocommit() {
+            writer.execute_batch("ROLLBACK").unwrap();
+        }
+        assert_eq!(count(&writer), 100);
+        // The write lock released, the log is written again.
+        commit_rows(&writer, 100, 100).unwrap();
+        assert_eq!(count(&writer), 200);
+        let (_copy, recovered) = crash_image(&path);
+        assert_eq!(count(&recovered), 200);
     }
 }

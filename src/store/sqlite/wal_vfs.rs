@@ -13,19 +13,21 @@
 //! - before anything else is done with the log (a read, a sync, a size query, a close);
 //! - before the database file's shared-index barrier, which SQLite passes between writing a
 //!   commit's frames and publishing the commit to other connections: no connection can read a
-//!   published commit whose frames are not in the file, whatever path wrote them (a transaction
-//!   that spilled pages, rewrote checksums, or padded its commit);
+//!   published commit whose frames are not in the file, whatever path wrote them (should a
+//!   commit be written in a way this VFS does not recognise);
 //! - before any change of the database's shared-index locks, among them the release of the
 //!   write lock: frames of a transaction rolled back never outlive it, to land on frames another
 //!   connection wrote since.
 //!
-//! A gathered write that fails drops what it held; until the write lock is released, every
-//! later write, read and sync of that log fails too, so that the transaction, which may have
-//! been told (or may have ignored, as SQLite does a size query's error) of the failure in a
-//! call it could not fail, cannot commit. Only the barrier cannot fail: a write that fails
-//! there aborts the process rather than let a commit be published whose frames are not in the
-//! file. SQLite 3.53 never leaves bytes to write there (the commit frame's page sent them, and
-//! what follows it goes at once); it is the guard for a write pattern this VFS does not know.
+//! A gathered write that fails drops what it held, and the call that wrote it (the commit
+//! frame's page, a read, a sync, a size query, a lock taken) returns its error. SQLite ignores
+//! some of those errors (a size query's), so until the write lock is released every later
+//! write, read and sync of that log fails too: a transaction that lost frames cannot commit.
+//! Only the barrier cannot report an error: a write that fails there aborts the process rather
+//! than let a commit be published whose frames are not in the file. The SQLite releases of
+//! [`SUPPORTED`] never leave bytes to write there (the commit frame's page sent them, and what
+//! follows it goes at once); it is the guard for a write pattern this VFS does not know, and
+//! other releases do not get the VFS at all.
 //!
 //! The bytes, their offsets and their order are SQLite's own, so the file is exactly what SQLite
 //! would have written. Files other than a log pass straight through, and so does a log whose

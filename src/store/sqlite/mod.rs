@@ -28,7 +28,9 @@ use std::{
 
 use rusqlite::{OpenFlags, config::DbConfig};
 
-pub(crate) use self::open::{migration_count, migrations};
+pub(crate) use self::open::migration_count;
+#[cfg(any(test, feature = "testkit"))]
+pub(crate) use self::open::migrations;
 use self::{
     log::LogFile,
     open::{Role, configure, migrate, on_open, open_writing, user_version},
@@ -193,8 +195,10 @@ impl Options {
     }
 
     /// Write a commit's log frames in one system call per 124 KiB, through agentrt's VFS
-    /// (default true, on Unix with the SQLite version it was written for; elsewhere SQLite's
-    /// default VFS is used, with a warning). Off, SQLite's default VFS writes them.
+    /// (default true). It is used on Unix with the SQLite release it was written for (3.53,
+    /// which rusqlite's `bundled` feature builds); with another, SQLite's default VFS is used
+    /// and a warning says so, once per process; on other platforms, SQLite's default VFS. Off,
+    /// SQLite's default VFS writes the log, and the VFS is not even registered.
     pub fn log_vfs(mut self, on: bool) -> Self {
         self.log_vfs = on;
         self

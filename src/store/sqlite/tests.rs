@@ -256,3 +256,70 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         assert_eq!(STATEMENTS.load(Ordering::SeqCst), 1, "{held} runs held");
     }
 }
+
+/// The name of the VFS a connection opened its main database through.
+fn vfs_name(conn: &rusqlite::Connection) -> String {
+    use rusqlite::ffi;
+    let mut vfs: *mut ffi::sqlite3_vfs = std::ptr::null_mut();
+    // SAFETY: the handle is open; SQLITE_FCNTL_VFS_POINTER writes the connection's VFS (which
+    // lives as long as the process) to `vfs`.
+    unsafe {
+        let rc = ffi::sqlite3_file_control(
+            conn.handle(),
+            c"main".as_ptr(),
+            ffi::SQLITE_FCNTL_VFS_POINTER,
+            (&mut vfs as *mut *mut ffi::sqlite3_vfs).cast(),
+        );
+        assert_eq!(rc, ffi::SQLITE_OK);
+        std::ffi::CStr::from_ptr((*vfs).zName)
+            .to_str()
+            .unwrap()
+            .to_owned()
+    }
+}
+
+#[test]
+fn the_log_vfs_switch_decides_the_vfs_of_every_connection_that_writes() {
+    // SAFETY: SQLite's default VFS lives as long as the process.
+    let default = unsafe {
+        assert_eq!(
+            rusqlite::ffi::sqlite3_initialize(),
+            rusqlite::ffi::SQLITE_OK
+        );
+        let vfs = rusqlite::ffi::sqlite3_vfs_find(std::ptr::null());
+        std::ffi::CStr::from_ptr((*vfs).zName)
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    #[cfg(unix)]
+    let on = {
+        assert!(
+            wal_vfs::register(),
+            "the bundled SQLite is the one it was written for"
+        );
+        wal_vfs::NAME.to_str().unwrap().to_owned()
+    };
+    #[cfg(not(unix))]
+    let on = default.clone();
+    assert_ne!(cfg!(unix), on == default);
+    for (options, expected) in [
+        (Options::new(), &on),
+        (Options::new().log_vfs(false), &default),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = options.clone().open(dir.path().join("db.sqlite")).unwrap();
+        let sqlite = Sqlite::of(&store).unwrap();
+        let renewal = renewal::SqliteRenewer::open(sqlite, Default::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(&vfs_name(&lock(&sqlite.writer)), expected, "{options:?}");
+        assert_eq!(&vfs_name(renewal.connection()), expected, "{options:?}");
+        // The reader never writes: it keeps SQLite's default.
+        assert_eq!(
+            vfs_name(&sqlite.connection().unwrap()),
+            default,
+            "{options:?}"
+        );
+    }
+}

@@ -1,12 +1,25 @@
 //! The SQLite backend: a database file (or `:memory:`), the embedded default.
 //!
-//! Everything SQLite-specific lives in this folder: the pragmas and migrations
-//! ([`open`](self::open)), the SQL of every primitive ([`sql`]), group commit with savepoints,
-//! the deferred log sync and the answer once written ([`writer`]), the renewal connection
-//! ([`renewal`]), the log file's own sync ([`log`]) and the VFS that gathers log writes.
+//! Everything SQLite-specific lives in this module: the pragmas and migrations, the SQL of
+//! every primitive the moves are made of, group commit with savepoints, the deferred log sync
+//! and the answer once written, checkpoints, the lease keeper's connection, and the VFS that
+//! gathers a commit's log writes (see `docs/persistence.md`).
 //!
 //! Its knobs are [`Options`]; [`Sqlite`] reaches a store's database connection for the
-//! application's own queries.
+//! application's own queries:
+//!
+//! ```
+//! use agentrt::{Store, sqlite::{Options, Sqlite, Synchronous}};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let store: Store = Options::new()
+//!     .synchronous(Synchronous::Normal)
+//!     .open(dir.path().join("agents.db"))?;
+//! let conn = Sqlite::of(&store).expect("an SQLite store").connection()?;
+//! let runs: i64 = conn.query_row("SELECT count(*) FROM runs", [], |row| row.get(0))?;
+//! assert_eq!(runs, 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 #[cfg(any(test, feature = "testkit"))]
 pub(crate) mod faults;

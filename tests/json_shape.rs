@@ -249,3 +249,25 @@ fn json_of_the_wrong_shape_is_refused_naming_what_was_expected() {
     let fraction = serde_json::from_str::<Lease>(r#"{"owner":"w","expires_at":1.5}"#).unwrap_err();
     assert!(fraction.to_string().contains("milliseconds"), "{fraction}");
 }
+
+#[test]
+fn move_infos_and_the_synchronous_setting_have_their_documented_shape() {
+    let info = agentrt::MoveInfo {
+        kind: agentrt::MoveKind::DecideTool,
+        run_id: agentrt::RunId::from("r1"),
+    };
+    let json = serde_json::to_value(&info).unwrap();
+    assert_eq!(
+        json,
+        serde_json::json!({"kind": "decide_tool", "run_id": "r1"})
+    );
+    assert_eq!(
+        serde_json::from_value::<agentrt::MoveInfo>(json).unwrap(),
+        info
+    );
+    for kind in [agentrt::MoveKind::CreateRun, agentrt::MoveKind::TakeOver] {
+        assert_eq!(serde_json::to_value(kind).unwrap(), kind.as_str());
+    }
+    let full = agentrt::sqlite::Synchronous::Full;
+    assert_eq!(serde_json::to_value(full).unwrap(), full.as_str());
+}

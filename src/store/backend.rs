@@ -172,8 +172,9 @@ pub(crate) trait LeaseWrites: Reads {
     fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool>;
 }
 
-/// What a move does: its name in [`MoveInfo`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// What a move does: its name in [`MoveInfo`]. JSON: its name, [`MoveKind::as_str`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 #[non_exhaustive]
 pub enum MoveKind {
     /// A new run, with its lease (`run.started`).
@@ -228,8 +229,9 @@ impl std::fmt::Display for MoveKind {
     }
 }
 
-/// A move the store actor is about to apply, or has committed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A move the store actor is about to apply, or has committed. JSON:
+/// `{"kind": "decide_tool", "run_id": "r1"}`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MoveInfo {
     /// What the move does.
     pub kind: MoveKind,

@@ -75,8 +75,10 @@ impl From<rusqlite::Error> for Error {
     }
 }
 
-/// SQLite's `synchronous` setting: how hard a commit waits for the disk.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// SQLite's `synchronous` setting: how hard a commit waits for the disk. JSON: `"NORMAL"`,
+/// `"FULL"` or `"EXTRA"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
 pub enum Synchronous {
     /// A commit survives a crash of the process, not necessarily of the machine.
     Normal,
@@ -98,7 +100,7 @@ impl Synchronous {
     }
 
     /// The setting SQLite reports as `PRAGMA synchronous` (0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA),
-    /// by name; `OFF` and unknown values as SQLite's number.
+    /// by name; a value it does not know, as SQLite reported it.
     pub fn name_of(pragma_value: &str) -> String {
         match pragma_value {
             "0" => "OFF".into(),
@@ -231,7 +233,7 @@ impl Options {
 
     /// A new database in memory, gone with the last clone of the store. It has one
     /// connection, which is the whole database: renewals go through the writer, and the
-    /// application's own queries wait for it (see [`Sqlite::connection`]).
+    /// application's own queries go to a copy (see [`Sqlite::connection`]).
     pub fn in_memory(self) -> Result<Store> {
         Ok(Store::from_backend(Arc::new(Sqlite::in_memory(self)?)))
     }

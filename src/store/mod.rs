@@ -52,7 +52,8 @@ pub struct Health {
     /// The schema version.
     pub schema: SchemaStatus,
     /// The backend's settings, by name, as it reports them (for SQLite: `journal_mode`,
-    /// `synchronous` by name, `foreign_keys`, `trusted_schema`, `busy_timeout`, `defensive`).
+    /// `synchronous` as this store's writers commit with it, by name, and `foreign_keys`,
+    /// `trusted_schema`, `busy_timeout`, `defensive` of the inspection connection).
     pub settings: Vec<(String, String)>,
     /// What the backend's integrity check said: `["ok"]` for a sound database.
     pub integrity: Vec<String>,

@@ -98,18 +98,6 @@ impl Synchronous {
             Synchronous::Extra => "EXTRA",
         }
     }
-
-    /// The setting SQLite reports as `PRAGMA synchronous` (0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA),
-    /// by name; a value it does not know, as SQLite reported it.
-    pub fn name_of(pragma_value: &str) -> String {
-        match pragma_value {
-            "0" => "OFF".into(),
-            "1" => "NORMAL".into(),
-            "2" => "FULL".into(),
-            "3" => "EXTRA".into(),
-            other => other.to_owned(),
-        }
-    }
 }
 
 /// The watch for the next move after a commit when [`Options::commit_spin`] is not set: 50 µs.
@@ -611,10 +599,11 @@ impl Backend for Sqlite {
             "trusted_schema",
             "busy_timeout",
         ] {
-            let value = pragma(name)?;
             let value = match name {
-                "synchronous" => Synchronous::name_of(&value),
-                _ => value,
+                // What this store's writers commit with (the inspection connection, which
+                // never writes, keeps SQLite's default).
+                "synchronous" => self.options.synchronous.as_str().to_owned(),
+                _ => pragma(name)?,
             };
             settings.push((name.to_owned(), value));
         }

@@ -163,8 +163,8 @@ fn the_synchronous_setting_is_reported_by_name() {
         .open(dir.path().join("db.sqlite"))
         .unwrap();
     let health = store.health().unwrap();
-    // The inspection connection's: it never writes, so it keeps SQLite's default.
-    assert_eq!(health.setting("synchronous"), Some("FULL"));
+    // What the store's writers commit with, by name.
+    assert_eq!(health.setting("synchronous"), Some("NORMAL"));
     assert_eq!(health.setting("defensive"), Some("1"));
 }
 

@@ -1,6 +1,6 @@
 //! The injectable clock that stamps events and run rows.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 /// The source of the times written to events and run rows.
 ///
@@ -28,5 +28,24 @@ where
 {
     fn now(&self) -> SystemTime {
         self()
+    }
+}
+
+/// A time as milliseconds since the Unix epoch (negative before it): how times are stored and
+/// shown in JSON.
+pub(crate) fn to_millis(time: SystemTime) -> i64 {
+    match time.duration_since(SystemTime::UNIX_EPOCH) {
+        Ok(after) => after.as_millis() as i64,
+        Err(before) => -(before.duration().as_millis() as i64),
+    }
+}
+
+/// The time `millis` milliseconds after the Unix epoch.
+pub(crate) fn from_millis(millis: i64) -> SystemTime {
+    let magnitude = Duration::from_millis(millis.unsigned_abs());
+    if millis >= 0 {
+        SystemTime::UNIX_EPOCH + magnitude
+    } else {
+        SystemTime::UNIX_EPOCH - magnitude
     }
 }

@@ -3,7 +3,7 @@
 use std::{path::PathBuf, time::SystemTime};
 
 use crate::{
-    store::to_millis,
+    clock::to_millis,
     types::{LeaseLostReason, RunId, RunState},
 };
 

@@ -206,7 +206,7 @@ pub(crate) fn a_new_run_is_running_under_its_creators_lease(f: &dyn Fixture) {
     assert_eq!(stored.input, json!({"n": 1}));
     let lease = store.lease(&run("r")).unwrap().expect("leased");
     assert_eq!(lease.owner, OWNER);
-    let expires = super::to_millis(lease.expires_at);
+    let expires = crate::clock::to_millis(lease.expires_at);
     assert!(expires >= before + 30_000, "stamped with the TTL");
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
     assert_eq!(
@@ -871,7 +871,7 @@ pub(crate) fn a_renewal_extends_only_the_owners_unexpired_leases(f: &dyn Fixture
     assert!(renewal.missing[2].1.is_none());
     let renewed = store.lease(&run("r0")).unwrap().unwrap().expires_at;
     assert_eq!(
-        super::to_millis(renewed),
+        crate::clock::to_millis(renewed),
         renewal.expires_at,
         "stamped with the renewal"
     );

@@ -9,6 +9,7 @@ use std::{
 
 use serde_json::{Value, json};
 
+pub(crate) use crate::clock::{from_millis, to_millis};
 use crate::{
     clock::Clock,
     error::{Error, Result},
@@ -262,20 +263,4 @@ impl<'a> Now<'a> {
 /// The wall clock in milliseconds: what lease times are read from, never `Config::clock`.
 pub(crate) fn wall_millis() -> i64 {
     to_millis(SystemTime::now())
-}
-
-pub(crate) fn to_millis(time: SystemTime) -> i64 {
-    match time.duration_since(SystemTime::UNIX_EPOCH) {
-        Ok(after) => after.as_millis() as i64,
-        Err(before) => -(before.duration().as_millis() as i64),
-    }
-}
-
-pub(crate) fn from_millis(millis: i64) -> SystemTime {
-    let magnitude = Duration::from_millis(millis.unsigned_abs());
-    if millis >= 0 {
-        SystemTime::UNIX_EPOCH + magnitude
-    } else {
-        SystemTime::UNIX_EPOCH - magnitude
-    }
 }

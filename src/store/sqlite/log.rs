@@ -80,3 +80,23 @@ impl LogFile {
         })
     }
 }
+
+thread_local! {
+    /// The pages in the write-ahead log after the last commit of a writer on this thread.
+    static LOG_PAGES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// The writer's commit hook: notes the log's size for [`log_pages`]. A hook is a plain
+/// function, so it keeps what it notes per thread: the writer's thread owns the connection.
+pub(super) fn note_log_size(
+    _: &rusqlite::hooks::Wal,
+    pages: std::ffi::c_int,
+) -> rusqlite::Result<()> {
+    LOG_PAGES.set(pages.max(0) as u32);
+    Ok(())
+}
+
+/// The pages in the write-ahead log after the last commit made on this thread.
+pub(super) fn log_pages() -> u32 {
+    LOG_PAGES.get()
+}

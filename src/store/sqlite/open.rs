@@ -6,8 +6,9 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior, config::DbConfig};
 use rusqlite_migration::{M, Migrations};
 
-use super::{Options, db_error, wal_vfs_on};
+use super::{error::db_error, options::Options};
 use crate::error::{Error, Result};
+use crate::store::SchemaStatus;
 
 include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
 
@@ -30,10 +31,8 @@ pub(crate) fn migrations() -> Migrations<'static> {
     )
 }
 
-/// The number of migrations in `migrations/`.
-pub(crate) const fn migration_count() -> usize {
-    MIGRATIONS.len()
-}
+/// The schema version this build writes: the number of migrations in `migrations/`.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
 /// they need foreign keys off while the old table is dropped, and the references from and to
@@ -186,7 +185,7 @@ pub(crate) fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
             path: path.to_path_buf(),
             // Another process upgraded the file since it was checked: say what it holds now.
             found: user_version(conn).unwrap_or(0),
-            supported: crate::store::SCHEMA_VERSION,
+            supported: SCHEMA_VERSION,
         },
         other => Error::Migration(other.to_string()),
     })
@@ -211,4 +210,133 @@ pub(crate) fn on_open(err: rusqlite::Error, path: &Path) -> Error {
         }
     }
     db_error(err)
+}
+
+/// Whether connections that write go through the log-gathering VFS.
+pub(crate) fn wal_vfs_on(options: &Options) -> bool {
+    #[cfg(unix)]
+    {
+        options.log_vfs && super::wal_vfs::register()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = options;
+        false
+    }
+}
+
+/// Reads the schema version of the database file at `path` without changing it or creating
+/// anything beside it. A missing file is [`Error::NoDatabase`]; a file that is not a
+/// database, [`Error::NotADatabase`]; a database cut short or whose schema pages are damaged,
+/// [`Error::DatabaseCorrupt`].
+pub fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
+    let path = path.as_ref();
+    let found = read_schema_version(path)?;
+    Ok(SchemaStatus {
+        found,
+        supported: SCHEMA_VERSION,
+    })
+}
+
+/// The offsets in an SQLite file's 100-byte header that the checks below read.
+mod header {
+    pub const MAGIC: &[u8; 16] = b"SQLite format 3\0";
+    pub const PAGE_SIZE: usize = 16;
+    pub const CHANGE_COUNTER: usize = 24;
+    pub const PAGE_COUNT: usize = 28;
+    pub const USER_VERSION: usize = 60;
+    pub const VALID_FOR: usize = 92;
+    pub const LEN: usize = 100;
+}
+
+fn be_u32(bytes: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
+}
+
+/// The schema version of a database file, found without creating a `-wal` or `-shm` beside it
+/// (SQLite's read-only connections create both for a database in WAL mode). A file whose log
+/// holds commits is read through SQLite, since they may change the version; otherwise the
+/// header says it, and a connection that treats the file as immutable checks the schema's
+/// pages.
+fn read_schema_version(path: &Path) -> Result<u32> {
+    use std::io::Read;
+
+    let corrupt = |detail: String| Error::DatabaseCorrupt {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let mut file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NoDatabase {
+                path: path.to_path_buf(),
+            });
+        }
+        Err(err) => return Err(corrupt(format!("it cannot be read: {err}"))),
+    };
+    let len = file
+        .metadata()
+        .map_err(|err| corrupt(format!("it cannot be read: {err}")))?
+        .len();
+    if len == 0 {
+        // SQLite's empty database: a file created and never written.
+        return Ok(0);
+    }
+    let mut head = [0u8; header::LEN];
+    if len < header::LEN as u64
+        || file.read_exact(&mut head).is_err()
+        || &head[..16] != header::MAGIC
+    {
+        return Err(Error::NotADatabase {
+            path: path.to_path_buf(),
+        });
+    }
+    let log_has_commits =
+        std::fs::metadata(format!("{}-wal", path.display())).is_ok_and(|log| log.len() > 0);
+    if log_has_commits {
+        let conn = rusqlite::Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|err| on_open(err, path))?;
+        return user_version(&conn).map_err(|err| on_open(err, path));
+    }
+    let page_size = match u32::from(u16::from_be_bytes([head[header::PAGE_SIZE], head[17]])) {
+        1 => 65_536,
+        size => size,
+    };
+    // The page count is valid only when written by the version that last changed the file.
+    if be_u32(&head, header::VALID_FOR) == be_u32(&head, header::CHANGE_COUNTER) {
+        let expected = u64::from(page_size) * u64::from(be_u32(&head, header::PAGE_COUNT));
+        if len < expected {
+            return Err(corrupt(format!(
+                "it holds {len} bytes of the {expected} its header promises: it was cut short"
+            )));
+        }
+    }
+    // Nothing is in the log, so the file is the whole database: reading it as immutable takes
+    // no lock and creates nothing, and reading the schema finds damaged pages.
+    let uri = format!("file:{}?immutable=1", uri_path(path));
+    let conn = rusqlite::Connection::open_with_flags(
+        uri,
+        OpenFlags::SQLITE_OPEN_READ_ONLY
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI,
+    )
+    .map_err(|err| on_open(err, path))?;
+    conn.query_row("SELECT count(*) FROM sqlite_schema", [], |_| Ok(()))
+        .map_err(|err| on_open(err, path))?;
+    Ok(be_u32(&head, header::USER_VERSION))
+}
+
+/// `path` as the path of an SQLite URI: the characters a URI gives a meaning to, escaped.
+fn uri_path(path: &Path) -> String {
+    let mut out = String::new();
+    for byte in path.to_string_lossy().bytes() {
+        match byte {
+            b'?' | b'#' | b'%' => out.push_str(&format!("%{byte:02X}")),
+            _ => out.push(byte as char),
+        }
+    }
+    out
 }

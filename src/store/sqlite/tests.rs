@@ -1,9 +1,27 @@
 //! The SQLite backend's own tests: the conformance suite on a file and on `:memory:`, and
 //! what only SQLite has (pragmas, the deferred log sync, the renewal connection, indexes).
 
-use super::*;
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use rusqlite::config::DbConfig;
+
+use super::{
+    Options, SCHEMA_VERSION, Sqlite, Synchronous,
+    database::lock,
+    log::LogFile,
+    migrations, renewal,
+    sql::{self, Sql},
+};
 use crate::{
-    store::conformance::{Fixture, conformance_suite},
+    error::{Error, Result},
+    store::{
+        Store,
+        conformance::{Fixture, conformance_suite},
+        model::{Now, wall_millis},
+    },
     types::RunId,
 };
 
@@ -295,10 +313,10 @@ fn the_log_vfs_switch_decides_the_vfs_of_every_connection_that_writes() {
     #[cfg(unix)]
     let on = {
         assert!(
-            wal_vfs::register(),
+            super::wal_vfs::register(),
             "the bundled SQLite is the one it was written for"
         );
-        wal_vfs::NAME.to_str().unwrap().to_owned()
+        super::wal_vfs::NAME.to_str().unwrap().to_owned()
     };
     #[cfg(not(unix))]
     let on = default.clone();

@@ -15,7 +15,13 @@ use std::{
 
 use rusqlite::{Connection, TransactionBehavior};
 
-use super::{Sqlite, Synchronous, lock, renewal::RenewalPending, sql::Sql};
+use super::{
+    database::{Sqlite, lock},
+    log::log_pages,
+    options::Synchronous,
+    renewal::RenewalPending,
+    sql::Sql,
+};
 use crate::{
     clock::Clock,
     error::{Error, Result},
@@ -41,26 +47,6 @@ const MAX_CHECKPOINT_PERIOD: Duration = Duration::from_secs(2);
 /// log's length, so a longer log means fewer copies. The price: a log of up to this size on
 /// disk, read once by the next process to open the database after a crash.
 const MAX_LOG_PAGES: u32 = 32_000;
-
-thread_local! {
-    /// The pages in the write-ahead log after the last commit of a writer on this thread.
-    static LOG_PAGES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// The writer's commit hook: notes the log's size for [`log_pages`]. A hook is a plain
-/// function, so it keeps what it notes per thread: the writer's thread owns the connection.
-pub(super) fn note_log_size(
-    _: &rusqlite::hooks::Wal,
-    pages: std::ffi::c_int,
-) -> rusqlite::Result<()> {
-    LOG_PAGES.set(pages.max(0) as u32);
-    Ok(())
-}
-
-/// The pages in the write-ahead log after the last commit made on this thread.
-fn log_pages() -> u32 {
-    LOG_PAGES.get()
-}
 
 /// When a group commit's log reaches the disk.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

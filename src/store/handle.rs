@@ -1,0 +1,145 @@
+//! The store: a handle on a backend, read-only inspection, and the operator's moves.
+
+use std::sync::Arc;
+
+use super::{
+    backend::{Backend, MoveObserver, Reads, Session, Tx},
+    health::Health,
+    model::Now,
+    moves::{self, Move},
+};
+use crate::{
+    clock::{Clock, SystemClock},
+    error::{Error, Result},
+    types::{Approval, Event, Lease, PendingCall, Run, RunId, RunState},
+};
+
+/// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
+///
+/// [`Store::open`] opens an SQLite file with the default options, [`Store::in_memory`] a
+/// private database in memory; [`sqlite::Options`](crate::sqlite::Options) opens one with other
+/// settings.
+///
+/// The inspection methods (`run`, `runs`, `events`, ...) block on the database: call them
+/// from a thread that may block, not from an actix arbiter that hosts actors.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("backend", &self.backend.describe())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    pub(crate) fn from_backend(backend: Arc<dyn Backend>) -> Store {
+        Store { backend }
+    }
+
+    pub(crate) fn backend(&self) -> &dyn Backend {
+        &*self.backend
+    }
+
+    /// The write side of a supervisor over this store.
+    pub(crate) fn session(
+        &self,
+        clock: Arc<dyn Clock>,
+        observer: Option<Arc<dyn MoveObserver>>,
+    ) -> Result<Session> {
+        self.backend.clone().session(clock, observer)
+    }
+
+    /// The schema version of this database.
+    pub fn schema_version(&self) -> Result<u32> {
+        self.backend.schema_version()
+    }
+
+    /// An inspection read, returned once every move it could have seen is durable.
+    pub(crate) fn read<R>(&self, mut read: impl FnMut(&mut dyn Reads) -> Result<R>) -> Result<R> {
+        let mut value = None;
+        // A backend may read again (after a conflict, say): the last reading stands.
+        self.backend.read(&mut |reads| {
+            value = Some(read(reads)?);
+            Ok(())
+        })?;
+        value.ok_or_else(|| Error::CommitFailed("the backend never ran the read".into()))
+    }
+
+    /// One move in a transaction of its own, outside any supervisor: committed when `apply`
+    /// returns `Ok`, rolled back otherwise. The clock is read at most once, when the move first
+    /// asks for the time.
+    pub(crate) fn transact<R>(
+        &self,
+        clock: &dyn Clock,
+        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let mut value = None;
+        // A backend may apply the move again (a transaction retried after a conflict): the
+        // result of the attempt that committed stands.
+        self.backend.transact(clock, &mut |tx, now| {
+            value = Some(apply(tx, now)?);
+            Ok(())
+        })?;
+        value.ok_or_else(|| Error::CommitFailed("the backend never applied the move".into()))
+    }
+
+    /// A run.
+    pub fn run(&self, run_id: &RunId) -> Result<Run> {
+        self.read(|reads| moves::run(reads, run_id))
+    }
+
+    /// The runs, oldest first; only those in `state` when given.
+    pub fn runs(&self, state: Option<RunState>) -> Result<Vec<Run>> {
+        self.read(|reads| reads.runs(state))
+    }
+
+    /// A run's events, in order (see `docs/events.md`).
+    pub fn events(&self, run_id: &RunId) -> Result<Vec<Event>> {
+        self.events_after(run_id, 0)
+    }
+
+    /// A run's events after sequence number `after`, in order: how a follower tails the log.
+    pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
+        self.read(|reads| moves::events_after(reads, run_id, after))
+    }
+
+    /// The tool calls of a run that wait for an approval not yet recorded.
+    pub fn pending_calls(&self, run_id: &RunId) -> Result<Vec<PendingCall>> {
+        self.read(|reads| moves::pending_calls(reads, run_id))
+    }
+
+    /// The stored lease of a run: its owner and expiry, read without taking or changing it.
+    /// `None` when nobody holds it (the run is paused, finished, or was released by the call
+    /// that executed it). A lease whose expiry has passed is stale, not released: a resume
+    /// takes such a run over.
+    pub fn lease(&self, run_id: &RunId) -> Result<Option<Lease>> {
+        self.read(|reads| moves::lease(reads, run_id))
+    }
+
+    /// An operator's cancel, from outside a supervisor (a command-line tool, say), stamped by
+    /// the system clock. A supervisor executing the run learns it at its next lease renewal:
+    /// its loop stops at its next write, and a tool running then has its outcome recorded late.
+    pub fn cancel(&self, run_id: &RunId, reason: &str) -> Result<()> {
+        self.transact(&SystemClock, |tx, now| {
+            Move::new(tx, now, run_id).cancel_run(reason)
+        })
+    }
+
+    /// Records an operator's approval or denial of a waiting call, from outside a supervisor,
+    /// stamped by the system clock. Resume the run afterwards.
+    pub fn record_approval(&self, approval: &Approval) -> Result<()> {
+        self.transact(&SystemClock, |tx, now| {
+            Move::new(tx, now, &approval.run_id).record_approval(approval)
+        })
+    }
+
+    /// A health report: schema version, the backend's settings, its integrity check, and the
+    /// leases an operator should know about.
+    pub fn health(&self) -> Result<Health> {
+        self.backend.health()
+    }
+}

@@ -1,0 +1,106 @@
+//! The SQLite backend behind the storage boundary.
+
+use std::{any::Any, sync::Arc};
+
+use rusqlite::config::DbConfig;
+
+use super::{
+    database::Sqlite,
+    open::user_version,
+    sql::{self, Sql},
+    writer,
+};
+use crate::{
+    clock::Clock,
+    error::Result,
+    store::{
+        Health, SCHEMA_VERSION, SchemaStatus,
+        backend::{Backend, MoveObserver, Reads, Session, Tx},
+        model::{Now, wall_millis},
+    },
+};
+
+impl Backend for Sqlite {
+    fn describe(&self) -> String {
+        match &self.path {
+            Some(path) => format!("sqlite:{}", path.display()),
+            None => "sqlite::memory:".into(),
+        }
+    }
+
+    fn schema_version(&self) -> Result<u32> {
+        Ok(user_version(&self.inspection())?)
+    }
+
+    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+        read(&mut Sql(&self.inspection()))?;
+        // The connection is released: the sync holds nobody up. A reader must not act on a
+        // move that a power loss would undo.
+        self.sync_after_read()
+    }
+
+    fn transact(
+        &self,
+        clock: &dyn Clock,
+        apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+    ) -> Result<()> {
+        writer::transact(self, clock, apply)
+    }
+
+    fn session(
+        self: Arc<Self>,
+        clock: Arc<dyn Clock>,
+        observer: Option<Arc<dyn MoveObserver>>,
+    ) -> Result<Session> {
+        writer::session(self, clock, observer)
+    }
+
+    fn health(&self) -> Result<Health> {
+        let conn = self.inspection();
+        let pragma = |name: &str| -> Result<String> {
+            Ok(conn
+                .pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
+                .map(|value| match value {
+                    rusqlite::types::Value::Integer(n) => n.to_string(),
+                    rusqlite::types::Value::Text(text) => text,
+                    other => format!("{other:?}"),
+                })?)
+        };
+        let mut settings = Vec::new();
+        for name in [
+            "journal_mode",
+            "synchronous",
+            "foreign_keys",
+            "trusted_schema",
+            "busy_timeout",
+        ] {
+            let value = match name {
+                // What this store's writers commit with (the inspection connection, which
+                // never writes, keeps SQLite's default).
+                "synchronous" => self.options.synchronous.as_str().to_owned(),
+                _ => pragma(name)?,
+            };
+            settings.push((name.to_owned(), value));
+        }
+        let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE)?;
+        settings.push((
+            "defensive".to_owned(),
+            if defensive { "1" } else { "0" }.into(),
+        ));
+        let (stale_leases, running_without_lease) = Sql(&conn).lease_report(wall_millis())?;
+        Ok(Health {
+            schema: SchemaStatus {
+                found: user_version(&conn)?,
+                supported: SCHEMA_VERSION,
+            },
+            settings,
+            integrity: sql::integrity_check(&conn)?,
+            stale_leases,
+            running_without_lease,
+        })
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}

@@ -1,0 +1,274 @@
+//! The SQLite backend's handle on a database: its connections, opening, the log's sync, and
+//! the constructors that make a [`Store`] of it.
+
+use std::{
+    ops::Deref,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, MutexGuard, atomic::AtomicBool},
+    time::Duration,
+};
+
+use rusqlite::OpenFlags;
+
+use super::{
+    log::LogFile,
+    open::{Role, configure, migrate, on_open, open_writing, schema_status},
+    options::{Options, Synchronous},
+};
+use crate::{
+    error::{Error, Result},
+    store::Store,
+};
+
+impl Store {
+    /// Opens (creating it if missing) the SQLite database file at `path`, with the default
+    /// [`Options`]. A file that is not a database, a damaged one, or a database of a newer
+    /// schema version is refused and left as it was.
+    pub fn open(path: impl AsRef<Path>) -> Result<Store> {
+        Options::default().open(path)
+    }
+
+    /// A new SQLite database in memory, gone with the last clone of this handle.
+    pub fn in_memory() -> Result<Store> {
+        Options::default().in_memory()
+    }
+}
+
+impl Options {
+    /// Opens (creating it if missing, unless told not to) the database file at `path`,
+    /// applying the migrations it lacks. A file that is not a database, a damaged one, or a
+    /// database of a newer schema version, is refused and left unchanged, with nothing created
+    /// beside it. `":memory:"` is [`in_memory`](Self::in_memory).
+    pub fn open(self, path: impl AsRef<Path>) -> Result<Store> {
+        let path = path.as_ref();
+        if path.as_os_str() == ":memory:" {
+            return self.in_memory();
+        }
+        Ok(Store::from_backend(Arc::new(Sqlite::open(path, self)?)))
+    }
+
+    /// A new database in memory, gone with the last clone of the store. It has one
+    /// connection, which is the whole database: renewals go through the writer, and the
+    /// application's own queries go to a copy (see [`Sqlite::connection`]).
+    pub fn in_memory(self) -> Result<Store> {
+        Ok(Store::from_backend(Arc::new(Sqlite::in_memory(self)?)))
+    }
+}
+
+/// The SQLite backend of a [`Store`]: reach it with [`Sqlite::of`].
+pub struct Sqlite {
+    pub(super) path: Option<PathBuf>,
+    pub(super) options: Options,
+    /// The one connection that writes; for `:memory:` also the one that reads.
+    pub(super) writer: Mutex<rusqlite::Connection>,
+    /// File stores: a connection for inspection and the application's own queries.
+    pub(super) reader: Option<Mutex<rusqlite::Connection>>,
+    /// File stores: the write-ahead log, for the syncs done outside SQLite's commits.
+    pub(super) log: Option<LogFile>,
+    /// A deferred group switched the writer to `synchronous = NORMAL` and it was not switched
+    /// back yet (the group is being applied, or its restore failed, or it panicked): the next
+    /// use of the writer restores the store's setting first.
+    pub(super) writer_lowered: AtomicBool,
+    /// The test seam: counted syncs, injected failures.
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) faults: super::faults::Faults,
+}
+
+impl std::fmt::Debug for Sqlite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sqlite")
+            .field("path", &self.path)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sqlite {
+    /// The SQLite backend of `store`, if it has that one.
+    pub fn of(store: &Store) -> Option<&Sqlite> {
+        store.backend().as_any().downcast_ref()
+    }
+
+    /// The database file, or `None` in memory.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// A read-only connection for the application's own queries.
+    ///
+    /// On a file store it is the store's inspection connection: hold it briefly, since the
+    /// store's inspection reads wait for it (moves and lease renewals do not: they have
+    /// connections of their own). On `:memory:`, whose one connection is the writer's, it is
+    /// a connection to a copy of the database taken now: holding it holds up nothing, not a
+    /// move and not a renewal, and it sees nothing committed after this call. The copy costs
+    /// about the database's size in memory and time.
+    pub fn connection(&self) -> Result<Connection<'_>> {
+        match &self.reader {
+            Some(reader) => Ok(Connection(Held::Shared(lock(reader)))),
+            None => {
+                let mut copy = rusqlite::Connection::open_in_memory()?;
+                {
+                    let writer = lock(&self.writer);
+                    let backup = rusqlite::backup::Backup::new(&writer, &mut copy)?;
+                    backup.run_to_completion(i32::MAX, Duration::ZERO, None)?;
+                }
+                configure(&copy, &self.options, false, Role::Reader)?;
+                Ok(Connection(Held::Copy(copy)))
+            }
+        }
+    }
+
+    fn open(path: &Path, options: Options) -> Result<Sqlite> {
+        let path = path.to_path_buf();
+        match schema_status(&path) {
+            Ok(status) if status.found > status.supported => {
+                return Err(Error::SchemaTooNew {
+                    path,
+                    found: status.found,
+                    supported: status.supported,
+                });
+            }
+            Ok(status) if status.pending() > 0 && !options.migrate => {
+                return Err(Error::SchemaOutdated {
+                    path,
+                    found: status.found,
+                    supported: status.supported,
+                });
+            }
+            Ok(_) => {}
+            Err(Error::NoDatabase { .. }) if options.create => {}
+            Err(err) => return Err(err),
+        }
+        let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        if options.create {
+            flags |= OpenFlags::SQLITE_OPEN_CREATE;
+        }
+        let mut writer = open_writing(&path, flags, &options).map_err(|err| on_open(err, &path))?;
+        configure(&writer, &options, true, Role::Writer).map_err(|err| named(err, &path))?;
+        // After the pragmas: `wal_autocheckpoint` installs a hook of its own.
+        writer.wal_hook(Some(super::log::note_log_size));
+        if options.migrate {
+            migrate(&mut writer, &path)?;
+        }
+        let reader = rusqlite::Connection::open_with_flags(
+            &path,
+            OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        configure(&reader, &options, true, Role::Reader)?;
+        let log = writer
+            .path()
+            .map(|db| LogFile::new(PathBuf::from(format!("{db}-wal"))));
+        Ok(Sqlite {
+            path: Some(path),
+            options,
+            writer: Mutex::new(writer),
+            reader: Some(Mutex::new(reader)),
+            log,
+            writer_lowered: AtomicBool::new(false),
+            #[cfg(any(test, feature = "testkit"))]
+            faults: Default::default(),
+        })
+    }
+
+    fn in_memory(options: Options) -> Result<Sqlite> {
+        let mut conn = rusqlite::Connection::open_in_memory()?;
+        configure(&conn, &options, false, Role::Writer)?;
+        migrate(&mut conn, Path::new(":memory:"))?;
+        Ok(Sqlite {
+            path: None,
+            options,
+            writer: Mutex::new(conn),
+            reader: None,
+            log: None,
+            writer_lowered: AtomicBool::new(false),
+            #[cfg(any(test, feature = "testkit"))]
+            faults: Default::default(),
+        })
+    }
+
+    /// The connection of inspection reads: the reader on a file, the writer in memory.
+    pub(super) fn inspection(&self) -> MutexGuard<'_, rusqlite::Connection> {
+        lock(self.reader.as_ref().unwrap_or(&self.writer))
+    }
+
+    /// Syncs the log after a read, unless this store does not ask for durability beyond a
+    /// crash of the process (`NORMAL`): what it read may be a commit not yet durable.
+    pub(crate) fn sync_after_read(&self) -> Result<()> {
+        if self.options.synchronous == Synchronous::Normal {
+            return Ok(());
+        }
+        self.sync_log()
+    }
+
+    /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection
+    /// or process) becomes durable, as if it had synced in its own commit. Nothing to do in
+    /// memory. Once a sync failed, this and every later write through this store fail.
+    pub(crate) fn sync_log(&self) -> Result<()> {
+        let Some(log) = &self.log else {
+            return Ok(());
+        };
+        #[cfg(any(test, feature = "testkit"))]
+        if let Some(err) = self.faults.before_sync()? {
+            log.fail_with(err.to_string());
+            return Err(err);
+        }
+        log.sync()
+    }
+
+    /// The writer connection, held: the crash explorer holds a dead supervisor's, so that
+    /// nothing of it commits while its runs recover.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn writer_lock(&self) -> MutexGuard<'_, rusqlite::Connection> {
+        lock(&self.writer)
+    }
+}
+
+/// Names the file in the error of a connection's set-up that found it damaged.
+fn named(err: Error, path: &Path) -> Error {
+    match err {
+        Error::Database(db) => match std::error::Error::source(&db)
+            .and_then(|source| source.downcast_ref::<rusqlite::Error>())
+        {
+            Some(rusqlite::Error::SqliteFailure(failure, message)) => on_open(
+                rusqlite::Error::SqliteFailure(*failure, message.clone()),
+                path,
+            ),
+            _ => Error::Database(db),
+        },
+        other => other,
+    }
+}
+
+/// A connection handed to the application; see [`Sqlite::connection`].
+pub struct Connection<'a>(Held<'a>);
+
+enum Held<'a> {
+    /// A file store's inspection connection.
+    Shared(MutexGuard<'a, rusqlite::Connection>),
+    /// A copy of an in-memory database.
+    Copy(rusqlite::Connection),
+}
+
+impl Deref for Connection<'_> {
+    type Target = rusqlite::Connection;
+
+    fn deref(&self) -> &rusqlite::Connection {
+        match &self.0 {
+            Held::Shared(conn) => conn,
+            Held::Copy(conn) => conn,
+        }
+    }
+}
+
+/// A panic while a connection was held cannot leave a transaction open (rusqlite rolls back on
+/// drop), so a poisoned lock still guards a usable connection.
+pub(super) fn lock(mutex: &Mutex<rusqlite::Connection>) -> MutexGuard<'_, rusqlite::Connection> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}

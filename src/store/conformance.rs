@@ -133,11 +133,15 @@ fn last_payload(store: &Store, run_id: &RunId) -> Value {
     store.events(run_id).unwrap().pop().unwrap().payload
 }
 
-/// Model step 1 reserved and answered with `calls` (tool steps 2, 3, ...).
+/// Model step 1 reserved and answered with `calls` (tool steps 2, 3, ...), under our lease.
 fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
-    let me = me();
+    model_answered_by(store, run_id, &me(), calls);
+}
+
+/// Model step 1 reserved and answered with `calls` under `holder`'s lease.
+fn model_answered_by(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
     apply(store, |tx, now| {
-        Move::new(tx, now, run_id).begin_model_step(&me, 1)
+        Move::new(tx, now, run_id).begin_model_step(holder, 1)
     })
     .unwrap();
     let response = ModelResponse::calls(calls);
@@ -146,7 +150,18 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
         response,
     };
     apply(store, |tx, now| {
-        Move::new(tx, now, run_id).finish_model_step(&me, 1, 1, &outcome)
+        Move::new(tx, now, run_id).finish_model_step(holder, 1, 1, &outcome)
+    })
+    .unwrap();
+}
+
+/// Model step 1 answered with `calls` under `holder`'s lease, and the first of them (step 2)
+/// started.
+fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
+    let first = calls[0].clone();
+    model_answered_by(store, run_id, holder, calls);
+    apply(store, |tx, now| {
+        Move::new(tx, now, run_id).decide_tool(holder, 2, &first, &allow())
     })
     .unwrap();
 }
@@ -619,23 +634,7 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     // Taken over meanwhile: refused, the step stays in flight for the new owner.
     let them = holder(OTHER, Duration::from_secs(30));
     create(&store, &run("taken"), &them);
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("taken")).begin_model_step(&them, 1)
-    })
-    .unwrap();
-    let response = ModelResponse::calls(vec![call("c1")]);
-    let outcome = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
-        response,
-    };
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("taken")).finish_model_step(&them, 1, 1, &outcome)
-    })
-    .unwrap();
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("taken")).decide_tool(&them, 2, &call("c1"), &allow())
-    })
-    .unwrap();
+    tool_in_flight(&store, &run("taken"), &them, vec![call("c1")]);
     f.expire_lease(&store, &run("taken"));
     apply(&store, |tx, now| {
         Move::new(tx, now, &run("taken")).take_over(&me())
@@ -751,23 +750,7 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     let gone = holder(OTHER, Duration::from_secs(30));
     create(&store, &run("r"), &gone);
     // The dead owner's tool step in flight.
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).begin_model_step(&gone, 1)
-    })
-    .unwrap();
-    let response = ModelResponse::calls(vec![call("c1"), call("c2")]);
-    let outcome = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
-        response,
-    };
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).finish_model_step(&gone, 1, 1, &outcome)
-    })
-    .unwrap();
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).decide_tool(&gone, 2, &call("c1"), &allow())
-    })
-    .unwrap();
+    tool_in_flight(&store, &run("r"), &gone, vec![call("c1"), call("c2")]);
     assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
     let (interrupted, _) = apply(&store, |tx, now| {
         Move::new(tx, now, &run("r")).take_over(&me())

@@ -119,3 +119,46 @@ fn a_file_that_is_not_a_database_is_refused_and_its_folder_left_as_it_was() {
     let err = refused(&db, || sqlite::Options::existing_only().open(db.path()));
     assert!(matches!(err, Error::NotADatabase { .. }), "{err}");
 }
+
+#[test]
+fn a_database_whose_path_is_not_ascii_opens_again() {
+    let db = TempStore::new();
+    let dir = db.dir().join("café données");
+    std::fs::create_dir(&dir).unwrap();
+    let path = dir.join("agents ✓.db");
+    drop(Store::open(&path).unwrap());
+    assert_eq!(sqlite::schema_status(&path).unwrap().found, SCHEMA_VERSION);
+    let store = Store::open(&path).unwrap();
+    assert!(store.runs(None).unwrap().is_empty());
+}
+
+#[cfg(unix)]
+#[test]
+fn a_newer_schema_still_in_the_log_is_found_through_a_symbolic_link() {
+    let db = TempStore::new();
+    agentrt_database(&db);
+    let link = db.dir().join("link.db");
+    std::os::unix::fs::symlink(db.path(), &link).unwrap();
+    // A newer agentrt upgraded the file; its commit is still in the log, which a connection
+    // it keeps open stops SQLite from copying back and removing.
+    let holder = rusqlite::Connection::open(db.path()).unwrap();
+    holder.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+    holder
+        .pragma_update(None, "user_version", SCHEMA_VERSION + 1)
+        .unwrap();
+    assert!(db.dir().join("agentrt.db-wal").exists());
+
+    assert_eq!(
+        sqlite::schema_status(&link).unwrap().found,
+        SCHEMA_VERSION + 1,
+        "the version in the log, not the header's"
+    );
+    for open in [
+        sqlite::Options::new().migrate(false).open(&link),
+        Store::open(&link),
+    ] {
+        let err = open.unwrap_err();
+        assert!(matches!(err, Error::SchemaTooNew { .. }), "{err}");
+    }
+    drop(holder);
+}

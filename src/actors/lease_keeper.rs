@@ -175,6 +175,12 @@ impl LeaseKeeper {
         let Some(held) = self.held.remove(&run_id) else {
             return;
         };
+        let lost = self.tell(run_id, reason);
+        held.recipient.do_send(lost);
+    }
+
+    /// Tells the subscribers of a loss, once per call, and remembers the reason for the call.
+    fn tell(&mut self, run_id: RunId, reason: LeaseLostReason) -> LeaseLost {
         tracing::warn!(%run_id, %reason, "lease lost");
         self.told.insert(run_id.clone(), reason.clone());
         let lost = LeaseLost {
@@ -182,11 +188,11 @@ impl LeaseKeeper {
             owner: self.owner.to_string(),
             reason,
         };
-        held.recipient.do_send(lost.clone());
         self.subscribers.retain(|subscriber| subscriber.connected());
         for subscriber in &self.subscribers {
             subscriber.do_send(lost.clone());
         }
+        lost
     }
 }
 
@@ -255,9 +261,10 @@ impl Handler<Lost> for LeaseKeeper {
         if let Some(told) = self.told.get(&msg.run_id) {
             return MessageResult(told.clone());
         }
-        if self.held.contains_key(&msg.run_id) {
-            self.lost(msg.run_id, msg.reason.clone());
-        }
+        // Held or not (a renewal may have dropped a run it found moved by another owner
+        // without naming a loss), the subscribers hear of it now.
+        self.held.remove(&msg.run_id);
+        self.tell(msg.run_id, msg.reason.clone());
         MessageResult(msg.reason)
     }
 }

@@ -12,7 +12,7 @@ use rusqlite::OpenFlags;
 
 use super::{
     log::LogFile,
-    open::{Role, configure, migrate, on_open, open_writing, schema_status},
+    open::{Role, configure, migrate, on_open, open_writing, schema_status, user_version},
     options::{Options, Synchronous},
 };
 use crate::{
@@ -154,6 +154,25 @@ impl Sqlite {
         writer.wal_hook(Some(super::log::note_log_size));
         if options.migrate {
             migrate(&mut writer, &path)?;
+        } else {
+            // Read again, now under SQLite's locks: another process may have upgraded the file
+            // since its version was first read.
+            let found = user_version(&writer).map_err(|err| on_open(err, &path))?;
+            let supported = super::SCHEMA_VERSION;
+            if found > supported {
+                return Err(Error::SchemaTooNew {
+                    path,
+                    found,
+                    supported,
+                });
+            }
+            if found < supported {
+                return Err(Error::SchemaOutdated {
+                    path,
+                    found,
+                    supported,
+                });
+            }
         }
         let reader = rusqlite::Connection::open_with_flags(
             &path,

@@ -254,10 +254,15 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
 }
 
 /// The schema version of a database file, found without creating a `-wal` or `-shm` beside it
-/// (SQLite's read-only connections create both for a database in WAL mode). A file whose log
-/// holds commits is read through SQLite, since they may change the version; otherwise the
-/// header says it, and a connection that treats the file as immutable checks the schema's
-/// pages.
+/// (SQLite's read-only connections create both for a database in WAL mode).
+///
+/// While a log exists beside the file, a connection may have it open, and the log may hold
+/// commits that change the version: SQLite reads it then, under its locks (its side files exist
+/// already, unless a crashed process left the log alone, when SQLite's recovery needs them).
+/// Otherwise no connection has the database open and the file is the whole database: its
+/// header says the version, and a connection that treats it as immutable (taking no lock and
+/// creating nothing) reads the schema's pages to find damage. Symbolic links are resolved
+/// first, as SQLite does, so that the log looked for is the one SQLite would use.
 fn read_schema_version(path: &Path) -> Result<u32> {
     use std::io::Read;
 
@@ -265,8 +270,8 @@ fn read_schema_version(path: &Path) -> Result<u32> {
         path: path.to_path_buf(),
         detail,
     };
-    let mut file = match std::fs::File::open(path) {
-        Ok(file) => file,
+    let real = match std::fs::canonicalize(path) {
+        Ok(real) => real,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::NoDatabase {
                 path: path.to_path_buf(),
@@ -274,6 +279,8 @@ fn read_schema_version(path: &Path) -> Result<u32> {
         }
         Err(err) => return Err(corrupt(format!("it cannot be read: {err}"))),
     };
+    let mut file =
+        std::fs::File::open(&real).map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
     let len = file
         .metadata()
         .map_err(|err| corrupt(format!("it cannot be read: {err}")))?
@@ -291,15 +298,10 @@ fn read_schema_version(path: &Path) -> Result<u32> {
             path: path.to_path_buf(),
         });
     }
-    let log_has_commits =
-        std::fs::metadata(format!("{}-wal", path.display())).is_ok_and(|log| log.len() > 0);
-    if log_has_commits {
-        let conn = rusqlite::Connection::open_with_flags(
-            path,
-            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )
-        .map_err(|err| on_open(err, path))?;
-        return user_version(&conn).map_err(|err| on_open(err, path));
+    let mut log = real.clone().into_os_string();
+    log.push("-wal");
+    if Path::new(&log).exists() {
+        return read_locked(&real).map_err(|err| on_open(err, path));
     }
     let page_size = match u32::from(u16::from_be_bytes([head[header::PAGE_SIZE], head[17]])) {
         1 => 65_536,
@@ -314,28 +316,48 @@ fn read_schema_version(path: &Path) -> Result<u32> {
             )));
         }
     }
-    // Nothing is in the log, so the file is the whole database: reading it as immutable takes
-    // no lock and creates nothing, and reading the schema finds damaged pages.
-    let uri = format!("file:{}?immutable=1", uri_path(path));
-    let conn = rusqlite::Connection::open_with_flags(
+    let uri = format!("file:{}?immutable=1", uri_path(&real));
+    let checked = rusqlite::Connection::open_with_flags(
         uri,
         OpenFlags::SQLITE_OPEN_READ_ONLY
             | OpenFlags::SQLITE_OPEN_NO_MUTEX
             | OpenFlags::SQLITE_OPEN_URI,
     )
-    .map_err(|err| on_open(err, path))?;
-    conn.query_row("SELECT count(*) FROM sqlite_schema", [], |_| Ok(()))
-        .map_err(|err| on_open(err, path))?;
-    Ok(be_u32(&head, header::USER_VERSION))
+    .and_then(|conn| conn.query_row("SELECT count(*) FROM sqlite_schema", [], |_| Ok(())));
+    match checked {
+        Ok(()) => Ok(be_u32(&head, header::USER_VERSION)),
+        // A process that opened the database since the log was looked for may have been
+        // copying its log into the file (which needs the log): what looked damaged is read
+        // again under SQLite's locks then. With no log still, no process wrote the file.
+        Err(_) if Path::new(&log).exists() => read_locked(&real).map_err(|err| on_open(err, path)),
+        Err(err) => Err(on_open(err, path)),
+    }
 }
 
-/// `path` as the path of an SQLite URI: the characters a URI gives a meaning to, escaped.
+/// The schema version, read through SQLite's read-only connection, under its locks.
+fn read_locked(path: &Path) -> rusqlite::Result<u32> {
+    let conn = rusqlite::Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.query_row("SELECT count(*) FROM sqlite_schema", [], |_| Ok(()))?;
+    user_version(&conn)
+}
+
+/// `path` as the path of an SQLite URI: every byte but unreserved ASCII and `/` escaped, so
+/// that any file name (non-ASCII, or not UTF-8 at all) names the same file.
 fn uri_path(path: &Path) -> String {
-    let mut out = String::new();
-    for byte in path.to_string_lossy().bytes() {
+    #[cfg(unix)]
+    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).to_vec();
+    #[cfg(not(unix))]
+    let bytes = path.to_string_lossy().into_owned().into_bytes();
+    let mut out = String::with_capacity(bytes.len());
+    for byte in bytes {
         match byte {
-            b'?' | b'#' | b'%' => out.push_str(&format!("%{byte:02X}")),
-            _ => out.push(byte as char),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => {
+                out.push(byte as char)
+            }
+            _ => out.push_str(&format!("%{byte:02X}")),
         }
     }
     out

@@ -422,3 +422,32 @@ fn unknown_runs_and_calls_are_named_in_one_line() {
         "nothing written"
     );
 }
+
+#[test]
+fn a_blank_decider_or_reason_and_a_directory_are_refused_with_what_they_are() {
+    let db = fixture();
+    let before = std::fs::read(db.path()).unwrap();
+    for command in [
+        vec!["approve", "wait", "c1", "--by", ""],
+        vec!["deny", "wait", "c1", "--by", "  "],
+        vec!["cancel", "wait", "--reason", ""],
+    ] {
+        agentrt(&db.path())
+            .args(&command)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("must not be empty"));
+    }
+    assert_eq!(
+        std::fs::read(db.path()).unwrap(),
+        before,
+        "nothing was written"
+    );
+    agentrt(db.dir())
+        .arg("runs")
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains(
+            "is a directory, not a database file",
+        ));
+}

@@ -59,7 +59,7 @@ enum Command {
     Cancel {
         run: String,
         /// Why (recorded in the run and its run.finished event).
-        #[arg(long)]
+        #[arg(long, value_parser = not_blank)]
         reason: String,
     },
     /// Approve a tool call that waits for an approval.
@@ -75,13 +75,22 @@ enum Command {
     Doctor,
 }
 
+/// Refuses an empty or blank value: a decision or a cancel names who and why.
+fn not_blank(value: &str) -> Result<String, String> {
+    if value.trim().is_empty() {
+        Err("it must not be empty".into())
+    } else {
+        Ok(value.to_owned())
+    }
+}
+
 #[derive(clap::Args)]
 struct Decide {
     run: String,
     /// The call id, as `show RUN` lists it.
     call: String,
     /// Who decides.
-    #[arg(long)]
+    #[arg(long, value_parser = not_blank)]
     by: String,
     /// Why.
     #[arg(long)]

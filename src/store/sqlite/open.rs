@@ -281,10 +281,16 @@ fn read_schema_version(path: &Path) -> Result<u32> {
     };
     let mut file =
         std::fs::File::open(&real).map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
-    let len = file
+    let metadata = file
         .metadata()
-        .map_err(|err| corrupt(format!("it cannot be read: {err}")))?
-        .len();
+        .map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
+    if metadata.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "{} is a directory, not a database file: name the file inside it",
+            path.display()
+        )));
+    }
+    let len = metadata.len();
     if len == 0 {
         // SQLite's empty database: a file created and never written.
         return Ok(0);

@@ -4,6 +4,7 @@ use std::{any::Any, sync::Arc};
 
 use rusqlite::config::DbConfig;
 
+use super::error::Db;
 use super::{
     database::Sqlite,
     open::user_version,
@@ -29,7 +30,7 @@ impl Backend for Sqlite {
     }
 
     fn schema_version(&self) -> Result<u32> {
-        Ok(user_version(&self.inspection())?)
+        user_version(&self.inspection()).db()
     }
 
     fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
@@ -58,13 +59,13 @@ impl Backend for Sqlite {
     fn health(&self) -> Result<Health> {
         let conn = self.inspection();
         let pragma = |name: &str| -> Result<String> {
-            Ok(conn
-                .pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
+            conn.pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
                 .map(|value| match value {
                     rusqlite::types::Value::Integer(n) => n.to_string(),
                     rusqlite::types::Value::Text(text) => text,
                     other => format!("{other:?}"),
-                })?)
+                })
+                .db()
         };
         let mut settings = Vec::new();
         for name in [
@@ -82,7 +83,7 @@ impl Backend for Sqlite {
             };
             settings.push((name.to_owned(), value));
         }
-        let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE)?;
+        let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).db()?;
         settings.push((
             "defensive".to_owned(),
             if defensive { "1" } else { "0" }.into(),
@@ -90,7 +91,7 @@ impl Backend for Sqlite {
         let (stale_leases, running_without_lease) = Sql(&conn).lease_report(wall_millis())?;
         Ok(Health {
             schema: SchemaStatus {
-                found: user_version(&conn)?,
+                found: user_version(&conn).db()?,
                 supported: SCHEMA_VERSION,
             },
             settings,

@@ -10,6 +10,7 @@ use std::{
 
 use rusqlite::OpenFlags;
 
+use super::error::Db;
 use super::{
     log::LogFile,
     open::{Role, configure, migrate, on_open, open_writing, schema_status, user_version},
@@ -111,11 +112,13 @@ impl Sqlite {
         match &self.reader {
             Some(reader) => Ok(Connection(Held::Shared(lock(reader)))),
             None => {
-                let mut copy = rusqlite::Connection::open_in_memory()?;
+                let mut copy = rusqlite::Connection::open_in_memory().db()?;
                 {
                     let writer = lock(&self.writer);
-                    let backup = rusqlite::backup::Backup::new(&writer, &mut copy)?;
-                    backup.run_to_completion(i32::MAX, Duration::ZERO, None)?;
+                    let backup = rusqlite::backup::Backup::new(&writer, &mut copy).db()?;
+                    backup
+                        .run_to_completion(i32::MAX, Duration::ZERO, None)
+                        .db()?;
                 }
                 configure(&copy, &self.options, false, Role::Reader)?;
                 Ok(Connection(Held::Copy(copy)))
@@ -177,7 +180,8 @@ impl Sqlite {
         let reader = rusqlite::Connection::open_with_flags(
             &path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-        )?;
+        )
+        .db()?;
         configure(&reader, &options, true, Role::Reader)?;
         let log = writer
             .path()
@@ -195,7 +199,7 @@ impl Sqlite {
     }
 
     fn in_memory(options: Options) -> Result<Sqlite> {
-        let mut conn = rusqlite::Connection::open_in_memory()?;
+        let mut conn = rusqlite::Connection::open_in_memory().db()?;
         configure(&conn, &options, false, Role::Writer)?;
         migrate(&mut conn, Path::new(":memory:"))?;
         Ok(Sqlite {

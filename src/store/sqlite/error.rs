@@ -12,8 +12,15 @@ pub(crate) fn db_error(err: rusqlite::Error) -> Error {
     Error::Database(DatabaseError::new(busy, err))
 }
 
-impl From<rusqlite::Error> for Error {
-    fn from(err: rusqlite::Error) -> Self {
-        db_error(err)
+/// `?` for SQLite's results in this backend: agentrt's error type has no conversion from
+/// rusqlite's, so that no driver type shows in its public API.
+pub(super) trait Db<T> {
+    /// The result, its error made agentrt's by [`db_error`].
+    fn db(self) -> Result<T, Error>;
+}
+
+impl<T> Db<T> for rusqlite::Result<T> {
+    fn db(self) -> Result<T, Error> {
+        self.map_err(db_error)
     }
 }

@@ -11,6 +11,7 @@ use std::{
 
 use rusqlite::{Connection, OpenFlags};
 
+use super::error::Db;
 use super::{
     Sqlite,
     open::{Role, configure, open_writing},
@@ -58,7 +59,7 @@ impl SqliteRenewer {
         let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         // It waits for no lock: `renew` retries in short naps instead, announcing itself.
         let options = store.options.clone().busy_timeout(Duration::ZERO);
-        let conn = open_writing(path, flags, &options)?;
+        let conn = open_writing(path, flags, &options).db()?;
         configure(&conn, &options, true, Role::Renewal)?;
         Ok(Some(SqliteRenewer { conn, pending }))
     }

@@ -4,6 +4,7 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
+use super::error::Db;
 use crate::{
     error::{Error, Result},
     store::{
@@ -69,11 +70,13 @@ impl Reads for Sql<'_> {
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
         let row: Option<(String, Option<String>, Option<i64>)> = self
             .0
-            .prepare_cached("SELECT state, lease_owner, lease_expires_at FROM runs WHERE id = ?1")?
+            .prepare_cached("SELECT state, lease_owner, lease_expires_at FROM runs WHERE id = ?1")
+            .db()?
             .query_row([run_id.as_str()], |row| {
                 Ok((row.get(0)?, row.get(1)?, row.get(2)?))
             })
-            .optional()?;
+            .optional()
+            .db()?;
         row.map(|(state, owner, expires_at)| {
             Ok(LeaseRow {
                 state: state.parse().map_err(Error::Corrupt)?,
@@ -85,11 +88,12 @@ impl Reads for Sql<'_> {
     }
 
     fn run(&mut self, run_id: &RunId) -> Result<Option<Run>> {
-        Ok(self
-            .0
-            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"))?
+        self.0
+            .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"))
+            .db()?
             .query_row([run_id.as_str()], run_from_row)
-            .optional()?)
+            .optional()
+            .db()
     }
 
     fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>> {
@@ -98,31 +102,39 @@ impl Reads for Sql<'_> {
                 .0
                 .prepare_cached(&format!(
                     "SELECT {RUN_COLUMNS} FROM runs WHERE state = ?1 ORDER BY created_at, id"
-                ))?
-                .query_map([state.as_str()], run_from_row)?
-                .collect::<rusqlite::Result<_>>()?,
+                ))
+                .db()?
+                .query_map([state.as_str()], run_from_row)
+                .db()?
+                .collect::<rusqlite::Result<_>>()
+                .db()?,
             None => self
                 .0
                 .prepare_cached(&format!(
                     "SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"
-                ))?
-                .query_map([], run_from_row)?
-                .collect::<rusqlite::Result<_>>()?,
+                ))
+                .db()?
+                .query_map([], run_from_row)
+                .db()?
+                .collect::<rusqlite::Result<_>>()
+                .db()?,
         };
         Ok(runs)
     }
 
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
-        Ok(self
-            .0
+        self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
                  WHERE run_id = ?1 AND seq > ?2 ORDER BY seq",
-            )?
+            )
+            .db()?
             .query_map(params![run_id.as_str(), after as i64], |row| {
                 event_from_row(run_id, row)
-            })?
-            .collect::<rusqlite::Result<_>>()?)
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
     }
 
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
@@ -140,7 +152,8 @@ impl Reads for Sql<'_> {
             .prepare_cached(
                 "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
                  FROM steps WHERE run_id = ?1 ORDER BY step",
-            )?
+            )
+            .db()?
             .query_map([run_id.as_str()], |row| {
                 let call = match row.get::<_, Option<String>>(4)? {
                     Some(id) => Some(ToolCall {
@@ -163,8 +176,10 @@ impl Reads for Sql<'_> {
                     row.get(7)?,
                     row.get(8)?,
                 ))
-            })?
-            .collect::<rusqlite::Result<_>>()?;
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?;
         rows.into_iter()
             .map(|(step, kind, state, attempt, call, result, waiting_for)| {
                 Ok(StepRow {
@@ -188,12 +203,12 @@ impl Reads for Sql<'_> {
     }
 
     fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>> {
-        Ok(self
-            .0
+        self.0
             .prepare_cached(
                 "SELECT approved, decided_by, note FROM approvals
                  WHERE run_id = ?1 AND step = ?2 AND attempt = ?3",
-            )?
+            )
+            .db()?
             .query_row(params![run_id.as_str(), step, attempt], |row| {
                 Ok(ApprovalRow {
                     approved: row.get(0)?,
@@ -201,7 +216,8 @@ impl Reads for Sql<'_> {
                     note: row.get(2)?,
                 })
             })
-            .optional()?)
+            .optional()
+            .db()
     }
 
     fn lease_report(&mut self, wall: i64) -> Result<LeaseReport> {
@@ -211,9 +227,12 @@ impl Reads for Sql<'_> {
                 "SELECT id, lease_owner, lease_expires_at FROM runs
                  WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
                  ORDER BY id",
-            )?
-            .query_map([wall], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))?
-            .collect::<rusqlite::Result<_>>()?;
+            )
+            .db()?
+            .query_map([wall], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?;
         let (mut stale, mut unleased) = (Vec::new(), Vec::new());
         for (id, owner, expires_at) in rows {
             match (owner, expires_at) {
@@ -238,7 +257,8 @@ impl Tx for Sql<'_> {
                 "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
                                    lease_expires_at)
                  VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4, ?5, ?6)",
-            )?
+            )
+            .db()?
             .execute(params![
                 run.run_id.as_str(),
                 run.agent,
@@ -246,7 +266,8 @@ impl Tx for Sql<'_> {
                 run.at,
                 run.owner,
                 run.expires_at
-            ])?;
+            ])
+            .db()?;
         Ok(())
     }
 
@@ -263,8 +284,10 @@ impl Tx for Sql<'_> {
                 "UPDATE runs SET updated_at = ?2
                  WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3
                    AND (?4 IS NULL OR lease_expires_at > ?4)",
-            )?
-            .execute(params![run_id.as_str(), at, owner, unexpired_at])?;
+            )
+            .db()?
+            .execute(params![run_id.as_str(), at, owner, unexpired_at])
+            .db()?;
         Ok(changed == 1)
     }
 
@@ -275,7 +298,8 @@ impl Tx for Sql<'_> {
                 "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
                                  lease_owner = ?8, lease_expires_at = ?9
                  WHERE id = ?1 AND state IN (?6, ?7) AND (?10 IS NULL OR lease_owner = ?10)",
-            )?
+            )
+            .db()?
             .execute(params![
                 run_id.as_str(),
                 m.to.as_str(),
@@ -287,7 +311,8 @@ impl Tx for Sql<'_> {
                 m.owner,
                 m.expires_at,
                 m.guard_owner,
-            ])?;
+            ])
+            .db()?;
         Ok(changed == 1)
     }
 
@@ -305,7 +330,8 @@ impl Tx for Sql<'_> {
                 "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
                  WHERE id = ?1 AND state = 'RUNNING'
                    AND lease_owner IS ?5 AND lease_expires_at IS ?6",
-            )?
+            )
+            .db()?
             .execute(params![
                 run_id.as_str(),
                 owner,
@@ -313,7 +339,8 @@ impl Tx for Sql<'_> {
                 at,
                 seen.owner,
                 seen.expires_at
-            ])?;
+            ])
+            .db()?;
         Ok(changed == 1)
     }
 
@@ -322,8 +349,10 @@ impl Tx for Sql<'_> {
             .0
             .prepare_cached(
                 "UPDATE runs SET updated_at = ?2 WHERE id = ?1 AND state = 'WAITING_FOR_APPROVAL'",
-            )?
-            .execute(params![run_id.as_str(), at])?;
+            )
+            .db()?
+            .execute(params![run_id.as_str(), at])
+            .db()?;
         Ok(changed == 1)
     }
 
@@ -340,7 +369,8 @@ impl Tx for Sql<'_> {
             .prepare_cached(
                 "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )?
+            )
+            .db()?
             .execute(params![
                 run_id.as_str(),
                 step,
@@ -350,7 +380,8 @@ impl Tx for Sql<'_> {
                 call.map(|call| call.id.as_str()),
                 call.map(|call| call.name.as_str()),
                 call.map(|call| call.args.to_string()),
-            ])?;
+            ])
+            .db()?;
         Ok(())
     }
 
@@ -361,7 +392,8 @@ impl Tx for Sql<'_> {
                 "UPDATE steps SET state = ?5, attempt = attempt + ?6,
                                   result = COALESCE(?7, result), waiting_for = ?8
                  WHERE run_id = ?1 AND step = ?2 AND state = ?3 AND attempt = ?4",
-            )?
+            )
+            .db()?
             .execute(params![
                 run_id.as_str(),
                 step,
@@ -371,7 +403,8 @@ impl Tx for Sql<'_> {
                 u32::from(m.starts),
                 m.result.map(Value::to_string),
                 m.waiting_for.map(ApprovalReason::as_str),
-            ])?;
+            ])
+            .db()?;
         Ok(changed == 1)
     }
 
@@ -381,31 +414,36 @@ impl Tx for Sql<'_> {
             .prepare_cached(
                 "UPDATE steps SET state = 'interrupted' WHERE run_id = ?1 AND state = 'in_flight'
                  RETURNING step, kind, attempt",
-            )?
+            )
+            .db()?
             .query_map([run_id.as_str()], |row| {
                 Ok((row.get(0)?, row.get(1)?, row.get(2)?))
-            })?
-            .collect::<rusqlite::Result<_>>()?;
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?;
         rows.into_iter()
             .map(|(step, kind, attempt)| Ok((step, StepKind::parse(&kind)?, attempt)))
             .collect()
     }
 
     fn waiting_call(&mut self, run_id: &RunId, call_id: &str) -> Result<Option<(u32, u32)>> {
-        Ok(self
-            .0
-            .prepare_cached(WAITING_CALL)?
+        self.0
+            .prepare_cached(WAITING_CALL)
+            .db()?
             .query_row(params![run_id.as_str(), call_id], |row| {
                 Ok((row.get(0)?, row.get(1)?))
             })
-            .optional()?)
+            .optional()
+            .db()
     }
 
     fn call_exists(&mut self, run_id: &RunId, call_id: &str) -> Result<bool> {
-        Ok(self
-            .0
-            .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")?
-            .exists(params![run_id.as_str(), call_id])?)
+        self.0
+            .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")
+            .db()?
+            .exists(params![run_id.as_str(), call_id])
+            .db()
     }
 
     fn insert_approval(
@@ -420,7 +458,8 @@ impl Tx for Sql<'_> {
             .prepare_cached(
                 "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, note, at)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT DO NOTHING",
-            )?
+            )
+            .db()?
             .execute(params![
                 approval.run_id.as_str(),
                 step,
@@ -429,7 +468,8 @@ impl Tx for Sql<'_> {
                 approval.by,
                 approval.note,
                 at
-            ])?;
+            ])
+            .db()?;
         Ok(inserted == 1)
     }
 
@@ -448,35 +488,43 @@ impl Tx for Sql<'_> {
                 "INSERT INTO events (run_id, seq, kind, at, step, payload)
                  VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?1),
                          ?2, ?3, ?4, ?5)",
-            )?
+            )
+            .db()?
             .execute(params![
                 run_id.as_str(),
                 kind.as_str(),
                 at,
                 step,
                 payload.to_string()
-            ])?;
+            ])
+            .db()?;
         Ok(())
     }
 
     fn savepoint(&mut self, name: &str) -> Result<()> {
         self.0
-            .prepare_cached(&format!("SAVEPOINT {name}"))?
-            .execute([])?;
+            .prepare_cached(&format!("SAVEPOINT {name}"))
+            .db()?
+            .execute([])
+            .db()?;
         Ok(())
     }
 
     fn rollback_to(&mut self, name: &str) -> Result<()> {
         self.0
-            .prepare_cached(&format!("ROLLBACK TO {name}"))?
-            .execute([])?;
+            .prepare_cached(&format!("ROLLBACK TO {name}"))
+            .db()?
+            .execute([])
+            .db()?;
         Ok(())
     }
 
     fn release_savepoint(&mut self, name: &str) -> Result<()> {
         self.0
-            .prepare_cached(&format!("RELEASE {name}"))?
-            .execute([])?;
+            .prepare_cached(&format!("RELEASE {name}"))
+            .db()?
+            .execute([])
+            .db()?;
         Ok(())
     }
 }
@@ -490,19 +538,21 @@ impl LeaseWrites for Sql<'_> {
         expires_at: i64,
     ) -> Result<Vec<RunId>> {
         let ids = serde_json::to_string(held).expect("ids serialize");
-        Ok(self
-            .0
+        self.0
             .prepare_cached(
                 "UPDATE runs SET lease_expires_at = ?3
                  WHERE lease_owner = ?1 AND state = 'RUNNING' AND lease_expires_at > ?2
                    AND id IN (SELECT value FROM json_each(?4))
                  RETURNING id",
-            )?
+            )
+            .db()?
             .query_map(params![owner, wall, expires_at, ids], |row| {
                 row.get::<_, String>(0)
-            })?
+            })
+            .db()?
             .map(|id| id.map(RunId::from))
-            .collect::<rusqlite::Result<_>>()?)
+            .collect::<rusqlite::Result<_>>()
+            .db()
     }
 
     fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool> {
@@ -511,16 +561,20 @@ impl LeaseWrites for Sql<'_> {
             .prepare_cached(
                 "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL
                  WHERE id = ?1 AND lease_owner = ?2",
-            )?
-            .execute(params![run_id.as_str(), owner])?;
+            )
+            .db()?
+            .execute(params![run_id.as_str(), owner])
+            .db()?;
         Ok(changed == 1)
     }
 }
 
 /// SQLite's `PRAGMA integrity_check`: `["ok"]`, or the problems found.
 pub(crate) fn integrity_check(conn: &Connection) -> Result<Vec<String>> {
-    Ok(conn
-        .prepare("PRAGMA integrity_check")?
-        .query_map([], |row| row.get(0))?
-        .collect::<rusqlite::Result<_>>()?)
+    conn.prepare("PRAGMA integrity_check")
+        .db()?
+        .query_map([], |row| row.get(0))
+        .db()?
+        .collect::<rusqlite::Result<_>>()
+        .db()
 }

@@ -15,6 +15,7 @@ use std::{
 
 use rusqlite::{Connection, TransactionBehavior};
 
+use super::error::Db;
 use super::{
     database::{Sqlite, lock},
     log::log_pages,
@@ -110,20 +111,26 @@ impl Sqlite {
             // Set first: should anything below panic or fail, the next use of the writer puts
             // the setting back before it commits.
             self.writer_lowered.store(true, Ordering::SeqCst);
-            conn.prepare_cached("PRAGMA synchronous = NORMAL")?
-                .execute([])?;
+            conn.prepare_cached("PRAGMA synchronous = NORMAL")
+                .db()?
+                .execute([])
+                .db()?;
         }
         let committed = (|| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .db()?;
             let mut sql = Sql(&tx);
             if moves
                 .iter_mut()
                 .all(|group_move| apply(group_move, &mut sql, Isolation::Shared))
             {
-                return Ok(tx.commit()?);
+                return tx.commit().db();
             }
             drop(tx); // rolls back
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .db()?;
             let mut sql = Sql(&tx);
             for group_move in moves.iter_mut() {
                 sql.savepoint("agentrt_move")?;
@@ -132,7 +139,7 @@ impl Sqlite {
                 }
                 sql.release_savepoint("agentrt_move")?;
             }
-            Ok(tx.commit()?)
+            tx.commit().db()
         })();
         if defer && let Err(err) = self.restore_synchronous(&conn) {
             // The group's own outcome stands (its sync is the caller's); the next use of the
@@ -147,7 +154,8 @@ impl Sqlite {
     fn checkpoint(&self) -> Result<()> {
         if self.path.is_some() {
             self.writer()?
-                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                .db()?;
         }
         Ok(())
     }
@@ -168,9 +176,11 @@ pub(super) fn transact(
     apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
 ) -> Result<()> {
     let mut conn = store.writer()?;
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .db()?;
     apply(&mut Sql(&tx), &mut Now::new(clock))?;
-    tx.commit()?;
+    tx.commit().db()?;
     Ok(())
 }
 
@@ -617,9 +627,9 @@ mod tests {
         // The writer is still at NORMAL; its next use puts FULL back before anything commits.
         let sync: i64 = sqlite
             .on_writer(|sql| {
-                Ok(sql
-                    .0
-                    .pragma_query_value(None, "synchronous", |r| r.get(0))?)
+                sql.0
+                    .pragma_query_value(None, "synchronous", |r| r.get(0))
+                    .db()
             })
             .unwrap();
         assert_eq!(sync, 2);

@@ -21,7 +21,7 @@ use crate::{
         Store,
         backend::{
             Durability, GroupFailure, Isolation, MoveInfo, MoveKind, MoveObserver, Pending, Reads,
-            Renewer, Tx, Writer, final_result,
+            Renewer, Tx, Writer,
         },
         model::{Now, Renewal},
     },
@@ -459,6 +459,20 @@ fn in_savepoint<R>(tx: &mut dyn Tx, f: impl FnOnce(&mut dyn Tx) -> Result<R>) ->
     }
     tx.release_savepoint("agentrt_then")?;
     Ok(result)
+}
+
+/// What a caller is answered: its move's refusal, or its result if the group committed (and
+/// synced).
+pub(crate) fn final_result<R>(
+    result: Option<Result<R>>,
+    failed: Option<&GroupFailure>,
+) -> Result<R> {
+    match (result, failed) {
+        (Some(Err(err)), _) => Err(err),
+        (Some(Ok(value)), None) => Ok(value),
+        (_, Some(failure)) => Err(failure.error()),
+        (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
+    }
 }
 
 fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {

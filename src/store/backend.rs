@@ -15,9 +15,7 @@ use std::{any::Any, sync::Arc, time::Duration};
 
 use serde_json::Value;
 
-use super::model::{
-    ApprovalRow, LeaseReport, LeaseRow, Now, Renewal, StepKind, StepRow, StepState,
-};
+use super::model::{ApprovalRow, LeaseRow, Now, Renewal, StepKind, StepRow, StepState};
 use crate::{
     clock::Clock,
     error::{Error, Result},
@@ -38,9 +36,9 @@ pub(crate) trait Reads {
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>>;
     /// The decision recorded for attempt `attempt` of step `step`.
     fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>>;
-    /// RUNNING runs whose lease expired at wall-clock time `wall`, and RUNNING runs nobody
-    /// holds, by id.
-    fn lease_report(&mut self, wall: i64) -> Result<LeaseReport>;
+    /// The RUNNING runs whose lease expired by wall-clock time `wall` or that nobody holds,
+    /// by id.
+    fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>>;
 }
 
 /// A new RUNNING run, its lease stamped in the insert.
@@ -407,18 +405,4 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn health(&self) -> Result<crate::store::Health>;
     /// The backend itself, for its own module's extensions (`agentrt::sqlite`).
     fn as_any(&self) -> &dyn Any;
-}
-
-/// What a caller is answered: its move's refusal, or its result if the group committed (and
-/// synced).
-pub(crate) fn final_result<R>(
-    result: Option<Result<R>>,
-    failed: Option<&GroupFailure>,
-) -> Result<R> {
-    match (result, failed) {
-        (Some(Err(err)), _) => Err(err),
-        (Some(Ok(value)), None) => Ok(value),
-        (_, Some(failure)) => Err(failure.error()),
-        (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
-    }
 }

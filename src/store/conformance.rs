@@ -107,9 +107,18 @@ fn apply<R>(
     store.transact(&SystemClock, f)
 }
 
+/// Applies one move of `run_id` in a transaction of its own.
+fn on<R>(
+    store: &Store,
+    run_id: &RunId,
+    mut f: impl FnMut(&mut Move<'_, '_>) -> Result<R>,
+) -> Result<R> {
+    apply(store, |tx, now| f(&mut Move::new(tx, now, run_id)))
+}
+
 fn create(store: &Store, run_id: &RunId, holder: &Holder) {
-    apply(store, |tx, now| {
-        Move::new(tx, now, run_id).create_run("agent", &json!({"n": 1}), holder)
+    on(store, run_id, |m| {
+        m.create_run("agent", &json!({"n": 1}), holder)
     })
     .unwrap();
 }
@@ -140,17 +149,14 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
 
 /// Model step 1 reserved and answered with `calls` under `holder`'s lease.
 fn model_answered_by(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
-    apply(store, |tx, now| {
-        Move::new(tx, now, run_id).begin_model_step(holder, 1)
-    })
-    .unwrap();
+    on(store, run_id, |m| m.begin_model_step(holder, 1)).unwrap();
     let response = ModelResponse::calls(calls);
     let outcome = ModelOutcome::Answered {
         recorded: serde_json::to_value(&response).unwrap(),
         response,
     };
-    apply(store, |tx, now| {
-        Move::new(tx, now, run_id).finish_model_step(holder, 1, 1, &outcome)
+    on(store, run_id, |m| {
+        m.finish_model_step(holder, 1, 1, &outcome)
     })
     .unwrap();
 }
@@ -160,17 +166,15 @@ fn model_answered_by(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<
 fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
     let first = calls[0].clone();
     model_answered_by(store, run_id, holder, calls);
-    apply(store, |tx, now| {
-        Move::new(tx, now, run_id).decide_tool(holder, 2, &first, &allow())
+    on(store, run_id, |m| {
+        m.decide_tool(holder, 2, &first, &allow())
     })
     .unwrap();
 }
 
 fn decide(store: &Store, run_id: &RunId, step: u32, c: &ToolCall, d: &ToolDecision) -> Result<()> {
     let me = me();
-    apply(store, |tx, now| {
-        Move::new(tx, now, run_id).decide_tool(&me, step, c, d)
-    })
+    on(store, run_id, |m| m.decide_tool(&me, step, c, d))
 }
 
 fn allow() -> ToolDecision {
@@ -234,8 +238,8 @@ pub(crate) fn an_existing_run_id_is_refused_and_nothing_changes(f: &dyn Fixture)
     let store = f.store();
     create(&store, &run("r"), &me());
     let them = holder(OTHER, Duration::from_secs(30));
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).create_run("other", &json!({}), &them)
+    let err = on(&store, &run("r"), |m| {
+        m.create_run("other", &json!({}), &them)
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunExists(_)), "{err}");
@@ -250,10 +254,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     // Expired: refused as lost by expiry.
     create_expired(f, &store, &run("expired"), OWNER);
     let mine = me();
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("expired")).begin_model_step(&mine, 1)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("expired"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(
         matches!(
             &err,
@@ -265,10 +266,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
         "{err}"
     );
     // A move that starts nothing needs the lease held only: nobody took it over.
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("expired")).fail_run(&mine, "stop")
-    })
-    .unwrap();
+    on(&store, &run("expired"), |m| m.fail_run(&mine, "stop")).unwrap();
     assert_eq!(
         store.lease(&run("expired")).unwrap(),
         None,
@@ -281,10 +279,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
         &run("theirs"),
         &holder(OTHER, Duration::from_secs(30)),
     );
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("theirs")).begin_model_step(&mine, 1)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("theirs"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(
         matches!(&err, Error::RunLeased { owner, .. } if owner == OTHER),
         "{err}"
@@ -294,10 +289,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     create(&store, &run("released"), &mine);
     let mut session = session(&store);
     assert!(session.writer.release(&run("released"), OWNER).unwrap());
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("released")).begin_model_step(&mine, 1)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("released"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(
         matches!(
             &err,
@@ -316,14 +308,8 @@ pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
     let before = store.run(&run("r")).unwrap();
     let mine = me();
     for _ in 0..3 {
-        apply(&store, |tx, now| {
-            Move::new(tx, now, &run("r")).begin_model_step(&mine, 1)
-        })
-        .unwrap_err();
-        apply(&store, |tx, now| {
-            Move::new(tx, now, &run("r")).fail_run(&mine, "x")
-        })
-        .unwrap_err();
+        on(&store, &run("r"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
+        on(&store, &run("r"), |m| m.fail_run(&mine, "x")).unwrap_err();
     }
     assert_eq!(store.run(&run("r")).unwrap(), before);
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
@@ -415,17 +401,14 @@ pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &
 
     create(&store, &run("answered"), &me());
     let mine = me();
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("answered")).begin_model_step(&mine, 1)
-    })
-    .unwrap();
+    on(&store, &run("answered"), |m| m.begin_model_step(&mine, 1)).unwrap();
     let response = ModelResponse::answer("done");
     let outcome = ModelOutcome::Answered {
         recorded: serde_json::to_value(&response).unwrap(),
         response,
     };
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("answered")).finish_model_step(&mine, 1, 1, &outcome)
+    on(&store, &run("answered"), |m| {
+        m.finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap();
     let finished = store.run(&run("answered")).unwrap();
@@ -442,13 +425,10 @@ pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn F
     let store = f.store();
     create(&store, &run("r"), &me());
     let mine = me();
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).begin_model_step(&mine, 1)
-    })
-    .unwrap();
+    on(&store, &run("r"), |m| m.begin_model_step(&mine, 1)).unwrap();
     let outcome = ModelOutcome::Failed("503".into());
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).finish_model_step(&mine, 1, 1, &outcome)
+    on(&store, &run("r"), |m| {
+        m.finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap();
     let failed = store.run(&run("r")).unwrap();
@@ -456,8 +436,8 @@ pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn F
     assert_eq!(failed.error.as_deref(), Some("the model failed: 503"));
     assert_eq!(store.lease(&run("r")).unwrap(), None);
     // A second answer to the same step is refused: the step is no longer in flight.
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).finish_model_step(&mine, 1, 1, &outcome)
+    on(&store, &run("r"), |m| {
+        m.finish_model_step(&mine, 1, 1, &outcome)
     })
     .unwrap_err();
 }
@@ -528,10 +508,7 @@ pub(crate) fn a_call_that_needs_approval_pauses_the_run_and_releases_the_lease(f
     );
     // The loop's lease is gone with the pause: it can start nothing more.
     let mine = me();
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).begin_model_step(&mine, 3)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("r"), |m| m.begin_model_step(&mine, 3)).unwrap_err();
     assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
 }
 
@@ -575,8 +552,8 @@ pub(crate) fn of_two_resumes_of_a_waiting_run_one_wins(f: &dyn Fixture) {
     waiting(&store, &run("r"));
     let resume = |owner: &str| {
         let resumer = holder(owner, Duration::from_secs(30));
-        apply(&store, |tx, now| {
-            Move::new(tx, now, &run("r")).resume_waiting(
+        on(&store, &run("r"), |m| {
+            m.resume_waiting(
                 &resumer,
                 2,
                 0,
@@ -609,8 +586,8 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     let finish = |run_id: &RunId, holder: &Holder| {
         let result = ToolResult::Ok(json!({"sent": true}));
         let recorded = serde_json::to_value(&result).unwrap();
-        apply(&store, |tx, now| {
-            Move::new(tx, now, run_id).finish_tool(holder, 2, 1, "c1", &result, &recorded)
+        on(&store, run_id, |m| {
+            m.finish_tool(holder, 2, 1, "c1", &result, &recorded)
         })
     };
     // Held: recorded.
@@ -636,10 +613,7 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     create(&store, &run("taken"), &them);
     tool_in_flight(&store, &run("taken"), &them, vec![call("c1")]);
     f.expire_lease(&store, &run("taken"));
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("taken")).take_over(&me())
-    })
-    .unwrap();
+    on(&store, &run("taken"), |m| m.take_over(&me())).unwrap();
     let err = finish(&run("taken"), &them).unwrap_err();
     assert!(
         matches!(&err, Error::RunLeased { owner, .. } if owner == OWNER),
@@ -651,10 +625,7 @@ pub(crate) fn a_live_foreign_lease_refuses_a_takeover_without_a_write(f: &dyn Fi
     let store = f.store();
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     let before = store.run(&run("r")).unwrap();
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).take_over(&me())
-    })
-    .unwrap_err();
+    let err = on(&store, &run("r"), |m| m.take_over(&me())).unwrap_err();
     assert!(
         matches!(&err, Error::RunLeased { owner, .. } if owner == OTHER),
         "{err}"
@@ -669,17 +640,11 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     let long = holder(OTHER, Duration::from_secs(30));
     create(&store, &run("r"), &long);
     // Its model step was in flight when it died.
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).begin_model_step(&long, 1)
-    })
-    .unwrap();
+    on(&store, &run("r"), |m| m.begin_model_step(&long, 1)).unwrap();
     f.expire_lease(&store, &run("r"));
     let events_before = store.events(&run("r")).unwrap().len();
 
-    let (interrupted, expires_at) = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).take_over(&me())
-    })
-    .unwrap();
+    let (interrupted, expires_at) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
     assert_eq!(interrupted, [1]);
     assert!(expires_at > wall_millis());
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
@@ -704,10 +669,7 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
     // The old owner can start nothing more.
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).begin_model_step(&long, 2)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("r"), |m| m.begin_model_step(&long, 2)).unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
 }
 
@@ -715,24 +677,15 @@ pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixtu
     let store = f.store();
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).take_over(&me())
-    })
-    .unwrap();
+    on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
     assert_eq!(
         kinds(&store, &run("r")),
         [EventKind::RunStarted, EventKind::RunResumed]
     );
     // A finished run cannot be taken over.
     let mine = me();
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).fail_run(&mine, "x")
-    })
-    .unwrap();
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).take_over(&me())
-    })
-    .unwrap_err();
+    on(&store, &run("r"), |m| m.fail_run(&mine, "x")).unwrap();
+    let err = on(&store, &run("r"), |m| m.take_over(&me())).unwrap_err();
     assert!(
         matches!(
             &err,
@@ -752,16 +705,13 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     // The dead owner's tool step in flight.
     tool_in_flight(&store, &run("r"), &gone, vec![call("c1"), call("c2")]);
     assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
-    let (interrupted, _) = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("r")).take_over(&me())
-    })
-    .unwrap();
+    let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
     assert_eq!(interrupted, [2]);
     let mine = me();
     let applied = Resolution::Applied(json!({"sent": true}));
     let reconcile = |resolution: &Resolution| {
-        apply(&store, |tx, now| {
-            Move::new(tx, now, &run("r")).reconcile(&mine, 2, 1, Some(&call("c1")), resolution)
+        on(&store, &run("r"), |m| {
+            m.reconcile(&mine, 2, 1, Some(&call("c1")), resolution)
         })
     };
     reconcile(&applied).unwrap();
@@ -820,10 +770,7 @@ pub(crate) fn a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled(f: 
     );
     // The owner's loop learns it at its next move.
     let them = holder(OTHER, Duration::from_secs(30));
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &run("running")).begin_model_step(&them, 1)
-    })
-    .unwrap_err();
+    let err = on(&store, &run("running"), |m| m.begin_model_step(&them, 1)).unwrap_err();
     assert!(
         matches!(
             &err,
@@ -929,12 +876,9 @@ pub(crate) fn unknown_ids_are_not_found(f: &dyn Fixture) {
     assert!(store.pending_calls(&x).unwrap_err().is_not_found());
     assert!(store.cancel(&x, "r").unwrap_err().is_not_found());
     let mine = me();
-    let err = apply(&store, |tx, now| Move::new(tx, now, &x).take_over(&mine)).unwrap_err();
+    let err = on(&store, &x, |m| m.take_over(&mine)).unwrap_err();
     assert!(err.is_not_found(), "{err}");
-    let err = apply(&store, |tx, now| {
-        Move::new(tx, now, &x).begin_model_step(&mine, 1)
-    })
-    .unwrap_err();
+    let err = on(&store, &x, |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(err.is_not_found(), "{err}");
     assert!(store.runs(None).unwrap().is_empty(), "nothing was created");
 }

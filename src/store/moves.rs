@@ -11,8 +11,8 @@ use serde_json::{Value, json};
 use super::{
     backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
     model::{
-        Holder, ModelOutcome, Now, Renewal, Resolution, RunSnapshot, StepKind, StepState,
-        ToolDecision, from_millis, idempotency_key, wall_millis,
+        Holder, LeaseReport, ModelOutcome, Now, Renewal, Resolution, RunSnapshot, StepKind,
+        StepState, ToolDecision, from_millis, idempotency_key, wall_millis,
     },
 };
 use crate::{
@@ -753,6 +753,19 @@ pub(crate) fn load(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunSnapshot>
         steps,
         approval,
     })
+}
+
+/// RUNNING runs whose lease expired by wall-clock time `wall`, with that lease; and RUNNING
+/// runs nobody holds.
+pub(crate) fn lease_report(reads: &mut dyn Reads, wall: i64) -> Result<LeaseReport> {
+    let (mut stale, mut unleased) = (Vec::new(), Vec::new());
+    for (run_id, row) in reads.unleased_runs(wall)? {
+        match row.lease() {
+            Some(lease) => stale.push((run_id, lease)),
+            None => unleased.push(run_id),
+        }
+    }
+    Ok((stale, unleased))
 }
 
 /// The calls of a run that wait for a decision not recorded yet.

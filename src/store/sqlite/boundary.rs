@@ -18,6 +18,7 @@ use crate::{
         Health, SCHEMA_VERSION, SchemaStatus,
         backend::{Backend, MoveObserver, Reads, Session, Tx},
         model::{Now, wall_millis},
+        moves,
     },
 };
 
@@ -88,7 +89,8 @@ impl Backend for Sqlite {
             "defensive".to_owned(),
             if defensive { "1" } else { "0" }.into(),
         ));
-        let (stale_leases, running_without_lease) = Sql(&conn).lease_report(wall_millis())?;
+        let (stale_leases, running_without_lease) =
+            moves::lease_report(&mut Sql(&conn), wall_millis())?;
         Ok(Health {
             schema: SchemaStatus {
                 found: user_version(&conn).db()?,

@@ -9,9 +9,9 @@ use crate::{
     error::{Error, Result},
     store::{
         backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
-        model::{ApprovalRow, LeaseReport, LeaseRow, StepKind, StepRow, StepState, from_millis},
+        model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
     },
-    types::{Approval, ApprovalReason, Event, EventKind, Lease, Run, RunId, RunState, ToolCall},
+    types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
 };
 
 /// A connection seen through the backend's primitives. A transaction derefs to its
@@ -220,33 +220,25 @@ impl Reads for Sql<'_> {
             .db()
     }
 
-    fn lease_report(&mut self, wall: i64) -> Result<LeaseReport> {
-        let rows: Vec<(String, Option<String>, Option<i64>)> = self
-            .0
+    fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>> {
+        self.0
             .prepare_cached(
                 "SELECT id, lease_owner, lease_expires_at FROM runs
                  WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
                  ORDER BY id",
             )
             .db()?
-            .query_map([wall], |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)))
+            .query_map([wall], |row| {
+                let lease = LeaseRow {
+                    state: RunState::Running,
+                    owner: row.get(1)?,
+                    expires_at: row.get(2)?,
+                };
+                Ok((RunId::from(row.get::<_, String>(0)?), lease))
+            })
             .db()?
             .collect::<rusqlite::Result<_>>()
-            .db()?;
-        let (mut stale, mut unleased) = (Vec::new(), Vec::new());
-        for (id, owner, expires_at) in rows {
-            match (owner, expires_at) {
-                (Some(owner), Some(expires_at)) => stale.push((
-                    RunId::from(id),
-                    Lease {
-                        owner,
-                        expires_at: from_millis(expires_at),
-                    },
-                )),
-                _ => unleased.push(RunId::from(id)),
-            }
-        }
-        Ok((stale, unleased))
+            .db()
     }
 }
 

@@ -49,3 +49,19 @@ pub(crate) fn from_millis(millis: i64) -> SystemTime {
         SystemTime::UNIX_EPOCH - magnitude
     }
 }
+
+/// How far tests moved the wall clock that leases are read from, in milliseconds (see
+/// [`testkit::WallClockShift`](crate::testkit::WallClockShift)).
+#[cfg(any(test, feature = "testkit"))]
+pub(crate) static WALL_SHIFT: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+#[cfg(any(test, feature = "testkit"))]
+pub(crate) fn wall_shift() -> i64 {
+    WALL_SHIFT.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(not(any(test, feature = "testkit")))]
+#[inline(always)]
+pub(crate) fn wall_shift() -> i64 {
+    0
+}

@@ -29,8 +29,8 @@ pub use actors::{
     },
 };
 pub use agent::{
-    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest,
-    Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, FencingToken, Model, ModelError,
+    ModelRequest, Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
 };
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};

@@ -1,19 +1,23 @@
-//! `LeaseKeeper`: renews the leases of the runs its supervisor executes, every `lease_ttl / 3`
-//! on the wall clock, and tells the run's actor and every subscriber when one is lost.
+//! `LeaseKeeper`: renews the leases of the runs its supervisor executes, every `lease_ttl / 3`,
+//! moves each run's deadline (its [`Grant`]) on at each renewal, and tells the run's actor and
+//! every subscriber when one is lost.
 //!
 //! It lives on an arbiter (thread) of its own, because on a file store it renews through a
 //! blocking connection of its own: a consumer holding the store's other connections, or a busy
 //! writer, cannot starve it.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use super::store::{RenewLeases, StoreActor};
 use crate::{
     error::{Error, Result},
     store::{
         backend,
-        model::{LeaseRow, Renewal},
-        wall_millis,
+        model::{Grant, LeaseRow, Renewal},
     },
     types::{LeaseLostReason, RunId, RunState},
 };
@@ -46,8 +50,8 @@ pub(crate) enum Renewer {
 }
 
 struct Held {
-    /// The expiry as last stamped or renewed (wall-clock milliseconds).
-    expires_at: i64,
+    /// The run's token and deadline, moved on at each renewal: the loop judges its lease by it.
+    grant: Grant,
     recipient: Recipient<LeaseLost>,
 }
 
@@ -88,14 +92,21 @@ impl LeaseKeeper {
         if self.held.is_empty() || self.renewing {
             return;
         }
-        let held: Vec<RunId> = self.held.keys().cloned().collect();
+        let held: Vec<(RunId, u64)> = self
+            .held
+            .iter()
+            .map(|(run_id, held)| (run_id.clone(), held.grant.token()))
+            .collect();
+        // Read before the renewal is sent: the deadline it gives is no later than the expiry
+        // it writes, which is read from the wall clock after.
+        let sent = Instant::now();
         match &mut self.renewer {
             Renewer::Own(renewer) => {
                 // A busy database is waited for at most one period, so a stalled tick cannot
                 // outlive the lease it renews.
                 let patience = Self::period(self.ttl);
                 let renewal = renewer.renew(&self.owner, &held, self.ttl, patience);
-                self.settle(renewal);
+                self.settle(renewal, sent);
             }
             Renewer::Store(store) => {
                 self.renewing = true;
@@ -104,33 +115,31 @@ impl LeaseKeeper {
                     held,
                     ttl: self.ttl,
                 });
-                ctx.spawn(renew.into_actor(self).map(|renewal, this, _| {
+                ctx.spawn(renew.into_actor(self).map(move |renewal, this, _| {
                     this.renewing = false;
-                    this.settle(renewal.unwrap_or(Err(Error::StoreUnavailable)));
+                    this.settle(renewal.unwrap_or(Err(Error::StoreUnavailable)), sent);
                 }));
             }
         }
     }
 
-    /// Acts on a renewal: new expiries for the runs renewed, `LeaseLost` for the runs lost.
-    fn settle(&mut self, renewal: Result<Renewal>) {
-        let wall = wall_millis();
+    /// Acts on a renewal sent at `sent`: new deadlines for the runs renewed, `LeaseLost` for
+    /// the runs lost.
+    fn settle(&mut self, renewal: Result<Renewal>, sent: Instant) {
         match renewal {
             Ok(Renewal {
-                expires_at,
-                renewed,
-                missing,
+                renewed, missing, ..
             }) => {
                 for run_id in renewed {
-                    if let Some(held) = self.held.get_mut(&run_id) {
-                        held.expires_at = expires_at;
+                    if let Some(held) = self.held.get(&run_id) {
+                        held.grant.renewed(sent);
                     }
                 }
                 for (run_id, row) in missing {
                     let Some(held) = self.held.get(&run_id) else {
                         continue;
                     };
-                    match self.why_lost(held, row, wall) {
+                    match self.why_lost(held, row) {
                         Some(reason) => self.lost(run_id, reason),
                         // Released by its own call, which is returning: not a loss.
                         None => {
@@ -144,7 +153,7 @@ impl LeaseKeeper {
                 let expired: Vec<RunId> = self
                     .held
                     .iter()
-                    .filter(|(_, held)| held.expires_at <= wall)
+                    .filter(|(_, held)| held.grant.remaining().is_zero())
                     .map(|(id, _)| id.clone())
                     .collect();
                 for run_id in expired {
@@ -155,18 +164,23 @@ impl LeaseKeeper {
     }
 
     /// Why a lease that was not renewed is lost: the row says most (a new owner is named,
-    /// whether or not the lease had expired first), then the expiry.
-    fn why_lost(&self, held: &Held, row: Option<LeaseRow>, wall: i64) -> Option<LeaseLostReason> {
+    /// whether or not the lease had expired first; a new token of this owner's is another
+    /// call's acquisition), then the deadline.
+    fn why_lost(&self, held: &Held, row: Option<LeaseRow>) -> Option<LeaseLostReason> {
         match row {
             None => Some(LeaseLostReason::ReleasedOrCancelled),
             Some(LeaseRow {
-                owner: Some(owner), ..
-            }) if *owner != *self.owner => Some(LeaseLostReason::TakenBy(owner)),
+                owner: Some(owner),
+                epoch,
+                ..
+            }) if *owner != *self.owner || epoch != held.grant.token() => {
+                Some(LeaseLostReason::TakenBy(owner))
+            }
             Some(LeaseRow {
                 state: RunState::Cancelled,
                 ..
             }) => Some(LeaseLostReason::ReleasedOrCancelled),
-            _ if held.expires_at <= wall => Some(LeaseLostReason::Expired),
+            _ if held.grant.remaining().is_zero() => Some(LeaseLostReason::Expired),
             Some(_) => None,
         }
     }
@@ -204,13 +218,13 @@ impl Actor for LeaseKeeper {
     }
 }
 
-/// Keep renewing this run's lease (just stamped, until `expires_at`) and tell `recipient` if it
-/// is lost.
+/// Keep renewing this run's lease (just acquired by `grant`), moving the grant's deadline on,
+/// and tell `recipient` if it is lost.
 #[derive(Message)]
 #[rtype(result = "()")]
 pub(crate) struct Hold {
     pub run_id: RunId,
-    pub expires_at: i64,
+    pub grant: Grant,
     pub recipient: Recipient<LeaseLost>,
 }
 
@@ -221,7 +235,7 @@ impl Handler<Hold> for LeaseKeeper {
         self.held.insert(
             msg.run_id,
             Held {
-                expires_at: msg.expires_at,
+                grant: msg.grant,
                 recipient: msg.recipient,
             },
         );

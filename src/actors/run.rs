@@ -23,12 +23,12 @@ use super::{
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
-    agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
+    agent::{Agent, Cancellation, Decision, FencingToken, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
     store::{
         backend::{Durability, MoveKind},
         model::{
-            Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
+            Grant, Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
             ToolDecision, idempotency_key,
         },
         moves::{self, Move},
@@ -107,17 +107,17 @@ impl Handler<Execute> for RunActor {
             run_id: msg.run_id.clone(),
             store: msg.store.clone(),
             keeper: msg.keeper.clone(),
-            holder: msg.holder.clone(),
+            grant: Grant::new(msg.holder),
             recipient: ctx.address().recipient(),
             cancellation: self.cancellation.clone(),
             lease_lost: self.lease_lost.clone(),
         };
         let work = async move {
-            let (run_id, store, keeper, owner) = (
+            let (run_id, store, keeper, grant) = (
                 env.run_id.clone(),
                 env.store.clone(),
                 env.keeper.clone(),
-                env.holder.owner.clone(),
+                env.grant.clone(),
             );
             // A panic outside the model's and tools' calls (which are caught where they run)
             // still ends the call like an error: the lease is released below.
@@ -155,7 +155,8 @@ impl Handler<Execute> for RunActor {
                     .addr()
                     .send(ReleaseLease {
                         run_id: run_id.clone(),
-                        owner,
+                        owner: grant.holder.owner.clone(),
+                        token: grant.token(),
                     })
                     .await;
                 if let Ok(Err(err)) | Err(err) = released.map_err(Error::from) {
@@ -186,7 +187,8 @@ struct Env {
     run_id: RunId,
     store: StoreHandle,
     keeper: Addr<LeaseKeeper>,
-    holder: Holder,
+    /// The lease this call acquires: its token and its deadline.
+    grant: Grant,
     recipient: Recipient<LeaseLost>,
     /// Fires on an operator's cancel and on a lost lease: the tool running is told.
     cancellation: Cancellation,
@@ -245,6 +247,18 @@ impl Planned {
             _ => Durability::Durable,
         }
     }
+
+    /// Whether its move starts a side effect, and so needs the start margin.
+    fn starts(&self) -> bool {
+        matches!(
+            self,
+            Planned::BeginModel { .. }
+                | Planned::Decide {
+                    decision: ToolDecision::Allow { .. },
+                    ..
+                }
+        )
+    }
 }
 
 impl RunLoop {
@@ -262,21 +276,21 @@ impl RunLoop {
         let mut run = match job {
             Job::Start { agent, input } => {
                 let found = find(&agent)?;
-                let (id, name, value, holder) = (
+                let (id, name, value, grant) = (
                     run_id.clone(),
                     agent.clone(),
                     input.clone(),
-                    env.holder.clone(),
+                    env.grant.clone(),
                 );
                 let create = ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-                    Move::new(tx, now, &id).create_run(&name, &value, &holder)
+                    Move::new(tx, now, &id).create_run(&name, &value, &grant)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 // The first model step's reservation commits with the insert.
                 let next = run.plan();
-                let (expires_at, next) = run.commit_with(create, next, |_| true).await?;
+                let (_, next) = run.commit_with(create, next, |_| true).await?;
                 tracing::info!(agent = %agent, "run started");
-                run.hold(expires_at);
+                run.hold();
                 first_next = next;
                 run
             }
@@ -298,19 +312,18 @@ impl RunLoop {
                         run
                     }
                     RunState::Running => {
-                        let (id, holder) = (run_id.clone(), env.holder.clone());
+                        let (id, grant) = (run_id.clone(), env.grant.clone());
                         let take = ApplyMove::new(MoveKind::TakeOver, &run_id, move |tx, now| {
-                            let (interrupted, expires_at) =
-                                Move::new(tx, now, &id).take_over(&holder)?;
+                            let (interrupted, _) = Move::new(tx, now, &id).take_over(&grant)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
-                            Ok((interrupted.len(), expires_at, moves::load(tx, &id)?))
+                            Ok((interrupted.len(), moves::load(tx, &id)?))
                         });
-                        let (interrupted, expires_at, snapshot) =
+                        let (interrupted, snapshot) =
                             env.store.apply(take, Durability::Durable).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
-                        run.hold(expires_at);
+                        run.hold();
                         tracing::info!(interrupted, "run taken over");
                         run
                     }
@@ -345,11 +358,11 @@ impl RunLoop {
     }
 
     /// Asks the keeper to renew the lease just taken.
-    fn hold(&self, expires_at: i64) {
+    fn hold(&self) {
         let recipient = self.env.recipient.clone();
         self.env.keeper.do_send(Hold {
             run_id: self.run_id.clone(),
-            expires_at,
+            grant: self.env.grant.clone(),
             recipient,
         });
     }
@@ -469,11 +482,11 @@ impl RunLoop {
     fn move_of<R: Send + 'static>(
         &self,
         kind: MoveKind,
-        mut apply: impl FnMut(&mut Move<'_, '_>, &Holder) -> Result<R> + Send + 'static,
+        mut apply: impl FnMut(&mut Move<'_, '_>, &Grant) -> Result<R> + Send + 'static,
     ) -> ApplyMove<R> {
-        let (run_id, holder) = (self.run_id.clone(), self.env.holder.clone());
+        let (run_id, grant) = (self.run_id.clone(), self.env.grant.clone());
         ApplyMove::new(kind, &self.run_id, move |tx, now| {
-            apply(&mut Move::new(tx, now, &run_id), &holder)
+            apply(&mut Move::new(tx, now, &run_id), &grant)
         })
     }
 
@@ -481,7 +494,7 @@ impl RunLoop {
     async fn apply<R: Send + 'static>(
         &self,
         kind: MoveKind,
-        apply: impl FnMut(&mut Move<'_, '_>, &Holder) -> Result<R> + Send + 'static,
+        apply: impl FnMut(&mut Move<'_, '_>, &Grant) -> Result<R> + Send + 'static,
     ) -> Result<R> {
         self.env
             .store
@@ -506,6 +519,54 @@ impl RunLoop {
         })
     }
 
+    /// Waits until the lease has the start margin left by its deadline: at once when it has,
+    /// else for the renewals that give it back. `LeaseLost` when the deadline passes first;
+    /// returns early when the keeper reports the lease lost (the loop then stops).
+    async fn wait_for_margin(&self) -> Result<()> {
+        while !self.env.grant.has_margin() && !self.env.cancellation.is_cancelled() {
+            self.wait_for_renewal().await?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the lease's next renewal; `LeaseLost` when its deadline passes first.
+    async fn wait_for_renewal(&self) -> Result<()> {
+        let grant = &self.env.grant;
+        let renewal = grant.renewal();
+        let mut renewal = std::pin::pin!(renewal);
+        renewal.as_mut().enable();
+        if self.env.lease_lost.borrow().is_some() {
+            return Ok(());
+        }
+        let left = grant.remaining();
+        if left.is_zero() {
+            return Err(Error::LeaseLost {
+                run_id: self.run_id.clone(),
+                reason: LeaseLostReason::Expired,
+            });
+        }
+        tracing::debug!(?left, "short of the start margin; waiting for a renewal");
+        futures_util::select_biased! {
+            () = renewal.fuse() => Ok(()),
+            () = self.env.cancellation.cancelled().fuse() => Ok(()),
+            () = actix_rt::time::sleep(left).fuse() => Ok(()),
+        }
+    }
+
+    /// Whether a start was refused for want of the margin while the lease is still held by its
+    /// deadline: the margin ran short, or the stored expiry disagrees (the wall clock moved).
+    /// The loop waits for a renewal, which gives the margin back or finds the lease lost.
+    fn short_of_margin(&self, err: &Error) -> bool {
+        matches!(
+            err,
+            Error::LeaseLost {
+                reason: LeaseLostReason::Expired,
+                ..
+            }
+        ) && !self.env.cancellation.is_cancelled()
+            && !self.env.grant.remaining().is_zero()
+    }
+
     /// Executes steps until the run pauses or finishes.
     async fn drive(&mut self) -> Result<Outcome> {
         loop {
@@ -516,9 +577,18 @@ impl RunLoop {
             let next = match self.plan() {
                 Err(err) => return Err(err),
                 Ok(Some(planned)) => {
+                    if planned.starts() {
+                        self.wait_for_margin().await?;
+                    }
                     let mv = self.planned_move(&planned);
-                    self.env.store.apply(mv, planned.durability()).await?;
-                    self.after_planned(planned)?
+                    match self.env.store.apply(mv, planned.durability()).await {
+                        Ok(()) => self.after_planned(planned)?,
+                        Err(err) if self.short_of_margin(&err) => {
+                            self.wait_for_renewal().await?;
+                            Next::Continue
+                        }
+                        Err(err) => return Err(err),
+                    }
                 }
                 Ok(None) => {
                     let step = self.steps[self.cursor].clone();
@@ -617,22 +687,22 @@ impl RunLoop {
     fn planned_move(&self, planned: &Planned) -> ApplyMove<()> {
         match planned.clone() {
             Planned::BeginModel { step } => self
-                .move_of(MoveKind::BeginModelStep, move |m, holder| {
-                    m.begin_model_step(holder, step)
+                .move_of(MoveKind::BeginModelStep, move |m, grant| {
+                    m.begin_model_step(grant, step)
                 }),
-            Planned::Fail { error } => self.move_of(MoveKind::FailRun, move |m, holder| {
-                m.fail_run(holder, &error)
+            Planned::Fail { error } => self.move_of(MoveKind::FailRun, move |m, grant| {
+                m.fail_run(grant, &error)
             }),
             Planned::Decide {
                 step,
                 call,
                 decision,
-            } => self.move_of(MoveKind::DecideTool, move |m, holder| {
-                m.decide_tool(holder, step, &call, &decision)
+            } => self.move_of(MoveKind::DecideTool, move |m, grant| {
+                m.decide_tool(grant, step, &call, &decision)
             }),
             Planned::Reject { step, call, error } => self
-                .move_of(MoveKind::RejectTool, move |m, holder| {
-                    m.reject_tool(holder, step, &call, &error)
+                .move_of(MoveKind::RejectTool, move |m, grant| {
+                    m.reject_tool(grant, step, &call, &error)
                 }),
         }
     }
@@ -682,18 +752,23 @@ impl RunLoop {
         proceed: fn(&A) -> bool,
     ) -> Result<(A, Result<Next>)> {
         match next {
-            Ok(Some(planned)) => {
+            // A start short of the margin is not paired: the loop waits for it after `first`.
+            Ok(Some(planned)) if !planned.starts() || self.env.grant.has_margin() => {
                 let then = self.planned_move(&planned);
                 let durability = planned.durability();
                 let store = &self.env.store;
                 let (value, then) = store.apply_then(first, then, proceed, durability).await?;
                 let next = match then {
+                    // Planned again by the loop once a renewal gave the margin back.
+                    Some(Err(err)) if self.short_of_margin(&err) => {
+                        self.wait_for_renewal().await.map(|()| Next::Continue)
+                    }
                     Some(then) => then.and_then(|()| self.after_planned(planned)),
                     None => Ok(Next::Continue),
                 };
                 Ok((value, next))
             }
-            Ok(None) => Ok((
+            Ok(_) => Ok((
                 self.env.store.apply(first, Durability::Durable).await?,
                 Ok(Next::Continue),
             )),
@@ -726,8 +801,8 @@ impl RunLoop {
             Ok(response) => response,
             Err(error) => {
                 let outcome = ModelOutcome::Failed(error.0.clone());
-                self.apply(MoveKind::FinishModelStep, move |m, holder| {
-                    m.finish_model_step(holder, step, attempt, &outcome)
+                self.apply(MoveKind::FinishModelStep, move |m, grant| {
+                    m.finish_model_step(grant, step, attempt, &outcome)
                 })
                 .await?;
                 return Ok(Next::Return(Outcome::Failed {
@@ -756,8 +831,8 @@ impl RunLoop {
             response,
             recorded: stored_json.clone(),
         };
-        let first = self.move_of(MoveKind::FinishModelStep, move |m, holder| {
-            m.finish_model_step(holder, step, attempt, &outcome)
+        let first = self.move_of(MoveKind::FinishModelStep, move |m, grant| {
+            m.finish_model_step(grant, step, attempt, &outcome)
         });
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
@@ -831,6 +906,7 @@ impl RunLoop {
             call_id: call.id.clone(),
             attempt,
             idempotency_key: idempotency_key(&self.run_id, step),
+            fencing_token: FencingToken::new(self.env.grant.token()),
             cancellation: self.env.cancellation.clone(),
         }
     }
@@ -860,8 +936,8 @@ impl RunLoop {
         };
         let result_json = serde_json::to_value(&result).unwrap();
         let (call_id, recorded) = (call.id, result_json.clone());
-        let first = self.move_of(MoveKind::FinishTool, move |m, holder| {
-            m.finish_tool(holder, number, attempt, &call_id, &result, &recorded)
+        let first = self.move_of(MoveKind::FinishTool, move |m, grant| {
+            m.finish_tool(grant, number, attempt, &call_id, &result, &recorded)
         });
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
@@ -884,10 +960,18 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.apply(MoveKind::Reconcile, move |m, holder| {
-                m.reconcile(holder, number, attempt, None, &Resolution::Redispatch)
-            })
-            .await?;
+            self.wait_for_margin().await?;
+            let redispatch = self
+                .apply(MoveKind::Reconcile, move |m, grant| {
+                    m.reconcile(grant, number, attempt, None, &Resolution::Redispatch)
+                })
+                .await;
+            match redispatch {
+                Err(err) if self.short_of_margin(&err) => {
+                    return self.wait_for_renewal().await.map(|()| Next::Continue);
+                }
+                other => other?,
+            }
             self.set_step(number, StepState::InFlight, attempt + 1, None);
             return Ok(Next::Continue);
         };
@@ -929,11 +1013,22 @@ impl RunLoop {
             ?resolution,
             "reconciling an interrupted step"
         );
+        if matches!(resolution, Resolution::Retry { .. }) {
+            self.wait_for_margin().await?;
+        }
         let (c, r) = (call.clone(), resolution.clone());
-        self.apply(MoveKind::Reconcile, move |m, holder| {
-            m.reconcile(holder, number, attempt, Some(&c), &r)
-        })
-        .await?;
+        let reconciled = self
+            .apply(MoveKind::Reconcile, move |m, grant| {
+                m.reconcile(grant, number, attempt, Some(&c), &r)
+            })
+            .await;
+        match reconciled {
+            // The hook is asked again once a renewal gave the margin back.
+            Err(err) if self.short_of_margin(&err) => {
+                return self.wait_for_renewal().await.map(|()| Next::Continue);
+            }
+            other => other?,
+        }
         match resolution {
             Resolution::Applied(output) => {
                 let result = serde_json::to_value(ToolResult::Ok(output)).unwrap();
@@ -1027,13 +1122,12 @@ impl RunLoop {
         };
         let (number, attempt) = (waiting.step, waiting.attempt);
         let (c, d) = (call.clone(), decision.clone());
-        let expires_at = self
-            .apply(MoveKind::ResumeWaiting, move |m, holder| {
-                m.resume_waiting(holder, number, attempt, &c, reason, &d, source)
-            })
-            .await?;
+        self.apply(MoveKind::ResumeWaiting, move |m, grant| {
+            m.resume_waiting(grant, number, attempt, &c, reason, &d, source)
+        })
+        .await?;
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.
-        self.hold(expires_at);
+        self.hold();
         tracing::info!(step = number, source, "waiting run resumed");
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),

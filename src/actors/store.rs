@@ -205,7 +205,8 @@ impl<R: Send + 'static> Handler<ReadState<R>> for StoreActor {
 #[rtype(result = "Result<Renewal>")]
 pub(crate) struct RenewLeases {
     pub owner: Arc<str>,
-    pub held: Vec<RunId>,
+    /// Each run with the fencing token of its lease.
+    pub held: Vec<(RunId, u64)>,
     pub ttl: Duration,
 }
 
@@ -217,20 +218,21 @@ impl Handler<RenewLeases> for StoreActor {
     }
 }
 
-/// Releases a lease a returning call still holds: compare-and-set on the owner, no event and
-/// no clock.
+/// Releases a lease a returning call still holds: compare-and-set on the owner and the
+/// fencing token, no event and no clock.
 #[derive(Message)]
 #[rtype(result = "Result<bool>")]
 pub(crate) struct ReleaseLease {
     pub run_id: RunId,
     pub owner: Arc<str>,
+    pub token: u64,
 }
 
 impl Handler<ReleaseLease> for StoreActor {
     type Result = Result<bool>;
 
     fn handle(&mut self, msg: ReleaseLease, _: &mut SyncContext<Self>) -> Result<bool> {
-        self.writer().release(&msg.run_id, &msg.owner)
+        self.writer().release(&msg.run_id, &msg.owner, msg.token)
     }
 }
 
@@ -492,7 +494,7 @@ mod tests {
     use crate::{
         clock::SystemClock,
         sqlite::{Options, Sqlite},
-        store::{model::Holder, moves::Move},
+        store::{model::{Grant, Holder}, moves::Move},
     };
 
     /// Counts its readings.
@@ -521,12 +523,13 @@ mod tests {
     fn create(n: u32, refuse: bool) -> ApplyMove<()> {
         let run_id = RunId::from(format!("r{n}"));
         let id = run_id.clone();
-        let holder = Holder {
+        let grant = Grant::new(Holder {
             owner: "me/000000000001".into(),
             ttl: Duration::from_secs(30),
-        };
+            margin: Duration::from_secs(10),
+        });
         ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-            Move::new(tx, now, &id).create_run("a", &json!({}), &holder)?;
+            Move::new(tx, now, &id).create_run("a", &json!({}), &grant)?;
             if refuse {
                 return Err(Error::InvalidInput("refused after writing".into()));
             }

@@ -53,6 +53,7 @@ pub struct Config {
     clock: Arc<dyn Clock>,
     lease_owner: Option<String>,
     lease_ttl: Duration,
+    start_margin: Option<Duration>,
     observer: Option<Arc<dyn MoveObserver>>,
 }
 
@@ -62,6 +63,7 @@ impl Default for Config {
             clock: Arc::new(SystemClock),
             lease_owner: None,
             lease_ttl: DEFAULT_LEASE_TTL,
+            start_margin: None,
             observer: None,
         }
     }
@@ -91,6 +93,23 @@ impl Config {
         self
     }
 
+    /// How much of its lease a run must have left for a side effect (a tool call, a model
+    /// call) to start: a third of the TTL by default, which a lease renewed on time always
+    /// has. It must be shorter than the TTL.
+    ///
+    /// The loop judges what is left by its own monotonic clock (the time its last successful
+    /// renewal was sent, plus the TTL), and the write that starts the side effect checks it
+    /// against the stored expiry too. A loop short of it waits for the next renewal, and stops
+    /// with [`Error::LeaseLost`] if none comes before the lease expires: it never starts the
+    /// side effect. The margin is the time a process may stall between that write and the
+    /// call without another taking the run over; the fencing token
+    /// ([`ToolContext::fencing_token`](crate::ToolContext::fencing_token)) covers a longer
+    /// stall.
+    pub fn start_margin(mut self, margin: Duration) -> Self {
+        self.start_margin = Some(margin);
+        self
+    }
+
     /// Tells `observer` of every move the supervisor's store actor applies, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
@@ -106,6 +125,19 @@ impl Config {
             self.lease_ttl
         }
     }
+
+    /// The start margin in force: the one set, or a third of the TTL; refused unless shorter
+    /// than the TTL.
+    pub(crate) fn effective_margin(&self) -> Result<Duration> {
+        let ttl = self.effective_ttl();
+        let margin = self.start_margin.unwrap_or(ttl / 3);
+        if margin >= ttl {
+            return Err(Error::InvalidInput(format!(
+                "the start margin ({margin:?}) must be shorter than the lease TTL ({ttl:?})"
+            )));
+        }
+        Ok(margin)
+    }
 }
 
 impl std::fmt::Debug for Config {
@@ -113,6 +145,7 @@ impl std::fmt::Debug for Config {
         f.debug_struct("Config")
             .field("lease_owner", &self.lease_owner)
             .field("lease_ttl", &self.lease_ttl)
+            .field("start_margin", &self.start_margin)
             .field("observer", &self.observer.is_some())
             .finish_non_exhaustive()
     }
@@ -174,6 +207,7 @@ impl SupervisorBuilder {
         let holder = Holder {
             owner: lease_owner(self.config.lease_owner.as_deref()).into(),
             ttl,
+            margin: self.config.effective_margin()?,
         };
         let (store_actor, renewer) = StoreActor::start(
             &self.store,

@@ -41,7 +41,8 @@ pub(crate) trait Reads {
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>>;
 }
 
-/// A new RUNNING run, its lease stamped in the insert.
+/// A new RUNNING run, its lease stamped in the insert with the first fencing token
+/// ([`FIRST_TOKEN`](super::moves::FIRST_TOKEN)).
 pub(crate) struct NewRun<'a> {
     pub run_id: &'a RunId,
     pub agent: &'a str,
@@ -51,8 +52,9 @@ pub(crate) struct NewRun<'a> {
     pub expires_at: i64,
 }
 
-/// A run's move between states, guarded by its state (and its owner, for a loop's move). The
-/// lease is set as given: an owner and an expiry entering RUNNING, none leaving it.
+/// A run's move between states, guarded by its state (and its lease, for a loop's move). The
+/// lease is set as given: an owner and an expiry entering RUNNING, with the next fencing token
+/// (the stored one plus one); none leaving it.
 pub(crate) struct RunUpdate<'a> {
     /// The states the run may be in (one or two).
     pub from: &'a [RunState],
@@ -62,8 +64,9 @@ pub(crate) struct RunUpdate<'a> {
     pub at: i64,
     pub owner: Option<&'a str>,
     pub expires_at: Option<i64>,
-    /// The owner whose lease the run must be under; `None` for an operator's move.
-    pub guard_owner: Option<&'a str>,
+    /// The owner and fencing token of the lease the run must be under; `None` for an
+    /// operator's move.
+    pub guard: Option<(&'a str, u64)>,
 }
 
 /// A step's move out of the state and attempt its executor saw.
@@ -89,19 +92,23 @@ pub(crate) struct StepUpdate<'a> {
 pub(crate) trait Tx: Reads {
     /// Inserts a run that does not exist (the move checked).
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()>;
-    /// Stamps a RUNNING run under `owner`'s lease as moved at `at`; with `unexpired_at`, only
-    /// if the lease expires after it. False when the guard did not match.
+    /// Stamps a RUNNING run under `owner`'s lease of fencing token `token` as moved at `at`;
+    /// with `unexpired_at`, only if the lease expires after it. False when the guard did not
+    /// match.
     fn touch_run(
         &mut self,
         run_id: &RunId,
         at: i64,
         owner: &str,
+        token: u64,
         unexpired_at: Option<i64>,
     ) -> Result<bool>;
-    /// Moves a run between states; false when the guard did not match.
-    fn update_run(&mut self, run_id: &RunId, update: &RunUpdate<'_>) -> Result<bool>;
-    /// Gives a RUNNING run's lease to `owner` until `expires_at`, if its lease is still the one
-    /// `seen` (compare-and-set on owner and expiry); false otherwise.
+    /// Moves a run between states; the run's fencing token after the move, or `None` when the
+    /// guard did not match.
+    fn update_run(&mut self, run_id: &RunId, update: &RunUpdate<'_>) -> Result<Option<u64>>;
+    /// Gives a RUNNING run's lease to `owner` until `expires_at`, with the next fencing token
+    /// (`seen.epoch + 1`), if its lease is still the one `seen` (compare-and-set on owner,
+    /// expiry and token); false otherwise.
     fn take_lease(
         &mut self,
         run_id: &RunId,
@@ -157,17 +164,19 @@ pub(crate) trait Tx: Reads {
 
 /// A connection outside any transaction: the lease's single-statement writes.
 pub(crate) trait LeaseWrites: Reads {
-    /// Extends to `expires_at` the leases of `held` that `owner` holds unexpired at
-    /// wall-clock time `wall`, in one statement; returns the runs renewed.
+    /// Extends to `expires_at` the leases of `held` (each run with its fencing token) that
+    /// `owner` holds unexpired at wall-clock time `wall`, in one statement; returns the runs
+    /// renewed.
     fn renew_leases(
         &mut self,
         owner: &str,
-        held: &[RunId],
+        held: &[(RunId, u64)],
         wall: i64,
         expires_at: i64,
     ) -> Result<Vec<RunId>>;
-    /// Clears `owner`'s lease on a run (compare-and-set on the owner); whether it held it.
-    fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool>;
+    /// Clears `owner`'s lease of fencing token `token` on a run (compare-and-set on both);
+    /// whether it held it.
+    fn release_lease(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool>;
 }
 
 /// What a move does: its name in [`MoveInfo`]. JSON: its name, [`MoveKind::as_str`].
@@ -357,9 +366,10 @@ pub(crate) trait Writer: Send {
     /// durable.
     fn read(&mut self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()>;
     /// A renewal tick, for a backend without a renewal connection of its own.
-    fn renew(&mut self, owner: &str, held: &[RunId], ttl: Duration) -> Result<Renewal>;
-    /// Releases `owner`'s lease on a run that stays RUNNING; whether it held it.
-    fn release(&mut self, run_id: &RunId, owner: &str) -> Result<bool>;
+    fn renew(&mut self, owner: &str, held: &[(RunId, u64)], ttl: Duration) -> Result<Renewal>;
+    /// Releases `owner`'s lease of fencing token `token` on a run that stays RUNNING; whether
+    /// it held it.
+    fn release(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool>;
 }
 
 /// Renews a supervisor's leases on a connection of its own.
@@ -368,7 +378,7 @@ pub(crate) trait Renewer: Send {
     fn renew(
         &mut self,
         owner: &str,
-        held: &[RunId],
+        held: &[(RunId, u64)],
         ttl: Duration,
         patience: Duration,
     ) -> Result<Renewal>;

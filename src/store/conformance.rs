@@ -6,7 +6,7 @@
 //! fixture says how to make a fresh store (and, if the backend can hold one, a database of a
 //! newer schema). Every case must pass unchanged on every backend.
 
-use crate::store::moves::Move;
+use crate::store::moves::{FIRST_TOKEN, Move};
 use std::{sync::Arc, time::Duration};
 
 use serde_json::{Value, json};
@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use super::{
     Store,
     backend::Session,
-    model::{Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
+    model::{Grant, Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
     moves,
 };
 use crate::{
@@ -80,14 +80,18 @@ pub(crate) use conformance_suite;
 const OWNER: &str = "me/000000000001";
 const OTHER: &str = "them/000000000002";
 
-fn holder(owner: &str, ttl: Duration) -> Holder {
-    Holder {
+/// A lease of `owner`'s as its loop holds it after a start: the first token, the TTL left,
+/// and no start margin beyond an unexpired lease (the margin has cases of its own).
+fn holder(owner: &str, ttl: Duration) -> Grant {
+    let holder = Holder {
         owner: owner.into(),
         ttl,
-    }
+        margin: Duration::ZERO,
+    };
+    Grant::held(holder, FIRST_TOKEN)
 }
 
-fn me() -> Holder {
+fn me() -> Grant {
     holder(OWNER, Duration::from_secs(30))
 }
 
@@ -116,7 +120,7 @@ fn on<R>(
     apply(store, |tx, now| f(&mut Move::new(tx, now, run_id)))
 }
 
-fn create(store: &Store, run_id: &RunId, holder: &Holder) {
+fn create(store: &Store, run_id: &RunId, holder: &Grant) {
     on(store, run_id, |m| {
         m.create_run("agent", &json!({"n": 1}), holder)
     })
@@ -148,7 +152,7 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
 }
 
 /// Model step 1 reserved and answered with `calls` under `holder`'s lease.
-fn model_answered_by(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
+fn model_answered_by(store: &Store, run_id: &RunId, holder: &Grant, calls: Vec<ToolCall>) {
     on(store, run_id, |m| m.begin_model_step(holder, 1)).unwrap();
     let response = ModelResponse::calls(calls);
     let outcome = ModelOutcome::Answered {
@@ -163,7 +167,7 @@ fn model_answered_by(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<
 
 /// Model step 1 answered with `calls` under `holder`'s lease, and the first of them (step 2)
 /// started.
-fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Holder, calls: Vec<ToolCall>) {
+fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Grant, calls: Vec<ToolCall>) {
     let first = calls[0].clone();
     model_answered_by(store, run_id, holder, calls);
     on(store, run_id, |m| {
@@ -202,7 +206,10 @@ fn session(store: &Store) -> Session {
     store.session(Arc::new(SystemClock), None).unwrap()
 }
 
+/// Renews `owner`'s leases on `held`, each under the first token.
 fn renew(store: &Store, owner: &str, held: &[RunId]) -> super::model::Renewal {
+    let held: Vec<(RunId, u64)> = held.iter().map(|id| (id.clone(), FIRST_TOKEN)).collect();
+    let held = held.as_slice();
     let mut session = session(store);
     let ttl = Duration::from_secs(30);
     match &mut session.renewer {
@@ -230,7 +237,7 @@ pub(crate) fn a_new_run_is_running_under_its_creators_lease(f: &dyn Fixture) {
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
     assert_eq!(
         last_payload(&store, &run("r")),
-        json!({"agent": "agent", "input": {"n": 1}})
+        json!({"agent": "agent", "input": {"n": 1}, "fencing_token": 1})
     );
 }
 
@@ -288,7 +295,7 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     // Released (its call returned with an error): refused as released.
     create(&store, &run("released"), &mine);
     let mut session = session(&store);
-    assert!(session.writer.release(&run("released"), OWNER).unwrap());
+    assert!(session.writer.release(&run("released"), OWNER, FIRST_TOKEN).unwrap());
     let err = on(&store, &run("released"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(
         matches!(
@@ -459,6 +466,7 @@ pub(crate) fn an_allowed_call_starts_with_its_idempotency_key(f: &dyn Fixture) {
             "args": {"to": "a@example.com"},
             "attempt": 1,
             "idempotency_key": "r/2",
+            "fencing_token": 1,
         })
     );
     assert_eq!(events[events.len() - 2].kind, EventKind::PolicyDecided);
@@ -583,7 +591,7 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     f: &dyn Fixture,
 ) {
     let store = f.store();
-    let finish = |run_id: &RunId, holder: &Holder| {
+    let finish = |run_id: &RunId, holder: &Grant| {
         let result = ToolResult::Ok(json!({"sent": true}));
         let recorded = serde_json::to_value(&result).unwrap();
         on(&store, run_id, |m| {
@@ -676,14 +684,14 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
 pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixture) {
     let store = f.store();
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
-    assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
-    on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
+    assert!(session(&store).writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
+    let mine = me();
+    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
     assert_eq!(
         kinds(&store, &run("r")),
         [EventKind::RunStarted, EventKind::RunResumed]
     );
     // A finished run cannot be taken over.
-    let mine = me();
     on(&store, &run("r"), |m| m.fail_run(&mine, "x")).unwrap();
     let err = on(&store, &run("r"), |m| m.take_over(&me())).unwrap_err();
     assert!(
@@ -704,10 +712,10 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     create(&store, &run("r"), &gone);
     // The dead owner's tool step in flight.
     tool_in_flight(&store, &run("r"), &gone, vec![call("c1"), call("c2")]);
-    assert!(session(&store).writer.release(&run("r"), OTHER).unwrap());
-    let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
-    assert_eq!(interrupted, [2]);
+    assert!(session(&store).writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
     let mine = me();
+    let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    assert_eq!(interrupted, [2]);
     let applied = Resolution::Applied(json!({"sent": true}));
     let reconcile = |resolution: &Resolution| {
         on(&store, &run("r"), |m| {
@@ -818,15 +826,15 @@ pub(crate) fn a_release_is_a_compare_and_set_on_the_owner(f: &dyn Fixture) {
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     let mut session = session(&store);
     assert!(
-        !session.writer.release(&run("r"), OWNER).unwrap(),
+        !session.writer.release(&run("r"), OWNER, FIRST_TOKEN).unwrap(),
         "not ours"
     );
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
-    assert!(session.writer.release(&run("r"), OTHER).unwrap());
+    assert!(session.writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
     assert_eq!(store.lease(&run("r")).unwrap(), None);
     assert_eq!(store.run(&run("r")).unwrap().state, RunState::Running);
     assert!(
-        !session.writer.release(&run("r"), OTHER).unwrap(),
+        !session.writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap(),
         "released once"
     );
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);

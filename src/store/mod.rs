@@ -13,7 +13,6 @@ pub(crate) mod model;
 pub(crate) mod moves;
 pub mod sqlite;
 
-pub(crate) use self::model::wall_millis;
 pub use self::{
     handle::Store,
     health::{Health, SchemaStatus},

@@ -3,8 +3,11 @@
 //! a decision or a reconciliation records.
 
 use std::{
-    sync::Arc,
-    time::{Duration, SystemTime},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
 };
 
 use serde_json::{Value, json};
@@ -111,17 +114,118 @@ pub(crate) fn idempotency_key(run_id: &RunId, step: u32) -> String {
     format!("{run_id}/{step}")
 }
 
-/// The lease a loop executes under: its owner, and how long a stamp or renewal lasts.
+/// Who takes leases: a supervisor's owner name, how long a stamp or renewal lasts, and how
+/// much of it must be left for a side effect to start.
 #[derive(Debug, Clone)]
 pub(crate) struct Holder {
     pub owner: Arc<str>,
     pub ttl: Duration,
+    pub margin: Duration,
 }
 
 impl Holder {
     /// The expiry of a lease stamped at wall-clock time `wall`.
     pub(crate) fn expiry(&self, wall: i64) -> i64 {
         wall + self.ttl.as_millis() as i64
+    }
+
+    /// The wall-clock time a lease must outlast for a side effect to start at `wall`.
+    pub(crate) fn start_by(&self, wall: i64) -> i64 {
+        wall + self.margin.as_millis() as i64
+    }
+}
+
+/// One loop's hold on its run's lease: the holder, the fencing token its acquisition wrote,
+/// and the deadline the loop judges the lease by.
+///
+/// The deadline is on the monotonic clock: the time its last successful write (the
+/// acquisition, then each renewal) was sent, plus the TTL. The lease in the database expires
+/// no earlier, since its expiry is read from the wall clock after that time; so a loop that
+/// finds the margin left by this deadline has it by the database's too, whatever the wall
+/// clock does meanwhile.
+#[derive(Debug, Clone)]
+pub(crate) struct Grant {
+    pub holder: Holder,
+    shared: Arc<Granted>,
+}
+
+#[derive(Debug)]
+struct Granted {
+    base: Instant,
+    token: AtomicU64,
+    /// Nanoseconds after `base`; 0 before the acquisition.
+    deadline: AtomicU64,
+    renewed: tokio::sync::Notify,
+}
+
+impl Grant {
+    /// A grant not acquired yet: no token, and no time left.
+    pub(crate) fn new(holder: Holder) -> Self {
+        Grant {
+            holder,
+            shared: Arc::new(Granted {
+                base: Instant::now(),
+                token: AtomicU64::new(0),
+                deadline: AtomicU64::new(0),
+                renewed: tokio::sync::Notify::new(),
+            }),
+        }
+    }
+
+    fn nanos(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.shared.base).as_nanos() as u64
+    }
+
+    /// The acquisition sent at `sent` wrote `token`.
+    pub(crate) fn acquired(&self, token: u64, sent: Instant) {
+        self.shared.token.store(token, Ordering::SeqCst);
+        let deadline = self.nanos(sent + self.holder.ttl).max(1);
+        self.shared.deadline.store(deadline, Ordering::SeqCst);
+        self.shared.renewed.notify_waiters();
+    }
+
+    /// A renewal sent at `sent` succeeded.
+    pub(crate) fn renewed(&self, sent: Instant) {
+        let deadline = self.nanos(sent + self.holder.ttl);
+        self.shared.deadline.fetch_max(deadline, Ordering::SeqCst);
+        self.shared.renewed.notify_waiters();
+    }
+
+    /// The fencing token of the acquisition (0 before it).
+    pub(crate) fn token(&self) -> u64 {
+        self.shared.token.load(Ordering::SeqCst)
+    }
+
+    /// The time left before the deadline.
+    pub(crate) fn remaining(&self) -> Duration {
+        let deadline = Duration::from_nanos(self.shared.deadline.load(Ordering::SeqCst));
+        (self.shared.base + deadline).saturating_duration_since(Instant::now())
+    }
+
+    /// Whether a side effect may start now: at least the margin is left.
+    pub(crate) fn has_margin(&self) -> bool {
+        self.remaining() >= self.holder.margin
+    }
+
+    /// Completes at the next acquisition or renewal after the call.
+    pub(crate) fn renewal(&self) -> tokio::sync::futures::Notified<'_> {
+        self.shared.renewed.notified()
+    }
+
+    /// A grant that acquired `token` just now; for tests of the moves.
+    #[cfg(test)]
+    pub(crate) fn held(holder: Holder, token: u64) -> Self {
+        let grant = Grant::new(holder);
+        grant.acquired(token, Instant::now());
+        grant
+    }
+
+    /// Moves the deadline to `left` from now, as if the last renewal had been sent then; for
+    /// tests of what a loop does with little time left.
+    #[cfg(test)]
+    pub(crate) fn set_remaining(&self, left: Duration) {
+        let deadline = self.nanos(Instant::now() + left).max(1);
+        self.shared.deadline.store(deadline, Ordering::SeqCst);
     }
 }
 
@@ -131,6 +235,8 @@ pub(crate) struct LeaseRow {
     pub state: RunState,
     pub owner: Option<String>,
     pub expires_at: Option<i64>,
+    /// The fencing token of the lease's last acquisition.
+    pub epoch: u64,
 }
 
 impl LeaseRow {
@@ -262,5 +368,5 @@ impl<'a> Now<'a> {
 
 /// The wall clock in milliseconds: what lease times are read from, never `Config::clock`.
 pub(crate) fn wall_millis() -> i64 {
-    to_millis(SystemTime::now())
+    to_millis(SystemTime::now()) + crate::clock::wall_shift()
 }

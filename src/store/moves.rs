@@ -4,15 +4,15 @@
 //!
 //! Also the reads and lease operations built on [`Reads`] and [`LeaseWrites`].
 
-use std::collections::HashSet;
+use std::{collections::HashSet, time::Instant};
 
 use serde_json::{Value, json};
 
 use super::{
     backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
     model::{
-        Holder, LeaseReport, ModelOutcome, Now, Renewal, Resolution, RunSnapshot, StepKind,
-        StepState, ToolDecision, from_millis, idempotency_key, wall_millis,
+        Grant, LeaseReport, ModelOutcome, Now, Renewal, Resolution, RunSnapshot,
+        StepKind, StepState, ToolDecision, from_millis, idempotency_key, wall_millis,
     },
 };
 use crate::{
@@ -26,12 +26,16 @@ use crate::{
 // ---------------------------------------------------------------------------------------------
 // Guards and the log
 
-/// What a loop's move needs of its lease. Moves that start a side effect need it unexpired by
-/// the wall clock; the others need it held (nobody took it over).
+/// The fencing token of a run's first lease, taken by its insert.
+pub(crate) const FIRST_TOKEN: u64 = 1;
+
+/// What a loop's move needs of its lease. Moves that start a side effect need the start
+/// margin left, by the loop's own deadline and by the stored expiry; the others need it held
+/// (nobody took it over since this loop acquired it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Need {
     Held,
-    Unexpired,
+    Margin,
 }
 
 /// A move of one run being applied: its transaction, its time (read from the clock on first
@@ -49,10 +53,10 @@ struct RunMove<'a> {
     to: RunState,
     output: Option<&'a str>,
     error: Option<&'a str>,
-    /// The holder whose lease the run must be under (a loop's move); `None` for an operator's.
-    guard: Option<&'a Holder>,
-    /// The holder that takes the lease (entering RUNNING).
-    take: Option<&'a Holder>,
+    /// The grant the run's lease must be (a loop's move); `None` for an operator's.
+    guard: Option<&'a Grant>,
+    /// The grant that takes the lease (entering RUNNING).
+    take: Option<&'a Grant>,
     what: &'a str,
 }
 
@@ -78,15 +82,17 @@ impl<'a, 'c> Move<'a, 'c> {
 
     /// Explains a guard that matched no row: the run does not exist, is in another state, or
     /// (for a loop's move) its lease is another owner's, released, or expired.
-    fn refused(&mut self, holder: Option<&Holder>, reason: &str) -> Error {
+    fn refused(&mut self, grant: Option<&Grant>, reason: &str) -> Error {
         let run_id = self.run_id;
         let row = match self.tx.lease_row(run_id) {
             Ok(Some(row)) => row,
             Ok(None) => return Error::RunNotFound(run_id.clone()),
             Err(err) => return err,
         };
-        match (row.state, holder, row.owner) {
-            (RunState::Running, Some(holder), Some(owner)) if *owner != *holder.owner => {
+        match (row.state, grant, row.owner) {
+            (RunState::Running, Some(grant), Some(owner))
+                if *owner != *grant.holder.owner || row.epoch != grant.token() =>
+            {
                 Error::RunLeased {
                     run_id: run_id.clone(),
                     owner,
@@ -132,37 +138,70 @@ impl<'a, 'c> Move<'a, 'c> {
         }
     }
 
-    /// Stamps a RUNNING run that `holder` holds as moved now; refuses it otherwise.
-    fn touch_held(&mut self, holder: &Holder, need: Need, what: &str) -> Result<()> {
-        let unexpired_at = (need == Need::Unexpired).then(wall_millis);
+    /// Stamps a RUNNING run whose lease is `grant`'s as moved now; refuses it otherwise. A
+    /// move that starts a side effect is refused with `LeaseLost` (expired) when less than the
+    /// start margin is left by the grant's deadline, before anything is written: the loop
+    /// waits for a renewal, or stops.
+    fn touch_held(&mut self, grant: &Grant, need: Need, what: &str) -> Result<()> {
+        let unexpired_at = match need {
+            Need::Held => None,
+            Need::Margin if !grant.has_margin() => return Err(self.short_of_margin(grant, what)),
+            Need::Margin => Some(grant.holder.start_by(wall_millis())),
+        };
         let at = self.now.millis();
+        let (owner, token) = (&grant.holder.owner, grant.token());
         if self
             .tx
-            .touch_run(self.run_id, at, &holder.owner, unexpired_at)?
+            .touch_run(self.run_id, at, owner, token, unexpired_at)?
         {
             Ok(())
         } else {
-            Err(self.refused(Some(holder), what))
+            Err(self.refused(Some(grant), what))
         }
     }
 
-    /// Applies a [`RunMove`]; returns the expiry of the lease it took, if any.
+    /// Why a start was refused for want of the margin: the lease lost (expired), when the run
+    /// is still under `grant`'s lease; what else refuses it otherwise.
+    fn short_of_margin(&mut self, grant: &Grant, what: &str) -> Error {
+        match self.tx.lease_row(self.run_id) {
+            Ok(Some(row))
+                if row.state == RunState::Running
+                    && row.owner.as_deref() == Some(&*grant.holder.owner)
+                    && row.epoch == grant.token() =>
+            {
+                Error::LeaseLost {
+                    run_id: self.run_id.clone(),
+                    reason: LeaseLostReason::Expired,
+                }
+            }
+            _ => self.refused(Some(grant), what),
+        }
+    }
+
+    /// Applies a [`RunMove`]; returns the expiry of the lease it took, if any, and gives the
+    /// taking grant its token.
     fn move_run(&mut self, m: RunMove<'_>) -> Result<Option<i64>> {
-        let expires_at = m.take.map(|holder| holder.expiry(wall_millis()));
+        // Read before the wall clock: the grant's deadline is then no later than the expiry.
+        let sent = Instant::now();
+        let expires_at = m.take.map(|grant| grant.holder.expiry(wall_millis()));
         let update = RunUpdate {
             from: m.from,
             to: m.to,
             output: m.output,
             error: m.error,
             at: self.now.millis(),
-            owner: m.take.map(|holder| &*holder.owner),
+            owner: m.take.map(|grant| &*grant.holder.owner),
             expires_at,
-            guard_owner: m.guard.map(|holder| &*holder.owner),
+            guard: m.guard.map(|grant| (&*grant.holder.owner, grant.token())),
         };
-        if self.tx.update_run(self.run_id, &update)? {
-            Ok(expires_at)
-        } else {
-            Err(self.refused(m.guard, m.what))
+        match self.tx.update_run(self.run_id, &update)? {
+            Some(epoch) => {
+                if let Some(grant) = m.take {
+                    grant.acquired(epoch, sent);
+                }
+                Ok(expires_at)
+            }
+            None => Err(self.refused(m.guard, m.what)),
         }
     }
 
@@ -215,9 +254,11 @@ impl<'a, 'c> Move<'a, 'c> {
         self.move_step(step, update)
     }
 
-    /// Starts the next attempt of a tool step and writes its `step.tool_started`.
+    /// Starts the next attempt of a tool step and writes its `step.tool_started`, with the
+    /// fencing token the attempt runs under.
     fn start_tool_attempt(
         &mut self,
+        grant: &Grant,
         step: u32,
         from: StepState,
         attempt: u32,
@@ -230,6 +271,7 @@ impl<'a, 'c> Move<'a, 'c> {
             "args": call.args,
             "attempt": attempt + 1,
             "idempotency_key": idempotency_key(self.run_id, step),
+            "fencing_token": grant.token(),
         });
         self.append(EventKind::ToolStarted, Some(step), &payload)
     }
@@ -243,33 +285,30 @@ impl<'a, 'c> Move<'a, 'c> {
     // The moves
 
     /// Inserts a new RUNNING run and its `run.started`. An existing id is refused unchanged.
-    /// The lease is stamped in the insert; returns its expiry.
-    pub(crate) fn create_run(
-        &mut self,
-        agent: &str,
-        input: &Value,
-        holder: &Holder,
-    ) -> Result<i64> {
+    /// The lease is stamped in the insert, with the first fencing token; returns its expiry.
+    pub(crate) fn create_run(&mut self, agent: &str, input: &Value, grant: &Grant) -> Result<i64> {
         if self.run_state()?.is_some() {
             return Err(Error::RunExists(self.run_id.clone()));
         }
-        let expires_at = holder.expiry(wall_millis());
+        let sent = Instant::now();
+        let expires_at = grant.holder.expiry(wall_millis());
         self.tx.insert_run(&NewRun {
             run_id: self.run_id,
             agent,
             input,
             at: self.now.millis(),
-            owner: &holder.owner,
+            owner: &grant.holder.owner,
             expires_at,
         })?;
-        let payload = json!({ "agent": agent, "input": input });
+        grant.acquired(FIRST_TOKEN, sent);
+        let payload = json!({ "agent": agent, "input": input, "fencing_token": FIRST_TOKEN });
         self.append(EventKind::RunStarted, None, &payload)?;
         Ok(expires_at)
     }
 
     /// Reserves model step `step` before the request is dispatched.
-    pub(crate) fn begin_model_step(&mut self, holder: &Holder, step: u32) -> Result<()> {
-        self.touch_held(holder, Need::Unexpired, "a model call cannot start")?;
+    pub(crate) fn begin_model_step(&mut self, grant: &Grant, step: u32) -> Result<()> {
+        self.touch_held(grant, Need::Margin, "a model call cannot start")?;
         let (kind, state) = (StepKind::Model, StepState::InFlight);
         self.tx
             .insert_step(self.run_id, step, kind, state, 1, None)?;
@@ -285,19 +324,19 @@ impl<'a, 'c> Move<'a, 'c> {
     /// fails it.
     pub(crate) fn finish_model_step(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         attempt: u32,
         outcome: &ModelOutcome,
     ) -> Result<()> {
-        self.touch_held(holder, Need::Held, "the model's answer cannot be recorded")?;
+        self.touch_held(grant, Need::Held, "the model's answer cannot be recorded")?;
         let (response, recorded) = match outcome {
             ModelOutcome::Failed(error) => {
                 self.close_step(step, StepState::InFlight, attempt, None)?;
                 let payload = json!({ "error": error });
                 self.append(EventKind::ModelFinished, Some(step), &payload)?;
                 let error = format!("the model failed: {error}");
-                return self.finish_run(holder, RunState::Failed, None, Some(&error));
+                return self.finish_run(grant, RunState::Failed, None, Some(&error));
             }
             ModelOutcome::Answered { response, recorded } => (response, recorded),
         };
@@ -312,7 +351,7 @@ impl<'a, 'c> Move<'a, 'c> {
         self.append(EventKind::ModelFinished, Some(step), recorded)?;
         if response.tool_calls.is_empty() {
             let output = response.text.clone().unwrap_or_default();
-            self.finish_run(holder, RunState::Succeeded, Some(&output), None)?;
+            self.finish_run(grant, RunState::Succeeded, Some(&output), None)?;
         }
         Ok(())
     }
@@ -320,7 +359,7 @@ impl<'a, 'c> Move<'a, 'c> {
     /// Moves a RUNNING run to a finished state and writes `run.finished`.
     fn finish_run(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         state: RunState,
         output: Option<&str>,
         error: Option<&str>,
@@ -328,7 +367,7 @@ impl<'a, 'c> Move<'a, 'c> {
         self.move_run(RunMove {
             output,
             error,
-            guard: Some(holder),
+            guard: Some(grant),
             ..RunMove::new(&[RunState::Running], state, "it cannot finish")
         })?;
         let mut payload = json!({ "state": state.as_str() });
@@ -342,36 +381,36 @@ impl<'a, 'c> Move<'a, 'c> {
     }
 
     /// Fails a RUNNING run (e.g. it reached its step limit).
-    pub(crate) fn fail_run(&mut self, holder: &Holder, error: &str) -> Result<()> {
-        self.finish_run(holder, RunState::Failed, None, Some(error))
+    pub(crate) fn fail_run(&mut self, grant: &Grant, error: &str) -> Result<()> {
+        self.finish_run(grant, RunState::Failed, None, Some(error))
     }
 
     /// Records the policy's decision on a pending tool call and acts on it in the same
     /// transaction: starts the tool, records the denial, or pauses the run.
     pub(crate) fn decide_tool(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         call: &ToolCall,
         decision: &ToolDecision,
     ) -> Result<()> {
         let what = "a tool call cannot be decided";
         match decision {
-            ToolDecision::RequireApproval { .. } => self.pause(holder)?,
-            ToolDecision::Allow { .. } => self.touch_held(holder, Need::Unexpired, what)?,
-            ToolDecision::Deny { .. } => self.touch_held(holder, Need::Held, what)?,
+            ToolDecision::RequireApproval { .. } => self.pause(grant)?,
+            ToolDecision::Allow { .. } => self.touch_held(grant, Need::Margin, what)?,
+            ToolDecision::Deny { .. } => self.touch_held(grant, Need::Held, what)?,
         }
         let payload = decision.payload(call, "policy");
         self.append(EventKind::PolicyDecided, Some(step), &payload)?;
         let (from, reason) = (StepState::Pending, ApprovalReason::Policy);
-        self.apply_decision(step, from, 0, call, decision, reason)
+        self.apply_decision(grant, step, from, 0, call, decision, reason)
     }
 
-    /// Moves the run to WAITING_FOR_APPROVAL, releasing `holder`'s lease.
-    fn pause(&mut self, holder: &Holder) -> Result<()> {
+    /// Moves the run to WAITING_FOR_APPROVAL, releasing `grant`'s lease.
+    fn pause(&mut self, grant: &Grant) -> Result<()> {
         let to = RunState::WaitingForApproval;
         self.move_run(RunMove {
-            guard: Some(holder),
+            guard: Some(grant),
             ..RunMove::new(&[RunState::Running], to, "it cannot pause")
         })?;
         Ok(())
@@ -380,6 +419,7 @@ impl<'a, 'c> Move<'a, 'c> {
     /// The step's side of a decision: start it, close it with the denial, or make it wait.
     fn apply_decision(
         &mut self,
+        grant: &Grant,
         step: u32,
         from: StepState,
         attempt: u32,
@@ -388,7 +428,7 @@ impl<'a, 'c> Move<'a, 'c> {
         reason: ApprovalReason,
     ) -> Result<()> {
         match decision {
-            ToolDecision::Allow { .. } => self.start_tool_attempt(step, from, attempt, call),
+            ToolDecision::Allow { .. } => self.start_tool_attempt(grant, step, from, attempt, call),
             ToolDecision::Deny { reason: why, .. } => {
                 let error = format!("the call was denied: {why}");
                 let result = serde_json::to_value(ToolResult::Error(error.clone())).unwrap();
@@ -429,12 +469,12 @@ impl<'a, 'c> Move<'a, 'c> {
     /// the model is told why; nothing ran.
     pub(crate) fn reject_tool(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         call: &ToolCall,
         error: &str,
     ) -> Result<()> {
-        self.touch_held(holder, Need::Held, "a tool call cannot be rejected")?;
+        self.touch_held(grant, Need::Held, "a tool call cannot be rejected")?;
         let result = serde_json::to_value(ToolResult::Error(error.to_owned())).unwrap();
         self.close_step(step, StepState::Pending, 0, Some(&result))?;
         let payload = json!({ "call_id": call.id, "attempt": 0, "error": error, "rejected": true });
@@ -446,7 +486,7 @@ impl<'a, 'c> Move<'a, 'c> {
     /// late.
     pub(crate) fn finish_tool(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         attempt: u32,
         call_id: &str,
@@ -456,7 +496,7 @@ impl<'a, 'c> Move<'a, 'c> {
         // Written only while the loop holds the lease (or, late, once an operator cancelled):
         // otherwise the step stays in flight for the owner that took the run over.
         let what = "the tool's outcome cannot be recorded";
-        let late = match self.touch_held(holder, Need::Held, what) {
+        let late = match self.touch_held(grant, Need::Held, what) {
             Ok(()) => false,
             Err(Error::RunState {
                 state: RunState::Cancelled,
@@ -483,7 +523,7 @@ impl<'a, 'c> Move<'a, 'c> {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn resume_waiting(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         attempt: u32,
         call: &ToolCall,
@@ -495,16 +535,19 @@ impl<'a, 'c> Move<'a, 'c> {
         let from = [RunState::WaitingForApproval];
         let expires_at = self
             .move_run(RunMove {
-                take: Some(holder),
+                take: Some(grant),
                 ..RunMove::new(&from, RunState::Running, what)
             })?
             .expect("entering RUNNING takes the lease");
-        let payload = json!({ "from": RunState::WaitingForApproval.as_str() });
+        let payload = json!({
+            "from": RunState::WaitingForApproval.as_str(),
+            "fencing_token": grant.token(),
+        });
         self.append(EventKind::RunResumed, None, &payload)?;
         let payload = decision.payload(call, source);
         self.append(EventKind::PolicyDecided, Some(step), &payload)?;
         let from = StepState::Waiting;
-        self.apply_decision(step, from, attempt, call, decision, reason)?;
+        self.apply_decision(grant, step, from, attempt, call, decision, reason)?;
         Ok(expires_at)
     }
 
@@ -514,7 +557,8 @@ impl<'a, 'c> Move<'a, 'c> {
     ///
     /// A live lease of another owner is refused with `RunLeased` before the clock is read or
     /// anything is written.
-    pub(crate) fn take_over(&mut self, holder: &Holder) -> Result<(Vec<u32>, i64)> {
+    pub(crate) fn take_over(&mut self, grant: &Grant) -> Result<(Vec<u32>, i64)> {
+        let holder = &grant.holder;
         let what = "only a RUNNING run can be taken over";
         let run_id = self.run_id;
         let row = self
@@ -536,7 +580,9 @@ impl<'a, 'c> Move<'a, 'c> {
                 });
             }
         }
-        let expires_at = holder.expiry(wall);
+        // Read before the wall clock: the grant's deadline is then no later than the expiry.
+        let sent = Instant::now();
+        let expires_at = holder.expiry(wall_millis());
         let at = self.now.millis();
         if !self
             .tx
@@ -544,7 +590,8 @@ impl<'a, 'c> Move<'a, 'c> {
         {
             return Err(self.refused(None, what));
         }
-        let payload = json!({ "from": RunState::Running.as_str() });
+        grant.acquired(row.epoch + 1, sent);
+        let payload = json!({ "from": RunState::Running.as_str(), "fencing_token": row.epoch + 1 });
         self.append(EventKind::RunResumed, None, &payload)?;
         if let Some(previous) = &row.owner {
             let payload = json!({
@@ -569,7 +616,7 @@ impl<'a, 'c> Move<'a, 'c> {
     /// Records the one reconciliation of an interrupted step together with what it leads to.
     pub(crate) fn reconcile(
         &mut self,
-        holder: &Holder,
+        grant: &Grant,
         step: u32,
         attempt: u32,
         call: Option<&ToolCall>,
@@ -577,12 +624,12 @@ impl<'a, 'c> Move<'a, 'c> {
     ) -> Result<()> {
         let what = "an interrupted step cannot be reconciled";
         match resolution {
-            Resolution::AwaitApproval { .. } => self.pause(holder)?,
+            Resolution::AwaitApproval { .. } => self.pause(grant)?,
             // Running again starts a side effect: the lease must be unexpired.
             Resolution::Redispatch | Resolution::Retry { .. } => {
-                self.touch_held(holder, Need::Unexpired, what)?
+                self.touch_held(grant, Need::Margin, what)?
             }
-            Resolution::Applied(_) => self.touch_held(holder, Need::Held, what)?,
+            Resolution::Applied(_) => self.touch_held(grant, Need::Held, what)?,
         }
         let from = StepState::Interrupted;
         let (outcome, action) = match resolution {
@@ -611,14 +658,14 @@ impl<'a, 'c> Move<'a, 'c> {
                 self.append(EventKind::ToolFinished, Some(step), &payload)
             }
             (Resolution::Retry { .. }, Some(call)) => {
-                self.start_tool_attempt(step, from, attempt, call)
+                self.start_tool_attempt(grant, step, from, attempt, call)
             }
             (Resolution::AwaitApproval { .. }, Some(call)) => {
                 let decision = ToolDecision::RequireApproval {
                     reason: String::new(),
                 };
                 let reason = ApprovalReason::Reconcile;
-                self.apply_decision(step, from, attempt, call, &decision, reason)
+                self.apply_decision(grant, step, from, attempt, call, &decision, reason)
             }
             (_, None) => Err(Error::Corrupt(format!(
                 "tool step {step} of run {} has no call",
@@ -683,13 +730,14 @@ impl<'a, 'c> Move<'a, 'c> {
 // ---------------------------------------------------------------------------------------------
 // The lease outside the moves
 
-/// Renews, in one write outside any transaction, `owner`'s unexpired leases on `held`:
-/// compare-and-set on the owner. The rows of runs that were not renewed are read afterwards,
-/// which happens only when a lease was lost.
+/// Renews, in one write outside any transaction, `owner`'s unexpired leases on `held` (each
+/// run with the fencing token its lease was acquired with): compare-and-set on the owner and
+/// the token. The rows of runs that were not renewed are read afterwards, which happens only
+/// when a lease was lost.
 pub(crate) fn renew(
     conn: &mut dyn LeaseWrites,
     owner: &str,
-    held: &[RunId],
+    held: &[(RunId, u64)],
     ttl: std::time::Duration,
 ) -> Result<Renewal> {
     let wall = wall_millis();
@@ -698,7 +746,7 @@ pub(crate) fn renew(
     let mut missing = Vec::new();
     if renewed.len() < held.len() {
         let renewed: HashSet<&RunId> = renewed.iter().collect();
-        for run_id in held.iter().filter(|id| !renewed.contains(id)) {
+        for (run_id, _) in held.iter().filter(|(id, _)| !renewed.contains(id)) {
             missing.push((run_id.clone(), conn.lease_row(run_id)?));
         }
     }

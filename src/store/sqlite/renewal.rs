@@ -71,7 +71,7 @@ impl Renewer for SqliteRenewer {
     fn renew(
         &mut self,
         owner: &str,
-        held: &[RunId],
+        held: &[(RunId, u64)],
         ttl: Duration,
         patience: Duration,
     ) -> Result<Renewal> {
@@ -104,7 +104,11 @@ mod tests {
     use super::*;
     use crate::{
         clock::SystemClock,
-        store::{Store, model::Holder},
+        store::{
+            Store,
+            model::{Grant, Holder},
+            moves::FIRST_TOKEN,
+        },
     };
 
     #[test]
@@ -114,11 +118,13 @@ mod tests {
         let holder = Holder {
             owner: "me/000000000001".into(),
             ttl: Duration::from_millis(300),
+            margin: Duration::ZERO,
         };
+        let grant = Grant::new(holder.clone());
         let run_id = RunId::from("r");
         store
             .transact(&SystemClock, |tx, now| {
-                moves::Move::new(tx, now, &run_id).create_run("a", &serde_json::json!({}), &holder)
+                moves::Move::new(tx, now, &run_id).create_run("a", &serde_json::json!({}), &grant)
             })
             .unwrap();
 
@@ -133,7 +139,7 @@ mod tests {
                 yielding.yield_to_renewal();
                 writer
                     .transact(&SystemClock, |tx, now| {
-                        tx.touch_run(&id, now.millis(), &owner, None)
+                        tx.touch_run(&id, now.millis(), &owner, FIRST_TOKEN, None)
                     })
                     .unwrap();
             }
@@ -144,7 +150,7 @@ mod tests {
             let renewal = renewer
                 .renew(
                     &holder.owner,
-                    std::slice::from_ref(&run_id),
+                    &[(run_id.clone(), FIRST_TOKEN)],
                     holder.ttl,
                     Duration::from_millis(100),
                 )

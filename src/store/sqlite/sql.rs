@@ -10,6 +10,7 @@ use crate::{
     store::{
         backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
         model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
+        moves::FIRST_TOKEN,
     },
     types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
 };
@@ -68,20 +69,23 @@ fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
 
 impl Reads for Sql<'_> {
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
-        let row: Option<(String, Option<String>, Option<i64>)> = self
+        let row: Option<(String, Option<String>, Option<i64>, i64)> = self
             .0
-            .prepare_cached("SELECT state, lease_owner, lease_expires_at FROM runs WHERE id = ?1")
+            .prepare_cached(
+                "SELECT state, lease_owner, lease_expires_at, lease_epoch FROM runs WHERE id = ?1",
+            )
             .db()?
             .query_row([run_id.as_str()], |row| {
-                Ok((row.get(0)?, row.get(1)?, row.get(2)?))
+                Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
             })
             .optional()
             .db()?;
-        row.map(|(state, owner, expires_at)| {
+        row.map(|(state, owner, expires_at, epoch)| {
             Ok(LeaseRow {
                 state: state.parse().map_err(Error::Corrupt)?,
                 owner,
                 expires_at,
+                epoch: epoch as u64,
             })
         })
         .transpose()
@@ -223,7 +227,7 @@ impl Reads for Sql<'_> {
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>> {
         self.0
             .prepare_cached(
-                "SELECT id, lease_owner, lease_expires_at FROM runs
+                "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
                  WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
                  ORDER BY id",
             )
@@ -233,6 +237,7 @@ impl Reads for Sql<'_> {
                     state: RunState::Running,
                     owner: row.get(1)?,
                     expires_at: row.get(2)?,
+                    epoch: row.get::<_, i64>(3)? as u64,
                 };
                 Ok((RunId::from(row.get::<_, String>(0)?), lease))
             })
@@ -247,8 +252,8 @@ impl Tx for Sql<'_> {
         self.0
             .prepare_cached(
                 "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
-                                   lease_expires_at)
-                 VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4, ?5, ?6)",
+                                   lease_expires_at, lease_epoch)
+                 VALUES (?1, ?2, ?3, 'RUNNING', ?4, ?4, ?5, ?6, ?7)",
             )
             .db()?
             .execute(params![
@@ -257,7 +262,8 @@ impl Tx for Sql<'_> {
                 run.input.to_string(),
                 run.at,
                 run.owner,
-                run.expires_at
+                run.expires_at,
+                FIRST_TOKEN as i64,
             ])
             .db()?;
         Ok(())
@@ -268,31 +274,35 @@ impl Tx for Sql<'_> {
         run_id: &RunId,
         at: i64,
         owner: &str,
+        token: u64,
         unexpired_at: Option<i64>,
     ) -> Result<bool> {
         let changed = self
             .0
             .prepare_cached(
                 "UPDATE runs SET updated_at = ?2
-                 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3
+                 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3 AND lease_epoch = ?5
                    AND (?4 IS NULL OR lease_expires_at > ?4)",
             )
             .db()?
-            .execute(params![run_id.as_str(), at, owner, unexpired_at])
+            .execute(params![run_id.as_str(), at, owner, unexpired_at, token as i64])
             .db()?;
         Ok(changed == 1)
     }
 
-    fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<bool> {
-        let changed = self
-            .0
+    fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
+        let (guard_owner, guard_token) = m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
+        self.0
             .prepare_cached(
                 "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
-                                 lease_owner = ?8, lease_expires_at = ?9
-                 WHERE id = ?1 AND state IN (?6, ?7) AND (?10 IS NULL OR lease_owner = ?10)",
+                                 lease_owner = ?8, lease_expires_at = ?9,
+                                 lease_epoch = lease_epoch + (?8 IS NOT NULL)
+                 WHERE id = ?1 AND state IN (?6, ?7)
+                   AND (?10 IS NULL OR (lease_owner = ?10 AND lease_epoch = ?11))
+                 RETURNING lease_epoch",
             )
             .db()?
-            .execute(params![
+            .query_row(params![
                 run_id.as_str(),
                 m.to.as_str(),
                 m.output,
@@ -302,10 +312,11 @@ impl Tx for Sql<'_> {
                 m.from.get(1).unwrap_or(&m.from[0]).as_str(),
                 m.owner,
                 m.expires_at,
-                m.guard_owner,
-            ])
-            .db()?;
-        Ok(changed == 1)
+                guard_owner,
+                guard_token,
+            ], |row| row.get::<_, i64>(0).map(|epoch| epoch as u64))
+            .optional()
+            .db()
     }
 
     fn take_lease(
@@ -319,9 +330,10 @@ impl Tx for Sql<'_> {
         let changed = self
             .0
             .prepare_cached(
-                "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4
+                "UPDATE runs SET lease_owner = ?2, lease_expires_at = ?3, updated_at = ?4,
+                                 lease_epoch = lease_epoch + 1
                  WHERE id = ?1 AND state = 'RUNNING'
-                   AND lease_owner IS ?5 AND lease_expires_at IS ?6",
+                   AND lease_owner IS ?5 AND lease_expires_at IS ?6 AND lease_epoch = ?7",
             )
             .db()?
             .execute(params![
@@ -330,7 +342,8 @@ impl Tx for Sql<'_> {
                 expires_at,
                 at,
                 seen.owner,
-                seen.expires_at
+                seen.expires_at,
+                seen.epoch as i64,
             ])
             .db()?;
         Ok(changed == 1)
@@ -525,17 +538,24 @@ impl LeaseWrites for Sql<'_> {
     fn renew_leases(
         &mut self,
         owner: &str,
-        held: &[RunId],
+        held: &[(RunId, u64)],
         wall: i64,
         expires_at: i64,
     ) -> Result<Vec<RunId>> {
-        let ids = serde_json::to_string(held).expect("ids serialize");
+        // One object, id to token: the id finds the row by its key, the token is compared.
+        let held: serde_json::Map<String, Value> = held
+            .iter()
+            .map(|(id, token)| (id.to_string(), Value::from(*token)))
+            .collect();
+        let ids = Value::Object(held).to_string();
         self.0
             .prepare_cached(
                 "UPDATE runs SET lease_expires_at = ?3
-                 WHERE lease_owner = ?1 AND state = 'RUNNING' AND lease_expires_at > ?2
-                   AND id IN (SELECT value FROM json_each(?4))
-                 RETURNING id",
+                 FROM json_each(?4) AS held
+                 WHERE runs.id = held.key AND runs.lease_epoch = held.value
+                   AND runs.lease_owner = ?1 AND runs.state = 'RUNNING'
+                   AND runs.lease_expires_at > ?2
+                 RETURNING runs.id",
             )
             .db()?
             .query_map(params![owner, wall, expires_at, ids], |row| {
@@ -547,15 +567,15 @@ impl LeaseWrites for Sql<'_> {
             .db()
     }
 
-    fn release_lease(&mut self, run_id: &RunId, owner: &str) -> Result<bool> {
+    fn release_lease(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
         let changed = self
             .0
             .prepare_cached(
                 "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL
-                 WHERE id = ?1 AND lease_owner = ?2",
+                 WHERE id = ?1 AND lease_owner = ?2 AND lease_epoch = ?3",
             )
             .db()?
-            .execute(params![run_id.as_str(), owner])
+            .execute(params![run_id.as_str(), owner, token as i64])
             .db()?;
         Ok(changed == 1)
     }

@@ -94,7 +94,7 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 7);
+    assert_eq!(SCHEMA_VERSION, 8);
 }
 
 #[test]
@@ -238,7 +238,10 @@ fn the_waiting_call_of_an_approval_is_found_through_its_index() {
 fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use crate::store::{model::Holder, moves};
+    use crate::store::{
+        model::{Grant, Holder},
+        moves,
+    };
 
     static STATEMENTS: AtomicUsize = AtomicUsize::new(0);
     fn count(event: rusqlite::trace::TraceEvent<'_>) {
@@ -246,10 +249,11 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
             STATEMENTS.fetch_add(1, Ordering::SeqCst);
         }
     }
-    let me = Holder {
+    let me = Grant::new(Holder {
         owner: "me/000000000001".into(),
         ttl: Duration::from_secs(30),
-    };
+        margin: Duration::ZERO,
+    });
     for held in [1, 100, 10_000] {
         let mut conn = rusqlite::Connection::open_in_memory().unwrap();
         migrations().to_latest(&mut conn).unwrap();
@@ -268,7 +272,9 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
             Some(count),
         );
         STATEMENTS.store(0, Ordering::SeqCst);
-        let renewal = moves::renew(&mut Sql(&conn), &me.owner, &ids, me.ttl).unwrap();
+        let leases: Vec<(RunId, u64)> = ids.iter().map(|id| (id.clone(), me.token())).collect();
+        let (owner, ttl) = (&me.holder.owner, me.holder.ttl);
+        let renewal = moves::renew(&mut Sql(&conn), owner, &leases, ttl).unwrap();
         conn.trace_v2(rusqlite::trace::TraceEventCodes::empty(), None);
         assert_eq!(renewal.renewed.len(), held);
         assert_eq!(STATEMENTS.load(Ordering::SeqCst), 1, "{held} runs held");

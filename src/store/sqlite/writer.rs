@@ -321,17 +321,17 @@ impl Writer for SqliteWriter {
         self.store.sync_after_read()
     }
 
-    fn renew(&mut self, owner: &str, held: &[RunId], ttl: Duration) -> Result<Renewal> {
+    fn renew(&mut self, owner: &str, held: &[(RunId, u64)], ttl: Duration) -> Result<Renewal> {
         self.wait_synced();
         self.store
             .on_writer(|sql| moves::renew(sql, owner, held, ttl))
     }
 
-    fn release(&mut self, run_id: &RunId, owner: &str) -> Result<bool> {
+    fn release(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
         self.wait_synced();
         self.store.on_writer(|sql| {
             use crate::store::backend::LeaseWrites;
-            sql.release_lease(run_id, owner)
+            sql.release_lease(run_id, owner, token)
         })
     }
 }

@@ -50,14 +50,20 @@ pub(crate) fn from_millis(millis: i64) -> SystemTime {
     }
 }
 
-/// How far tests moved the wall clock that leases are read from, in milliseconds (see
-/// [`testkit::WallClockShift`](crate::testkit::WallClockShift)).
+/// How far tests moved the wall clock that leases are read from, in milliseconds: for every
+/// thread (see [`testkit::WallClockShift`](crate::testkit::WallClockShift)), plus this
+/// thread's own (the crate's unit tests, which run side by side).
 #[cfg(any(test, feature = "testkit"))]
 pub(crate) static WALL_SHIFT: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
 
 #[cfg(any(test, feature = "testkit"))]
+thread_local! {
+    pub(crate) static THREAD_WALL_SHIFT: std::cell::Cell<i64> = const { std::cell::Cell::new(0) };
+}
+
+#[cfg(any(test, feature = "testkit"))]
 pub(crate) fn wall_shift() -> i64 {
-    WALL_SHIFT.load(std::sync::atomic::Ordering::SeqCst)
+    WALL_SHIFT.load(std::sync::atomic::Ordering::SeqCst) + THREAD_WALL_SHIFT.get()
 }
 
 #[cfg(not(any(test, feature = "testkit")))]

@@ -63,6 +63,8 @@ macro_rules! conformance_suite {
                 inspection_reads_runs_events_and_leases,
                 unknown_ids_are_not_found,
                 a_newer_schema_is_refused,
+                every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing,
+                a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock_says,
             );
         }
     };
@@ -900,4 +902,176 @@ pub(crate) fn a_newer_schema_is_refused(f: &dyn Fixture) {
         matches!(&err, Error::SchemaTooNew { found, supported, .. } if found > supported),
         "{err}"
     );
+}
+
+/// The fencing token the run's lease was last acquired with, as stored.
+fn stored_token(store: &Store, run_id: &RunId) -> u64 {
+    store
+        .read(|reads| Ok(reads.lease_row(run_id)?.unwrap().epoch))
+        .unwrap()
+}
+
+pub(crate) fn every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    // A start takes the first token.
+    let first = me();
+    create(&store, &run("r"), &first);
+    assert_eq!(stored_token(&store, &run("r")), FIRST_TOKEN);
+    assert_eq!(first.token(), FIRST_TOKEN);
+    tool_in_flight(&store, &run("r"), &first, vec![call("c1")]);
+    assert_eq!(last_payload(&store, &run("r"))["fencing_token"], 1);
+
+    // The same owner name takes it over (a restart with a fixed name, say): a new token, and
+    // the grant of the old one can no longer write, renew or release.
+    f.expire_lease(&store, &run("r"));
+    let second = me();
+    on(&store, &run("r"), |m| m.take_over(&second)).unwrap();
+    assert_eq!((second.token(), stored_token(&store, &run("r"))), (2, 2));
+    assert_eq!(last_payload(&store, &run("r"))["kind"], "tool");
+    let resumed = store
+        .events(&run("r"))
+        .unwrap()
+        .into_iter()
+        .rfind(|e| e.kind == EventKind::RunResumed)
+        .unwrap();
+    assert_eq!(resumed.payload["fencing_token"], 2);
+    let events = store.events(&run("r")).unwrap().len();
+    let applied = Resolution::Applied(json!({"sent": true}));
+    let err = on(&store, &run("r"), |m| {
+        m.reconcile(&first, 2, 1, Some(&call("c1")), &applied)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+    let outcome = ToolResult::Ok(json!({}));
+    let result = serde_json::to_value(&outcome).unwrap();
+    let err = on(&store, &run("r"), |m| {
+        m.finish_tool(&first, 2, 1, "c1", &outcome, &result)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+    let mut session = session(&store);
+    let stale = [(run("r"), FIRST_TOKEN)];
+    let ttl = Duration::from_secs(30);
+    let renewal = match &mut session.renewer {
+        Some(renewer) => renewer.renew(OWNER, &stale, ttl, Duration::from_secs(1)),
+        None => session.writer.renew(OWNER, &stale, ttl),
+    }
+    .unwrap();
+    assert!(renewal.renewed.is_empty());
+    assert!(!session.writer.release(&run("r"), OWNER, FIRST_TOKEN).unwrap());
+    assert_eq!(store.events(&run("r")).unwrap().len(), events);
+
+    // The new token's retry starts under it, and pausing then resuming takes the next one.
+    let retry = Resolution::Retry {
+        outcome: "not_applied",
+    };
+    on(&store, &run("r"), |m| {
+        m.reconcile(&second, 2, 1, Some(&call("c1")), &retry)
+    })
+    .unwrap();
+    assert_eq!(last_payload(&store, &run("r"))["fencing_token"], 2);
+    on(&store, &run("r"), |m| {
+        m.finish_tool(&second, 2, 2, "c1", &outcome, &result)
+    })
+    .unwrap();
+    let response = ModelResponse::calls(vec![call("c2")]);
+    let answered = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    on(&store, &run("r"), |m| m.begin_model_step(&second, 3)).unwrap();
+    on(&store, &run("r"), |m| {
+        m.finish_model_step(&second, 3, 1, &answered)
+    })
+    .unwrap();
+    on(&store, &run("r"), |m| {
+        m.decide_tool(&second, 4, &call("c2"), &require())
+    })
+    .unwrap();
+    let third = me();
+    on(&store, &run("r"), |m| {
+        m.resume_waiting(
+            &third,
+            4,
+            0,
+            &call("c2"),
+            crate::ApprovalReason::Policy,
+            &allow(),
+            "approval",
+        )
+    })
+    .unwrap();
+    assert_eq!((third.token(), stored_token(&store, &run("r"))), (3, 3));
+    assert_eq!(last_payload(&store, &run("r"))["fencing_token"], 3);
+}
+
+pub(crate) fn a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock_says(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let grant = Grant::held(
+        Holder {
+            owner: OWNER.into(),
+            ttl: Duration::from_secs(30),
+            margin: Duration::from_secs(10),
+        },
+        FIRST_TOKEN,
+    );
+    create(&store, &run("r"), &grant);
+    model_answered_by(&store, &run("r"), &grant, vec![call("c1"), call("c2")]);
+    let events = store.events(&run("r")).unwrap().len();
+    let short = |err: &Error| {
+        matches!(
+            err,
+            Error::LeaseLost {
+                reason: crate::LeaseLostReason::Expired,
+                ..
+            }
+        )
+    };
+    // Moved back, the wall clock says the stored lease has most of its 30 s left; moved
+    // forward by less than that, it still says more than the margin. The loop's own deadline
+    // has 5 s left: short of the 10 s margin, nothing starts.
+    for shift in [-60_000, 0, 10_000] {
+        crate::clock::THREAD_WALL_SHIFT.set(shift);
+        grant.set_remaining(Duration::from_secs(5));
+        let err = on(&store, &run("r"), |m| {
+            m.decide_tool(&grant, 2, &call("c1"), &allow())
+        })
+        .unwrap_err();
+        assert!(short(&err), "{err}");
+        let retry = Resolution::Retry {
+            outcome: "not_applied",
+        };
+        let err = on(&store, &run("r"), |m| {
+            m.reconcile(&grant, 2, 0, Some(&call("c1")), &retry)
+        })
+        .unwrap_err();
+        assert!(short(&err) || err.is_run_state(), "{err}");
+        assert_eq!(store.events(&run("r")).unwrap().len(), events, "{shift}");
+    }
+    // A move that starts nothing needs no margin.
+    let deny = ToolDecision::Deny {
+        reason: "no".into(),
+        by: None,
+        note: None,
+    };
+    on(&store, &run("r"), |m| m.decide_tool(&grant, 2, &call("c1"), &deny)).unwrap();
+    // With the margin back (a renewal), the start goes, unless the wall clock has moved so far
+    // forward that the stored lease is short of the margin by it: both must have it.
+    grant.set_remaining(Duration::from_secs(29));
+    crate::clock::THREAD_WALL_SHIFT.set(25_000);
+    let err = on(&store, &run("r"), |m| {
+        m.decide_tool(&grant, 3, &call("c2"), &allow())
+    })
+    .unwrap_err();
+    assert!(short(&err), "{err}");
+    crate::clock::THREAD_WALL_SHIFT.set(0);
+    on(&store, &run("r"), |m| {
+        m.decide_tool(&grant, 3, &call("c2"), &allow())
+    })
+    .unwrap();
+    assert_eq!(kinds(&store, &run("r")).last(), Some(&EventKind::ToolStarted));
 }

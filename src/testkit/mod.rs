@@ -23,10 +23,12 @@
 //! ```
 
 mod explorer;
+mod fenced;
 
 pub use explorer::{
     CaseReport, CrashPoint, Exploration, Explorer, STORE_THREAD, Violation, check_invariants,
 };
+pub use fenced::{Admission, Application, FencedResource, FencedTool, Refusal};
 
 /// The runs whose leases a supervisor renews now: send it to the
 /// [`Supervisor`](crate::Supervisor) to see what its lease keeper holds.
@@ -58,6 +60,30 @@ use crate::{
     Result, ResumeRun, RunId, RunReply, Store, Supervisor, Tool, ToolContext, ToolError,
     async_trait, types::Message,
 };
+
+/// Moves the wall clock that lease times are read from (never [`Config::clock`]'s), for this
+/// whole process, until dropped: how a test shows that a loop judges its own lease by the
+/// monotonic clock, whatever the wall clock does. Every thread sees it, so a test that uses it
+/// should have its test binary to itself, or hold a lock around it.
+///
+/// [`Config::clock`]: crate::Config::clock
+#[derive(Debug)]
+#[must_use = "the shift ends when the guard is dropped"]
+pub struct WallClockShift(());
+
+impl WallClockShift {
+    /// Moves the wall clock forward by `millis` milliseconds (back, for a negative number).
+    pub fn by(millis: i64) -> Self {
+        crate::clock::WALL_SHIFT.store(millis, Ordering::SeqCst);
+        WallClockShift(())
+    }
+}
+
+impl Drop for WallClockShift {
+    fn drop(&mut self) {
+        crate::clock::WALL_SHIFT.store(0, Ordering::SeqCst);
+    }
+}
 
 /// Runs `f` in a fresh actix system and tears the system down when its future completes.
 ///

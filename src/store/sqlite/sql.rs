@@ -542,20 +542,14 @@ impl LeaseWrites for Sql<'_> {
         wall: i64,
         expires_at: i64,
     ) -> Result<Vec<RunId>> {
-        // One object, id to token: the id finds the row by its key, the token is compared.
-        let held: serde_json::Map<String, Value> = held
-            .iter()
-            .map(|(id, token)| (id.to_string(), Value::from(*token)))
-            .collect();
-        let ids = Value::Object(held).to_string();
+        // Pairs of id and token: the vector IN builds one index of them for the statement.
+        let ids = serde_json::to_string(held).expect("ids serialize");
         self.0
             .prepare_cached(
                 "UPDATE runs SET lease_expires_at = ?3
-                 FROM json_each(?4) AS held
-                 WHERE runs.id = held.key AND runs.lease_epoch = held.value
-                   AND runs.lease_owner = ?1 AND runs.state = 'RUNNING'
-                   AND runs.lease_expires_at > ?2
-                 RETURNING runs.id",
+                 WHERE lease_owner = ?1 AND state = 'RUNNING' AND lease_expires_at > ?2
+                   AND (id, lease_epoch) IN (SELECT value ->> 0, value ->> 1 FROM json_each(?4))
+                 RETURNING id",
             )
             .db()?
             .query_map(params![owner, wall, expires_at, ids], |row| {

@@ -23,7 +23,9 @@ use super::{
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
-    agent::{Agent, Cancellation, Decision, FencingToken, ModelRequest, Reconciliation, ToolContext},
+    agent::{
+        Agent, Cancellation, Decision, FencingToken, ModelRequest, Reconciliation, ToolContext,
+    },
     error::{Error, Result},
     store::{
         backend::{Durability, MoveKind},
@@ -690,9 +692,9 @@ impl RunLoop {
                 .move_of(MoveKind::BeginModelStep, move |m, grant| {
                     m.begin_model_step(grant, step)
                 }),
-            Planned::Fail { error } => self.move_of(MoveKind::FailRun, move |m, grant| {
-                m.fail_run(grant, &error)
-            }),
+            Planned::Fail { error } => {
+                self.move_of(MoveKind::FailRun, move |m, grant| m.fail_run(grant, &error))
+            }
             Planned::Decide {
                 step,
                 call,
@@ -753,7 +755,13 @@ impl RunLoop {
     ) -> Result<(A, Result<Next>)> {
         match next {
             // A start short of the margin is not paired: the loop waits for it after `first`.
-            Ok(Some(planned)) if !planned.starts() || self.env.grant.has_margin() => {
+            // (Before the lease is acquired, `first` is the acquisition: the margin is judged in
+            // the transaction, after it.)
+            Ok(Some(planned))
+                if !planned.starts()
+                    || self.env.grant.token() == 0
+                    || self.env.grant.has_margin() =>
+            {
                 let then = self.planned_move(&planned);
                 let durability = planned.durability();
                 let store = &self.env.store;

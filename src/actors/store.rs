@@ -494,7 +494,10 @@ mod tests {
     use crate::{
         clock::SystemClock,
         sqlite::{Options, Sqlite},
-        store::{model::{Grant, Holder}, moves::Move},
+        store::{
+            model::{Grant, Holder},
+            moves::Move,
+        },
     };
 
     /// Counts its readings.

@@ -297,7 +297,12 @@ pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &d
     // Released (its call returned with an error): refused as released.
     create(&store, &run("released"), &mine);
     let mut session = session(&store);
-    assert!(session.writer.release(&run("released"), OWNER, FIRST_TOKEN).unwrap());
+    assert!(
+        session
+            .writer
+            .release(&run("released"), OWNER, FIRST_TOKEN)
+            .unwrap()
+    );
     let err = on(&store, &run("released"), |m| m.begin_model_step(&mine, 1)).unwrap_err();
     assert!(
         matches!(
@@ -686,7 +691,12 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
 pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixture) {
     let store = f.store();
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
-    assert!(session(&store).writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
+    assert!(
+        session(&store)
+            .writer
+            .release(&run("r"), OTHER, FIRST_TOKEN)
+            .unwrap()
+    );
     let mine = me();
     on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
     assert_eq!(
@@ -714,7 +724,12 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
     create(&store, &run("r"), &gone);
     // The dead owner's tool step in flight.
     tool_in_flight(&store, &run("r"), &gone, vec![call("c1"), call("c2")]);
-    assert!(session(&store).writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
+    assert!(
+        session(&store)
+            .writer
+            .release(&run("r"), OTHER, FIRST_TOKEN)
+            .unwrap()
+    );
     let mine = me();
     let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
     assert_eq!(interrupted, [2]);
@@ -828,15 +843,26 @@ pub(crate) fn a_release_is_a_compare_and_set_on_the_owner(f: &dyn Fixture) {
     create(&store, &run("r"), &holder(OTHER, Duration::from_secs(30)));
     let mut session = session(&store);
     assert!(
-        !session.writer.release(&run("r"), OWNER, FIRST_TOKEN).unwrap(),
+        !session
+            .writer
+            .release(&run("r"), OWNER, FIRST_TOKEN)
+            .unwrap(),
         "not ours"
     );
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
-    assert!(session.writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap());
+    assert!(
+        session
+            .writer
+            .release(&run("r"), OTHER, FIRST_TOKEN)
+            .unwrap()
+    );
     assert_eq!(store.lease(&run("r")).unwrap(), None);
     assert_eq!(store.run(&run("r")).unwrap().state, RunState::Running);
     assert!(
-        !session.writer.release(&run("r"), OTHER, FIRST_TOKEN).unwrap(),
+        !session
+            .writer
+            .release(&run("r"), OTHER, FIRST_TOKEN)
+            .unwrap(),
         "released once"
     );
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
@@ -960,7 +986,12 @@ pub(crate) fn every_acquisition_takes_a_higher_token_and_an_older_one_writes_not
     }
     .unwrap();
     assert!(renewal.renewed.is_empty());
-    assert!(!session.writer.release(&run("r"), OWNER, FIRST_TOKEN).unwrap());
+    assert!(
+        !session
+            .writer
+            .release(&run("r"), OWNER, FIRST_TOKEN)
+            .unwrap()
+    );
     assert_eq!(store.events(&run("r")).unwrap().len(), events);
 
     // The new token's retry starts under it, and pausing then resuming takes the next one.
@@ -1058,7 +1089,10 @@ pub(crate) fn a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock
         by: None,
         note: None,
     };
-    on(&store, &run("r"), |m| m.decide_tool(&grant, 2, &call("c1"), &deny)).unwrap();
+    on(&store, &run("r"), |m| {
+        m.decide_tool(&grant, 2, &call("c1"), &deny)
+    })
+    .unwrap();
     // With the margin back (a renewal), the start goes, unless the wall clock has moved so far
     // forward that the stored lease is short of the margin by it: both must have it.
     grant.set_remaining(Duration::from_secs(29));
@@ -1073,5 +1107,8 @@ pub(crate) fn a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock
         m.decide_tool(&grant, 3, &call("c2"), &allow())
     })
     .unwrap();
-    assert_eq!(kinds(&store, &run("r")).last(), Some(&EventKind::ToolStarted));
+    assert_eq!(
+        kinds(&store, &run("r")).last(),
+        Some(&EventKind::ToolStarted)
+    );
 }

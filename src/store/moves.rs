@@ -11,8 +11,8 @@ use serde_json::{Value, json};
 use super::{
     backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
     model::{
-        Grant, LeaseReport, ModelOutcome, Now, Renewal, Resolution, RunSnapshot,
-        StepKind, StepState, ToolDecision, from_millis, idempotency_key, wall_millis,
+        Grant, LeaseReport, ModelOutcome, Now, Renewal, Resolution, RunSnapshot, StepKind,
+        StepState, ToolDecision, from_millis, idempotency_key, wall_millis,
     },
 };
 use crate::{

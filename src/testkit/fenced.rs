@@ -365,10 +365,16 @@ mod tests {
             resource.apply("k", one, json!(1)).unwrap(),
             Admission::Refused { fence: two }
         );
-        assert_eq!(resource.apply("k", two, json!(2)).unwrap(), Admission::Applied);
+        assert_eq!(
+            resource.apply("k", two, json!(2)).unwrap(),
+            Admission::Applied
+        );
         assert_eq!(resource.check("k", two).unwrap(), Some(json!(2)));
         // Another key has a fence of its own.
-        assert_eq!(resource.apply("j", one, json!(3)).unwrap(), Admission::Applied);
+        assert_eq!(
+            resource.apply("j", one, json!(3)).unwrap(),
+            Admission::Applied
+        );
         let applied: Vec<(String, u64)> = resource
             .applications()
             .unwrap()

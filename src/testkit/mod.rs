@@ -348,6 +348,8 @@ pub struct Execution {
     pub attempt: u32,
     /// The idempotency key.
     pub idempotency_key: String,
+    /// The fencing token of the lease it ran under.
+    pub fencing_token: crate::FencingToken,
     /// The arguments.
     pub args: Value,
 }
@@ -439,6 +441,7 @@ impl RecordingTool {
             call_id: ctx.call_id.clone(),
             attempt: ctx.attempt,
             idempotency_key: ctx.idempotency_key.clone(),
+            fencing_token: ctx.fencing_token,
             args: args.clone(),
         }
     }

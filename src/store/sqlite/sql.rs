@@ -285,13 +285,20 @@ impl Tx for Sql<'_> {
                    AND (?4 IS NULL OR lease_expires_at > ?4)",
             )
             .db()?
-            .execute(params![run_id.as_str(), at, owner, unexpired_at, token as i64])
+            .execute(params![
+                run_id.as_str(),
+                at,
+                owner,
+                unexpired_at,
+                token as i64
+            ])
             .db()?;
         Ok(changed == 1)
     }
 
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
-        let (guard_owner, guard_token) = m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
+        let (guard_owner, guard_token) =
+            m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
         self.0
             .prepare_cached(
                 "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
@@ -302,19 +309,22 @@ impl Tx for Sql<'_> {
                  RETURNING lease_epoch",
             )
             .db()?
-            .query_row(params![
-                run_id.as_str(),
-                m.to.as_str(),
-                m.output,
-                m.error,
-                m.at,
-                m.from[0].as_str(),
-                m.from.get(1).unwrap_or(&m.from[0]).as_str(),
-                m.owner,
-                m.expires_at,
-                guard_owner,
-                guard_token,
-            ], |row| row.get::<_, i64>(0).map(|epoch| epoch as u64))
+            .query_row(
+                params![
+                    run_id.as_str(),
+                    m.to.as_str(),
+                    m.output,
+                    m.error,
+                    m.at,
+                    m.from[0].as_str(),
+                    m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+                    m.owner,
+                    m.expires_at,
+                    guard_owner,
+                    guard_token,
+                ],
+                |row| row.get::<_, i64>(0).map(|epoch| epoch as u64),
+            )
             .optional()
             .db()
     }

@@ -417,6 +417,7 @@ impl<'a, 'c> Move<'a, 'c> {
     }
 
     /// The step's side of a decision: start it, close it with the denial, or make it wait.
+    #[allow(clippy::too_many_arguments)]
     fn apply_decision(
         &mut self,
         grant: &Grant,

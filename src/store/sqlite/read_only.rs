@@ -171,12 +171,16 @@ impl ReadOnly {
         })
     }
 
+    fn gone(&self, why: String) -> Error {
+        Error::DatabaseGone {
+            path: self.path.clone(),
+            why,
+        }
+    }
+
     /// What lies beside the file now; an error once the file opened is gone.
     fn look(&self) -> Result<Beside> {
-        let gone = |why: &str| Error::DatabaseGone {
-            path: self.path.clone(),
-            why: why.to_owned(),
-        };
+        let gone = |why: &str| self.gone(why.to_owned());
         let beside = look(&self.real).map_err(|err| match err.kind() {
             std::io::ErrorKind::NotFound => gone("was deleted or moved away"),
             _ => gone(&format!("can no longer be read ({err})")),
@@ -196,6 +200,11 @@ impl ReadOnly {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let beside = self.look()?;
         if opened.stale(&beside) {
+            // Its connection holds no lock between reads, which closing this descriptor could
+            // drop.
+            if let Err(err) = std::fs::File::open(&self.real) {
+                return Err(self.gone(format!("can no longer be read ({err})")));
+            }
             *opened = Opened::open(&self.path, &self.real, &self.options, beside)?;
         }
         Ok(opened)

@@ -166,6 +166,26 @@ pub enum Error {
         path: PathBuf,
     },
 
+    /// The database cannot be written: its file or its directory is read-only, or the store
+    /// was opened for reading only. Nothing was written.
+    #[error("{} is read-only: {why}; nothing was written", path.display())]
+    ReadOnly {
+        /// The database file.
+        path: PathBuf,
+        /// What makes it read-only.
+        why: String,
+    },
+
+    /// The file a read-only store opened was deleted, replaced by another file, or can no
+    /// longer be read.
+    #[error("{} {why}; nothing more can be read of the database that was opened", path.display())]
+    DatabaseGone {
+        /// The database file.
+        path: PathBuf,
+        /// What became of it.
+        why: String,
+    },
+
     /// The database has an older schema, and migrating was not asked for. It was not changed.
     #[error(
         "{} has schema version {found}, older than the {supported} this agentrt writes; it was \

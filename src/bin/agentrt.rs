@@ -2,7 +2,8 @@
 //!
 //! It works while other processes run the database: every command reads or writes in single
 //! short statements or transactions, never holds a lock between them, and writes only where
-//! the command is meant to (`cancel`, `approve`, `deny`, `migrate --apply`).
+//! the command is meant to (`cancel`, `approve`, `deny`, `migrate --apply`). The others open
+//! the database read-only: they create nothing beside it and change no byte of it.
 
 use std::{
     collections::BTreeMap,
@@ -181,20 +182,14 @@ fn run(cli: Cli) -> Outcome {
     match cli.command {
         Command::Migrate { apply } => migrate(&path, apply, json),
         Command::Doctor => doctor(&path, json),
-        command => {
-            let store = sqlite::Options::existing_only()
-                .open(&path)
-                .map_err(|e| e.to_string())?;
+        command @ (Command::Cancel { .. } | Command::Approve(_) | Command::Deny(_)) => {
+            let store = open_for_writing(&path)?;
             match command {
-                Command::Runs { state } => runs(&store, state.map(Into::into), json),
-                Command::Show { run } => show(&store, &run.into(), json),
-                Command::Events { run, after, follow } => {
-                    events(&store, &run.into(), after, follow, json)
-                }
-                Command::Lease { run } => lease(&store, &run.into(), json),
                 Command::Cancel { run, reason } => {
                     let run_id = RunId::from(run);
-                    store.cancel(&run_id, &reason).map_err(|e| e.to_string())?;
+                    store
+                        .cancel(&run_id, &reason)
+                        .map_err(|e| write_failed(&path, e))?;
                     done(
                         json,
                         &format!("run {run_id} cancelled"),
@@ -204,12 +199,107 @@ fn run(cli: Cli) -> Outcome {
                         },
                     )
                 }
-                Command::Approve(decide) => record(&store, decide, true, json),
-                Command::Deny(decide) => record(&store, decide, false, json),
-                Command::Migrate { .. } | Command::Doctor => unreachable!("handled above"),
+                Command::Approve(decide) => record(&store, &path, decide, true, json),
+                Command::Deny(decide) => record(&store, &path, decide, false, json),
+                _ => unreachable!("matched above"),
+            }
+        }
+        command => {
+            let store = Store::open_read_only(&path).map_err(|e| e.to_string())?;
+            match command {
+                Command::Runs { state } => runs(&store, state.map(Into::into), json),
+                Command::Show { run } => show(&store, &run.into(), json),
+                Command::Events { run, after, follow } => {
+                    events(&store, &run.into(), after, follow, json)
+                }
+                Command::Lease { run } => lease(&store, &run.into(), json),
+                _ => unreachable!("matched above"),
             }
         }
     }
+}
+
+/// Opens the database for a command that writes, once the checks found nothing that makes
+/// writing it impossible or unwise; each refusal names the file and changes nothing.
+fn open_for_writing(path: &Path) -> Result<Store, Failure> {
+    // A missing file, a directory, a file that is not a database or was cut short.
+    sqlite::schema_status(path).map_err(|e| e.to_string())?;
+    refuse_read_only(path)?;
+    let found = sqlite::quick_check(path).map_err(|e| e.to_string())?;
+    if found != ["ok"] {
+        return Err(Failure::Message(format!(
+            "{} fails SQLite's quick integrity check ({}); nothing was changed: `agentrt doctor` \
+             reports the damage",
+            path.display(),
+            found.join("; ")
+        )));
+    }
+    Ok(sqlite::Options::existing_only()
+        .open(path)
+        .map_err(|e| write_failed(path, e))?)
+}
+
+/// Refuses a database this process cannot write, as its permissions or its file system say:
+/// before SQLite tries, which would fail with an error of its own, or, for root, write a file
+/// marked read-only.
+fn refuse_read_only(path: &Path) -> Outcome {
+    let read_only = |why: String| {
+        Failure::Message(
+            agentrt::Error::ReadOnly {
+                path: path.to_path_buf(),
+                why,
+            }
+            .to_string(),
+        )
+    };
+    let real = std::fs::canonicalize(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let metadata = std::fs::metadata(&real).map_err(|e| format!("{}: {e}", path.display()))?;
+    if metadata.permissions().readonly() {
+        return Err(read_only(
+            "its permissions let nobody write it (`chmod u+w` lets agentrt write it)".into(),
+        ));
+    }
+    // What the permission bits do not say: another owner, a read-only file system. No
+    // connection is open yet whose locks closing this descriptor could drop.
+    if let Err(err) = std::fs::OpenOptions::new().write(true).open(&real) {
+        return Err(read_only(format!(
+            "it cannot be opened for writing ({err})"
+        )));
+    }
+    // SQLite writes through a log and its index beside the file, created when missing.
+    let beside = |suffix: &str| {
+        let mut name = real.clone().into_os_string();
+        name.push(suffix);
+        PathBuf::from(name).exists()
+    };
+    if let Some(dir) = real.parent()
+        && !(beside("-wal") && beside("-shm"))
+        && std::fs::metadata(dir).is_ok_and(|dir| dir.permissions().readonly())
+    {
+        return Err(read_only(format!(
+            "its directory {} lets nobody create the log SQLite writes beside it",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The message of a write that failed, naming a database SQLite found read-only as such.
+fn write_failed(path: &Path, err: agentrt::Error) -> String {
+    let read_only = match &err {
+        agentrt::Error::Database(db) => std::error::Error::source(db)
+            .and_then(|source| source.downcast_ref::<rusqlite::Error>())
+            .is_some_and(|err| err.sqlite_error_code() == Some(rusqlite::ErrorCode::ReadOnly)),
+        _ => false,
+    };
+    if read_only {
+        return agentrt::Error::ReadOnly {
+            path: path.to_path_buf(),
+            why: format!("SQLite cannot write it ({err})"),
+        }
+        .to_string();
+    }
+    err.to_string()
 }
 
 fn time(at: SystemTime) -> String {
@@ -393,10 +483,18 @@ fn describe_lease(lease: &Option<Lease>) -> String {
 fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -> Outcome {
     let mut last = after;
     let mut printed_table = false;
+    let mut holder = Holder::Unknown;
+    // Once following, a database that went away (or any failure) ends the watch with a word on
+    // what stopped it.
+    let stopped = |err: agentrt::Error| {
+        if follow {
+            format!("stopped following run {run_id}: {err}")
+        } else {
+            err.to_string()
+        }
+    };
     loop {
-        let events = store
-            .events_after(run_id, last)
-            .map_err(|e| e.to_string())?;
+        let events = store.events_after(run_id, last).map_err(stopped)?;
         if json {
             for event in &events {
                 out!(
@@ -428,18 +526,65 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
         if !follow {
             return Ok(());
         }
+        let run = store.run(run_id).map_err(stopped)?;
         // Stop once the run has finished and a poll after that found nothing new (a cancelled
         // run's late tool outcome comes within its lease period at most).
-        if events.is_empty()
-            && store
-                .run(run_id)
-                .map_err(|e| e.to_string())?
-                .state
-                .is_finished()
-        {
+        if events.is_empty() && run.state.is_finished() {
             return Ok(());
         }
+        holder = holder.next(store, &run).map_err(stopped)?;
         std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Who executes a followed run, as `events --follow` last told it: it says when nobody does
+/// any more, and who took the run over, once each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Holder {
+    /// Not running (waiting for an approval needs no executor), or not looked at yet.
+    Unknown,
+    /// Leased by this owner, the lease live.
+    Held(String),
+    /// Running, and nobody holds it: its lease expired, or it was left unleased.
+    Abandoned,
+}
+
+impl Holder {
+    /// Looks at the run's lease, and tells on stderr what changed since the last look.
+    fn next(self, store: &Store, run: &Run) -> Result<Holder, agentrt::Error> {
+        if run.state != RunState::Running {
+            return Ok(Holder::Unknown);
+        }
+        let lease = store.lease(&run.id)?;
+        let now = match &lease {
+            Some(lease) if lease.expires_at > SystemTime::now() => {
+                Holder::Held(lease.owner.clone())
+            }
+            _ => Holder::Abandoned,
+        };
+        match (&self, &now, &lease) {
+            (Holder::Abandoned, Holder::Abandoned, _) => {}
+            (_, Holder::Abandoned, Some(lease)) => eprintln!(
+                "agentrt: run {}: nobody holds its lease any more: {}'s expired at {} and \
+                 nobody took it over (its executor is gone); a resume takes it over",
+                run.id,
+                lease.owner,
+                time(lease.expires_at)
+            ),
+            (_, Holder::Abandoned, None) => eprintln!(
+                "agentrt: run {}: nobody holds its lease any more: it is RUNNING and unleased \
+                 (the call executing it returned); a resume takes it over",
+                run.id
+            ),
+            (Holder::Abandoned, Holder::Held(owner), _) => {
+                eprintln!("agentrt: run {}: taken over by {owner}", run.id)
+            }
+            (Holder::Held(before), Holder::Held(owner), _) if before != owner => {
+                eprintln!("agentrt: run {}: taken over by {owner}", run.id)
+            }
+            _ => {}
+        }
+        Ok(now)
     }
 }
 
@@ -455,7 +600,7 @@ fn lease(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     Ok(())
 }
 
-fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome {
+fn record(store: &Store, path: &Path, decide: Decide, approved: bool, json: bool) -> Outcome {
     let run_id = RunId::from(decide.run);
     let mut approval = if approved {
         Approval::approve(run_id.clone(), decide.call.clone(), decide.by)
@@ -465,7 +610,7 @@ fn record(store: &Store, decide: Decide, approved: bool, json: bool) -> Outcome 
     approval.note = decide.note;
     store
         .record_approval(&approval)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| write_failed(path, e))?;
     let verb = if approved { "approved" } else { "denied" };
     done(
         json,
@@ -523,9 +668,7 @@ fn doctor(path: &Path, json: bool) -> Outcome {
         return migrate(path, false, json)
             .and_then(|()| Err("the schema is not current; nothing else was checked".into()));
     }
-    let store = sqlite::Options::existing_only()
-        .open(path)
-        .map_err(|e| e.to_string())?;
+    let store = Store::open_read_only(path).map_err(|e| e.to_string())?;
     let health = store.health().map_err(|e| e.to_string())?;
     if json {
         print_json(&DoctorReport {

@@ -58,52 +58,61 @@ impl Backend for Sqlite {
     }
 
     fn health(&self) -> Result<Health> {
-        let conn = self.inspection();
-        let pragma = |name: &str| -> Result<String> {
-            conn.pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
-                .map(|value| match value {
-                    rusqlite::types::Value::Integer(n) => n.to_string(),
-                    rusqlite::types::Value::Text(text) => text,
-                    other => format!("{other:?}"),
-                })
-                .db()
-        };
-        let mut settings = Vec::new();
-        for name in [
-            "journal_mode",
-            "synchronous",
-            "foreign_keys",
-            "trusted_schema",
-            "busy_timeout",
-        ] {
-            let value = match name {
-                // What this store's writers commit with (the inspection connection, which
-                // never writes, keeps SQLite's default).
-                "synchronous" => self.options.synchronous.as_str().to_owned(),
-                _ => pragma(name)?,
-            };
-            settings.push((name.to_owned(), value));
-        }
-        let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).db()?;
-        settings.push((
-            "defensive".to_owned(),
-            if defensive { "1" } else { "0" }.into(),
-        ));
-        let (stale_leases, running_without_lease) =
-            moves::lease_report(&mut Sql(&conn), wall_millis())?;
-        Ok(Health {
-            schema: SchemaStatus {
-                found: user_version(&conn).db()?,
-                supported: SCHEMA_VERSION,
-            },
-            settings,
-            integrity: sql::integrity_check(&conn)?,
-            stale_leases,
-            running_without_lease,
-        })
+        // What this store's writers commit with (the inspection connection, which never writes,
+        // keeps SQLite's default).
+        health(&self.inspection(), self.options.synchronous.as_str(), None)
     }
 
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// The health report read through `conn`: `synchronous` as the store's writers commit with it,
+/// and the journal mode as given, else as `conn` reports it.
+pub(super) fn health(
+    conn: &rusqlite::Connection,
+    synchronous: &str,
+    journal_mode: Option<&str>,
+) -> Result<Health> {
+    let pragma = |name: &str| -> Result<String> {
+        conn.pragma_query_value(None, name, |row| row.get::<_, rusqlite::types::Value>(0))
+            .map(|value| match value {
+                rusqlite::types::Value::Integer(n) => n.to_string(),
+                rusqlite::types::Value::Text(text) => text,
+                other => format!("{other:?}"),
+            })
+            .db()
+    };
+    let mut settings = Vec::new();
+    for name in [
+        "journal_mode",
+        "synchronous",
+        "foreign_keys",
+        "trusted_schema",
+        "busy_timeout",
+    ] {
+        let value = match (name, journal_mode) {
+            ("synchronous", _) => synchronous.to_owned(),
+            ("journal_mode", Some(mode)) => mode.to_owned(),
+            _ => pragma(name)?,
+        };
+        settings.push((name.to_owned(), value));
+    }
+    let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).db()?;
+    settings.push((
+        "defensive".to_owned(),
+        if defensive { "1" } else { "0" }.into(),
+    ));
+    let (stale_leases, running_without_lease) = moves::lease_report(&mut Sql(conn), wall_millis())?;
+    Ok(Health {
+        schema: SchemaStatus {
+            found: user_version(conn).db()?,
+            supported: SCHEMA_VERSION,
+        },
+        settings,
+        integrity: sql::integrity_check(conn)?,
+        stale_leases,
+        running_without_lease,
+    })
 }

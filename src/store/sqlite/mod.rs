@@ -29,6 +29,7 @@ pub(crate) mod faults;
 mod log;
 mod open;
 mod options;
+mod read_only;
 mod renewal;
 pub(crate) mod sql;
 #[cfg(unix)]
@@ -39,8 +40,9 @@ mod writer;
 pub(crate) use self::open::migrations;
 pub use self::{
     database::{Connection, Sqlite},
-    open::{SCHEMA_VERSION, schema_status},
+    open::SCHEMA_VERSION,
     options::{DEFAULT_COMMIT_SPIN, Options, Synchronous},
+    read_only::{quick_check, schema_status},
 };
 
 #[cfg(test)]

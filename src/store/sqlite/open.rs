@@ -225,17 +225,26 @@ pub(crate) fn wal_vfs_on(options: &Options) -> bool {
     }
 }
 
-/// Reads the schema version of the database file at `path` without changing it or creating
-/// anything beside it. A missing file is [`Error::NoDatabase`]; a file that is not a
-/// database, [`Error::NotADatabase`]; a database cut short or whose schema pages are damaged,
-/// [`Error::DatabaseCorrupt`].
-pub fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
+/// The schema version of the database file at `path`, as a store about to write it reads it:
+/// without changing the file, but a log beside it is read under SQLite's locks, which creates
+/// its `-shm` if missing (the writer that opens next would create it anyway). The errors of
+/// [`schema_status`](super::schema_status).
+pub(crate) fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
     let path = path.as_ref();
-    let found = read_schema_version(path)?;
+    let found = read_schema_version(path, LogRead::Locked)?;
     Ok(SchemaStatus {
         found,
         supported: SCHEMA_VERSION,
     })
+}
+
+/// How [`read_schema_version`] reads a database that has a log beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LogRead {
+    /// Through SQLite's read-only connection, under its locks: it may create the `-shm`.
+    Locked,
+    /// As a read-only store reads it (see `read_only`): nothing created, nothing changed.
+    Untouched,
 }
 
 /// The offsets in an SQLite file's 100-byte header that the checks below read.
@@ -263,7 +272,7 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
 /// header says the version, and a connection that treats it as immutable (taking no lock and
 /// creating nothing) reads the schema's pages to find damage. Symbolic links are resolved
 /// first, as SQLite does, so that the log looked for is the one SQLite would use.
-fn read_schema_version(path: &Path) -> Result<u32> {
+pub(crate) fn read_schema_version(path: &Path, with_log: LogRead) -> Result<u32> {
     use std::io::Read;
 
     let corrupt = |detail: String| Error::DatabaseCorrupt {
@@ -306,8 +315,12 @@ fn read_schema_version(path: &Path) -> Result<u32> {
     }
     let mut log = real.clone().into_os_string();
     log.push("-wal");
+    let read_log = || match with_log {
+        LogRead::Locked => read_locked(&real).map_err(|err| on_open(err, path)),
+        LogRead::Untouched => super::read_only::version_beside_log(path, &real),
+    };
     if Path::new(&log).exists() {
-        return read_locked(&real).map_err(|err| on_open(err, path));
+        return read_log();
     }
     let page_size = match u32::from(u16::from_be_bytes([head[header::PAGE_SIZE], head[17]])) {
         1 => 65_536,
@@ -335,7 +348,7 @@ fn read_schema_version(path: &Path) -> Result<u32> {
         // A process that opened the database since the log was looked for may have been
         // copying its log into the file (which needs the log): what looked damaged is read
         // again under SQLite's locks then. With no log still, no process wrote the file.
-        Err(_) if Path::new(&log).exists() => read_locked(&real).map_err(|err| on_open(err, path)),
+        Err(_) if Path::new(&log).exists() => read_log(),
         Err(err) => Err(on_open(err, path)),
     }
 }
@@ -352,7 +365,7 @@ fn read_locked(path: &Path) -> rusqlite::Result<u32> {
 
 /// `path` as the path of an SQLite URI: every byte but unreserved ASCII and `/` escaped, so
 /// that any file name (non-ASCII, or not UTF-8 at all) names the same file.
-fn uri_path(path: &Path) -> String {
+pub(crate) fn uri_path(path: &Path) -> String {
     #[cfg(unix)]
     let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str()).to_vec();
     #[cfg(not(unix))]

@@ -408,7 +408,13 @@ fn sqlite_after_an_io_error_renewals_and_releases_are_refused_too() {
     let failed = renewer
         .renew(me, held, ttl, Duration::from_secs(1))
         .unwrap_err();
-    assert!(matches!(failed, Error::Database(_)), "{failed}");
+    assert!(matches!(failed, Error::CommitUnknown(_)), "{failed}");
+    assert!(
+        failed
+            .to_string()
+            .contains("may or may not have been written"),
+        "{failed}"
+    );
     assert_eq!(sqlite.faults.injected(), 1);
     for refused in [
         renewer

@@ -199,6 +199,16 @@ impl Sqlite {
         self.failure.fail_if_noted(what);
         done
     }
+
+    /// [`on_writer`](Self::on_writer) for a statement that commits alone: an I/O error leaves
+    /// its fate unknown.
+    fn write_on_writer<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
+    ) -> Result<R> {
+        self.on_writer(what, |sql| of_unknown_fate(what, f(sql)))
+    }
 }
 
 /// Commits `tx`. An I/O error at the commit leaves its fate unknown: the frames may have
@@ -215,6 +225,17 @@ fn commit(tx: Transaction<'_>) -> Result<()> {
             err
         }
     })
+}
+
+/// The result of a statement that commits alone: an I/O error it met (noted on this thread)
+/// leaves its fate unknown.
+pub(super) fn of_unknown_fate<R>(what: &str, done: Result<R>) -> Result<R> {
+    match done {
+        Err(err) if noted_io_error().is_some() => {
+            Err(Error::CommitUnknown(format!("{what}: {err}")))
+        }
+        done => done,
+    }
 }
 
 /// The error that stops a transaction once a statement of it met an I/O error: SQLite may have
@@ -396,12 +417,12 @@ impl Writer for SqliteWriter {
     fn renew(&mut self, owner: &str, held: &[RunId], ttl: Duration) -> Result<Renewal> {
         self.wait_synced();
         self.store
-            .on_writer("a lease renewal", |sql| moves::renew(sql, owner, held, ttl))
+            .write_on_writer("a lease renewal", |sql| moves::renew(sql, owner, held, ttl))
     }
 
     fn release(&mut self, run_id: &RunId, owner: &str) -> Result<bool> {
         self.wait_synced();
-        self.store.on_writer("a lease release", |sql| {
+        self.store.write_on_writer("a lease release", |sql| {
             use crate::store::backend::LeaseWrites;
             sql.release_lease(run_id, owner)
         })

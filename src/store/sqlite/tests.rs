@@ -403,10 +403,11 @@ fn sqlite_after_an_io_error_renewals_and_releases_are_refused_too() {
         .renew(me, held, ttl, Duration::from_secs(1))
         .unwrap();
 
-    // The renewal's own write fails: its fate is unknown, and the store stops writing.
+    // The renewal's own write fails: its fate is unknown, and the store stops writing. (A
+    // longer TTL: a row rewritten with the same bytes writes no page.)
     sqlite.faults.fail_next(FaultKind::LogWrite);
     let failed = renewer
-        .renew(me, held, ttl, Duration::from_secs(1))
+        .renew(me, held, ttl * 2, Duration::from_secs(1))
         .unwrap_err();
     assert!(matches!(failed, Error::CommitUnknown(_)), "{failed}");
     assert!(

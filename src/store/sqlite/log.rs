@@ -30,6 +30,7 @@ impl LogFile {
         log
     }
 
+    #[cfg(any(test, feature = "testkit"))]
     pub(crate) fn path(&self) -> &std::path::Path {
         &self.path
     }

@@ -232,15 +232,36 @@ pub enum Error {
     #[error("committing the moves failed, nothing was written: {0}")]
     CommitFailed(String),
 
+    /// Committing the moves failed with an I/O error once they may have reached the disk (a
+    /// failed write or sync of the commit itself): they may or may not have been written, and
+    /// reopening the database tells which (each move is there whole or not at all). A run
+    /// whose move got this error stops, and the store refuses every later write with
+    /// [`Error::DiskStateUnknown`].
+    #[error(
+        "committing the moves failed with an I/O error; they may or may not have been written \
+         (reopen the database to see which): {0}"
+    )]
+    CommitUnknown(String),
+
     /// Syncing the write-ahead log to disk failed. The moves of the groups that sync covered
     /// are committed: visible to readers, they survive a crash of the process but may not
     /// survive a power loss. A run whose move got this error stops. After a failed write-back
     /// (not a log that could not be opened, which fails that sync only), the store refuses
-    /// every write through its writer and every inspection read with this error, writing
-    /// nothing: reopen the database once the disk is sound, and resume the runs, which
-    /// reconciles whatever they had started.
+    /// every later write with [`Error::DiskStateUnknown`].
     #[error("syncing the database's log to disk failed; the moves may not be durable: {0}")]
     SyncFailed(String),
+
+    /// The store refused a write, or a read it would have had to sync: an earlier write, sync
+    /// or checkpoint of this database failed with an I/O error, which leaves what is on disk
+    /// unknown. Nothing was written. Every write through the store (a supervisor's moves, its
+    /// lease renewals and releases, an operator's moves) and every read that syncs is refused
+    /// so until the database is opened again: reopen it once the disk is sound (SQLite
+    /// recovers its log), and resume the runs, which reconciles whatever they had started.
+    #[error(
+        "the store refused to write: an earlier I/O error ({0}) left the database's state on \
+         disk unknown; reopen the database once the disk is sound, and resume the runs"
+    )]
+    DiskStateUnknown(String),
 
     /// The database failed; its backend's error is the source.
     #[error("database error: {0}")]

@@ -325,14 +325,20 @@ pub(crate) trait Pending: Send {
 pub(crate) enum GroupFailure {
     /// Nothing of the group was committed.
     Commit(String),
+    /// The commit met an I/O error: the group may or may not have been written.
+    Unknown(String),
     /// The group may have been committed, and may not be durable.
     Sync(String),
+    /// The store refused to write after an earlier I/O error: nothing was committed.
+    Refused(String),
 }
 
 impl GroupFailure {
     pub(crate) fn of(err: &Error) -> Self {
         match err {
+            Error::CommitUnknown(message) => GroupFailure::Unknown(message.clone()),
             Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
+            Error::DiskStateUnknown(why) => GroupFailure::Refused(why.clone()),
             err => GroupFailure::Commit(err.to_string()),
         }
     }
@@ -345,7 +351,9 @@ impl GroupFailure {
     pub(crate) fn error(&self) -> Error {
         match self {
             GroupFailure::Commit(message) => Error::CommitFailed(message.clone()),
+            GroupFailure::Unknown(message) => Error::CommitUnknown(message.clone()),
             GroupFailure::Sync(message) => Error::SyncFailed(message.clone()),
+            GroupFailure::Refused(why) => Error::DiskStateUnknown(why.clone()),
         }
     }
 }

@@ -34,10 +34,10 @@ pub use fenced::{Admission, Application, FencedResource, FencedTool, Refusal};
 /// [`Supervisor`](crate::Supervisor) to see what its lease keeper holds.
 pub use crate::actors::lease_keeper::HeldLeases;
 /// The fault-injection seam of an SQLite store; see [`faults`].
-pub use crate::store::sqlite::faults::Faults;
+pub use crate::store::sqlite::faults::{FaultKind, Faults};
 
 /// The fault-injection seam of `store`'s SQLite backend, if it has that backend: count its log
-/// syncs, or make the next one fail.
+/// syncs and the writes and syncs SQLite makes of its files, or make the next one fail.
 pub fn faults(store: &Store) -> Option<&Faults> {
     crate::sqlite::Sqlite::of(store).map(|sqlite| &sqlite.faults)
 }

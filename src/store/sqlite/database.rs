@@ -12,6 +12,7 @@ use rusqlite::OpenFlags;
 
 use super::error::Db;
 use super::{
+    failure::IoFailure,
     log::LogFile,
     open::{Role, configure, migrate, on_open, open_writing, schema_status, user_version},
     options::{Options, Synchronous},
@@ -66,6 +67,9 @@ pub struct Sqlite {
     pub(super) reader: Option<Mutex<rusqlite::Connection>>,
     /// File stores: the write-ahead log, for the syncs done outside SQLite's commits.
     pub(super) log: Option<LogFile>,
+    /// Set by the first I/O error of a write, a sync or a checkpoint: every later write and
+    /// durable read is refused. Shared with the lease keeper's connection.
+    pub(super) failure: Arc<IoFailure>,
     /// A deferred group switched the writer to `synchronous = NORMAL` and it was not switched
     /// back yet (the group is being applied, or its restore failed, or it panicked): the next
     /// use of the writer restores the store's setting first.
@@ -186,15 +190,19 @@ impl Sqlite {
         let log = writer
             .path()
             .map(|db| LogFile::new(PathBuf::from(format!("{db}-wal"))));
+        // Keyed by the name SQLite gives the files, so that its VFS finds this store's faults.
+        #[cfg(any(test, feature = "testkit"))]
+        let faults = super::faults::Faults::of_database(writer.path().unwrap_or_default());
         Ok(Sqlite {
             path: Some(path),
             options,
             writer: Mutex::new(writer),
             reader: Some(Mutex::new(reader)),
             log,
+            failure: Arc::default(),
             writer_lowered: AtomicBool::new(false),
             #[cfg(any(test, feature = "testkit"))]
-            faults: Default::default(),
+            faults,
         })
     }
 
@@ -208,6 +216,7 @@ impl Sqlite {
             writer: Mutex::new(conn),
             reader: None,
             log: None,
+            failure: Arc::default(),
             writer_lowered: AtomicBool::new(false),
             #[cfg(any(test, feature = "testkit"))]
             faults: Default::default(),
@@ -230,17 +239,20 @@ impl Sqlite {
 
     /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection
     /// or process) becomes durable, as if it had synced in its own commit. Nothing to do in
-    /// memory. Once a sync failed, this and every later write through this store fail.
+    /// memory. Once a sync failed (or any other write of this store), this and every later
+    /// write through this store fail.
     pub(crate) fn sync_log(&self) -> Result<()> {
+        self.failure.refuse_if_failed()?;
         let Some(log) = &self.log else {
             return Ok(());
         };
         #[cfg(any(test, feature = "testkit"))]
-        if let Some(err) = self.faults.before_sync()? {
-            log.fail_with(err.to_string());
-            return Err(err);
+        if let Some(err) = self.faults.before_sync() {
+            self.failure
+                .fail_with(format!("syncing {}: {err}", log.path().display()));
+            return Err(Error::SyncFailed(err));
         }
-        log.sync()
+        log.sync(&self.failure)
     }
 
     /// The writer connection, held: the crash explorer holds a dead supervisor's, so that

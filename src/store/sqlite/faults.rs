@@ -1,11 +1,59 @@
 //! The fault-injection seam of the SQLite backend, built only with the `testkit` feature (and
 //! in the crate's own tests): it counts the log syncs done outside SQLite's commits and can
-//! make the next one fail, as a failed write-back would; and ([`vfs`]) it counts and fails the
-//! log-gathering VFS's writes.
+//! make the next one fail, as a failed write-back would; it counts and fails the writes, syncs
+//! and truncations SQLite makes of a store's files through the log-gathering VFS, per store;
+//! and ([`vfs`]) it counts and fails that VFS's gathered log writes, per thread.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{
+    Arc, Mutex, Weak,
+    atomic::{AtomicBool, AtomicUsize, Ordering},
+};
 
-use crate::error::{Error, Result};
+/// A write, a sync or a truncation that SQLite makes of a store's files, for
+/// [`Faults::fail_next`] to fail. Faults of these kinds reach only the connections that go
+/// through agentrt's log-gathering VFS (the writer's and the lease keeper's, on the SQLite
+/// releases it was written for, with [`Options::log_vfs`](crate::sqlite::Options::log_vfs)
+/// on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FaultKind {
+    /// A write to the write-ahead log: a commit's frames (a commit sends them in one write,
+    /// with its commit frame), or the log's header when it starts over after a checkpoint.
+    /// Fails with `SQLITE_IOERR_WRITE`, writing nothing.
+    LogWrite,
+    /// A sync of the write-ahead log by SQLite: in each commit at `FULL`, and before a
+    /// checkpoint copies the log. The sync is done, then reported failed with
+    /// `SQLITE_IOERR_FSYNC`, as a failed write-back is: what it was to sync may or may not be
+    /// on disk.
+    LogSync,
+    /// A truncation of the write-ahead log (`PRAGMA wal_checkpoint(TRUNCATE)`, a journal size
+    /// limit). Fails with `SQLITE_IOERR_TRUNCATE`, truncating nothing.
+    LogTruncate,
+    /// A write to the database file: a checkpoint's copy of a page. Fails with
+    /// `SQLITE_IOERR_WRITE`, writing nothing.
+    DatabaseWrite,
+    /// A sync of the database file, at the end of a checkpoint. Done, then reported failed
+    /// with `SQLITE_IOERR_FSYNC`.
+    DatabaseSync,
+    /// A truncation of the database file, by a checkpoint of a database that shrank. Fails
+    /// with `SQLITE_IOERR_TRUNCATE`, truncating nothing.
+    DatabaseTruncate,
+}
+
+impl FaultKind {
+    const ALL: [FaultKind; 6] = [
+        FaultKind::LogWrite,
+        FaultKind::LogSync,
+        FaultKind::LogTruncate,
+        FaultKind::DatabaseWrite,
+        FaultKind::DatabaseSync,
+        FaultKind::DatabaseTruncate,
+    ];
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// Faults to inject into one SQLite store, and what it did; see
 /// [`testkit::faults`](crate::testkit::faults).
@@ -13,30 +61,82 @@ use crate::error::{Error, Result};
 pub struct Faults {
     syncs: AtomicUsize,
     fail_next_sync: AtomicBool,
+    files: Arc<FileFaults>,
 }
 
+/// The switches and counts of a store's files, which its VFS finds by the database's name.
+#[derive(Debug, Default)]
+pub(crate) struct FileFaults {
+    done: [AtomicUsize; FaultKind::ALL.len()],
+    armed: [AtomicBool; FaultKind::ALL.len()],
+    injected: AtomicUsize,
+}
+
+impl FileFaults {
+    /// Counts one `kind` of call, and says whether to fail it.
+    fn hit(&self, kind: FaultKind) -> bool {
+        self.done[kind.index()].fetch_add(1, Ordering::SeqCst);
+        let fail = self.armed[kind.index()].swap(false, Ordering::SeqCst);
+        if fail {
+            self.injected.fetch_add(1, Ordering::SeqCst);
+        }
+        fail
+    }
+}
+
+/// The files of the stores open now, by the name SQLite gives their database file. A store
+/// opened again at the same path replaces its entry.
+static STORES: Mutex<Vec<(String, Weak<FileFaults>)>> = Mutex::new(Vec::new());
+
 impl Faults {
+    /// The faults of a store whose database file SQLite names `name` (its full path): the
+    /// VFS finds them by that name.
+    pub(crate) fn of_database(name: &str) -> Faults {
+        let faults = Faults::default();
+        let mut stores = STORES.lock().unwrap_or_else(|p| p.into_inner());
+        stores.retain(|(held, files)| held != name && files.strong_count() > 0);
+        stores.push((name.to_owned(), Arc::downgrade(&faults.files)));
+        faults
+    }
+
     /// The log syncs done outside SQLite's commits so far (a group's deferred sync, the sync
     /// after a read, the sync of a reservation answered once written).
     pub fn syncs(&self) -> usize {
         self.syncs.load(Ordering::SeqCst)
     }
 
-    /// Makes the next log sync fail as a failed write-back does: the store then refuses every
-    /// later write and durable read until it is reopened.
+    /// Makes the next log sync done outside SQLite's commits fail as a failed write-back does:
+    /// the store then refuses every later write and durable read until it is reopened.
     pub fn fail_next_sync(&self) {
         self.fail_next_sync.store(true, Ordering::SeqCst);
     }
 
-    /// Called before each sync: counts it, and fails it if asked to.
-    pub(crate) fn before_sync(&self) -> Result<Option<Error>> {
+    /// Makes the next call of `kind` that SQLite makes of this store's files fail, on
+    /// whichever of the store's connections makes it (the supervisor's writer, the lease
+    /// keeper's): the store then refuses every later write and durable read until it is
+    /// reopened.
+    pub fn fail_next(&self, kind: FaultKind) {
+        self.files.armed[kind.index()].store(true, Ordering::SeqCst);
+    }
+
+    /// The calls of `kind` that SQLite made of this store's files so far.
+    pub fn count(&self, kind: FaultKind) -> usize {
+        self.files.done[kind.index()].load(Ordering::SeqCst)
+    }
+
+    /// The faults injected so far, of every kind (a failed log sync among them).
+    pub fn injected(&self) -> usize {
+        self.files.injected.load(Ordering::SeqCst)
+    }
+
+    /// Called before each sync: counts it, and says why it fails if asked to.
+    pub(crate) fn before_sync(&self) -> Option<String> {
         self.syncs.fetch_add(1, Ordering::SeqCst);
         if self.fail_next_sync.swap(false, Ordering::SeqCst) {
-            return Ok(Some(Error::SyncFailed(
-                "an injected write-back failure".into(),
-            )));
+            self.files.injected.fetch_add(1, Ordering::SeqCst);
+            return Some("an injected write-back failure".into());
         }
-        Ok(None)
+        None
     }
 }
 
@@ -46,7 +146,82 @@ impl Faults {
 /// see each other's writes.
 #[cfg(unix)]
 pub(crate) mod vfs {
-    use std::cell::Cell;
+    use std::{cell::Cell, ffi::CStr, sync::Arc};
+
+    use rusqlite::ffi;
+
+    use super::{FaultKind, FileFaults, STORES};
+
+    /// What the VFS does to a file, for [`FileSeam::fails`].
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) enum Op {
+        Write,
+        Sync,
+        Truncate,
+    }
+
+    /// The per-store seam of one file the VFS opened: a database file or its log.
+    pub(crate) struct FileSeam {
+        /// Whether it is the log, and the name of its database file; `None` for other files.
+        file: Option<(bool, String)>,
+        /// The store's faults, once found.
+        faults: Option<Arc<FileFaults>>,
+    }
+
+    impl FileSeam {
+        /// The seam of the file SQLite opens as `name` with `flags`.
+        ///
+        /// # Safety
+        ///
+        /// `name` is the name SQLite passed to `xOpen` with these flags.
+        pub(crate) unsafe fn new(name: ffi::sqlite3_filename, flags: std::ffi::c_int) -> Self {
+            let log = flags & ffi::SQLITE_OPEN_WAL != 0;
+            let db = if name.is_null() {
+                None
+            } else if log {
+                // SAFETY: a log's name, as SQLite passed it to `xOpen`.
+                Some(unsafe { ffi::sqlite3_filename_database(name) })
+            } else if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 {
+                Some(name)
+            } else {
+                None
+            };
+            let file = db.filter(|db| !db.is_null()).map(|db| {
+                // SAFETY: SQLite's file names are NUL-terminated.
+                let db = unsafe { CStr::from_ptr(db) };
+                (log, db.to_string_lossy().into_owned())
+            });
+            FileSeam { file, faults: None }
+        }
+
+        /// Called before each write, sync or truncation of the file: counts it for its store,
+        /// and says whether to fail it.
+        pub(crate) fn fails(&mut self, op: Op) -> bool {
+            let Some((log, db)) = &self.file else {
+                return false;
+            };
+            if self.faults.is_none() {
+                // Found once the store opened: its writer opens the files before it exists.
+                let stores = STORES.lock().unwrap_or_else(|p| p.into_inner());
+                self.faults = stores
+                    .iter()
+                    .find(|(name, _)| name == db)
+                    .and_then(|(_, files)| files.upgrade());
+            }
+            let Some(faults) = &self.faults else {
+                return false;
+            };
+            let kind = match (log, op) {
+                (true, Op::Write) => FaultKind::LogWrite,
+                (true, Op::Sync) => FaultKind::LogSync,
+                (true, Op::Truncate) => FaultKind::LogTruncate,
+                (false, Op::Write) => FaultKind::DatabaseWrite,
+                (false, Op::Sync) => FaultKind::DatabaseSync,
+                (false, Op::Truncate) => FaultKind::DatabaseTruncate,
+            };
+            faults.hit(kind)
+        }
+    }
 
     thread_local! {
         /// Writes of gathered bytes to a log file from this thread.

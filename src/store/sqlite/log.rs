@@ -6,6 +6,7 @@ use std::{
     sync::{Mutex, MutexGuard},
 };
 
+use super::failure::IoFailure;
 use crate::error::{Error, Result};
 
 pub(crate) struct LogFile {
@@ -14,9 +15,6 @@ pub(crate) struct LogFile {
     /// Opened on first use and kept: Linux reports a failed write-back once to each descriptor
     /// open at the time, so a descriptor opened afresh for each sync could miss one.
     file: Mutex<Option<std::fs::File>>,
-    /// Why a sync failed, once one has: the log may have lost pages that later commits build
-    /// on, so this store refuses every later write and durable read.
-    failed: Mutex<Option<String>>,
 }
 
 impl LogFile {
@@ -27,26 +25,14 @@ impl LogFile {
         let log = LogFile {
             path,
             file: Mutex::new(None),
-            failed: Mutex::new(None),
         };
         drop(log.open());
         log
     }
 
-    pub(crate) fn refuse_if_failed(&self) -> Result<()> {
-        match &*self.failed.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(why) => Err(Error::SyncFailed(format!(
-                "an earlier sync of {} failed ({why}); this store writes nothing more: \
-                 reopen the database (SQLite recovers the log) once the disk is sound",
-                self.path.display()
-            ))),
-            None => Ok(()),
-        }
-    }
-
-    /// Marks the store failed: every later write and durable read is refused.
-    pub(crate) fn fail_with(&self, why: String) {
-        *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn path(&self) -> &std::path::Path {
+        &self.path
     }
 
     fn open(&self) -> std::io::Result<MutexGuard<'_, Option<std::fs::File>>> {
@@ -58,13 +44,14 @@ impl LogFile {
         Ok(file)
     }
 
-    pub(crate) fn sync(&self) -> Result<()> {
-        self.refuse_if_failed()?;
+    /// Syncs the log. A failed write-back marks `failure`: the log may have lost pages that
+    /// later commits build on. A log that cannot be opened fails this sync only: nothing was
+    /// synced, nor lost, and the next sync tries again.
+    pub(crate) fn sync(&self, failure: &IoFailure) -> Result<()> {
         let file = match self.open() {
             Ok(file) => file,
             // No log: nothing was written since the last connection closed.
             Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            // Nothing was synced, nor lost: the next sync tries again.
             Err(err) => {
                 return Err(Error::SyncFailed(format!(
                     "opening {}: {err}",
@@ -74,9 +61,9 @@ impl LogFile {
         };
         let synced = file.as_ref().map_or(Ok(()), |log| log.sync_data());
         synced.map_err(|err| {
-            let why = err.to_string();
-            self.fail_with(why.clone());
-            Error::SyncFailed(format!("{}: {why}", self.path.display()))
+            let why = format!("syncing {}: {err}", self.path.display());
+            failure.fail_with(why.clone());
+            Error::SyncFailed(why)
         })
     }
 }

@@ -24,6 +24,7 @@
 mod boundary;
 mod database;
 mod error;
+mod failure;
 #[cfg(any(test, feature = "testkit"))]
 pub(crate) mod faults;
 mod log;

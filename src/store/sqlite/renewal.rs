@@ -11,9 +11,10 @@ use std::{
 
 use rusqlite::{Connection, OpenFlags};
 
-use super::error::Db;
+use super::error::{Db, take_io_error};
 use super::{
     Sqlite,
+    failure::IoFailure,
     open::{Role, configure, open_writing},
     sql::Sql,
 };
@@ -47,6 +48,9 @@ impl RenewalPending {
 pub(super) struct SqliteRenewer {
     conn: Connection,
     pending: RenewalPending,
+    /// The store's: a renewal is refused once any of its connections met an I/O error, and
+    /// one that meets one refuses every later write of the store.
+    failure: Arc<IoFailure>,
 }
 
 impl SqliteRenewer {
@@ -61,7 +65,11 @@ impl SqliteRenewer {
         let options = store.options.clone().busy_timeout(Duration::ZERO);
         let conn = open_writing(path, flags, &options).db()?;
         configure(&conn, &options, true, Role::Renewal)?;
-        Ok(Some(SqliteRenewer { conn, pending }))
+        Ok(Some(SqliteRenewer {
+            conn,
+            pending,
+            failure: store.failure.clone(),
+        }))
     }
 }
 
@@ -75,6 +83,8 @@ impl Renewer for SqliteRenewer {
         ttl: Duration,
         patience: Duration,
     ) -> Result<Renewal> {
+        self.failure.refuse_if_failed()?;
+        take_io_error();
         self.pending.announce(true);
         let deadline = Instant::now() + patience;
         let renewal = loop {
@@ -86,6 +96,8 @@ impl Renewer for SqliteRenewer {
             }
         };
         self.pending.announce(false);
+        let renewal = super::writer::of_unknown_fate("a lease renewal", renewal);
+        self.failure.fail_if_noted("a lease renewal");
         renewal
     }
 }

@@ -11,6 +11,7 @@ use rusqlite::config::DbConfig;
 use super::{
     Options, SCHEMA_VERSION, Sqlite, Synchronous,
     database::lock,
+    failure::IoFailure,
     log::LogFile,
     migrations, renewal,
     sql::{self, Sql},
@@ -195,9 +196,10 @@ fn after_a_failed_log_sync_the_store_refuses_to_write_or_vouch_for_reads() {
     sqlite.faults.fail_next_sync();
     assert!(matches!(sqlite.sync_log(), Err(Error::SyncFailed(_))));
     let refused = store.cancel(&RunId::from("r"), "x").unwrap_err();
+    assert!(matches!(refused, Error::DiskStateUnknown(_)), "{refused}");
     assert!(refused.to_string().contains("injected"), "{refused}");
-    assert!(matches!(store.runs(None), Err(Error::SyncFailed(_))));
-    assert!(matches!(sqlite.sync_log(), Err(Error::SyncFailed(_))));
+    assert!(matches!(store.runs(None), Err(Error::DiskStateUnknown(_))));
+    assert!(matches!(sqlite.sync_log(), Err(Error::DiskStateUnknown(_))));
     // Reopened, the database is usable again (SQLite recovers the log).
     drop(store);
     let reopened = Store::open(dir.path().join("db.sqlite")).unwrap();
@@ -209,8 +211,9 @@ fn a_log_that_cannot_be_opened_fails_that_sync_only() {
     let dir = tempfile::tempdir().unwrap();
     // A directory cannot be opened for writing.
     let log = LogFile::new(dir.path().to_path_buf());
-    assert!(matches!(log.sync(), Err(Error::SyncFailed(_))));
-    assert!(log.refuse_if_failed().is_ok(), "nothing was lost");
+    let failure = IoFailure::default();
+    assert!(matches!(log.sync(&failure), Err(Error::SyncFailed(_))));
+    assert!(failure.refuse_if_failed().is_ok(), "nothing was lost");
 }
 
 #[test]
@@ -346,4 +349,178 @@ fn the_log_vfs_switch_decides_the_vfs_of_every_connection_that_writes() {
             "{options:?}"
         );
     }
+}
+
+/// A run created by `owner`, leased for `ttl`.
+fn create_run(store: &Store, run_id: &RunId, owner: &str, ttl: Duration) -> Result<()> {
+    use crate::store::{
+        model::{Grant, Holder},
+        moves,
+    };
+    let holder = Grant::new(Holder {
+        owner: owner.into(),
+        ttl,
+        margin: Duration::ZERO,
+    });
+    store
+        .transact(&crate::clock::SystemClock, |tx, now| {
+            moves::Move::new(tx, now, run_id).create_run("a", &serde_json::json!({}), &holder)
+        })
+        .map(drop)
+}
+
+#[test]
+fn sqlite_an_error_other_than_of_io_leaves_the_store_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.sqlite");
+    let store = Options::new()
+        .busy_timeout(Duration::from_millis(10))
+        .open(&path)
+        .unwrap();
+    let (me, ttl) = ("me/000000000001", Duration::from_secs(30));
+    create_run(&store, &RunId::from("r"), me, ttl).unwrap();
+    // A refused move, a constraint, a database locked by another connection.
+    let missing = store.cancel(&RunId::from("nope"), "x").unwrap_err();
+    assert!(missing.is_not_found(), "{missing}");
+    let exists = create_run(&store, &RunId::from("r"), me, ttl).unwrap_err();
+    assert!(exists.is_run_state(), "{exists}");
+    let other = rusqlite::Connection::open(&path).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let busy = store.cancel(&RunId::from("r"), "x").unwrap_err();
+    assert!(busy.is_busy(), "{busy}");
+    other.execute_batch("ROLLBACK").unwrap();
+    store.cancel(&RunId::from("r"), "x").unwrap();
+    assert!(store.runs(None).is_ok());
+}
+
+#[cfg(unix)]
+#[test]
+fn sqlite_after_an_io_error_renewals_and_releases_are_refused_too() {
+    use crate::{clock::SystemClock, testkit::FaultKind};
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let (me, ttl) = ("me/000000000001", Duration::from_secs(30));
+    let run_id = RunId::from("r");
+    create_run(&store, &run_id, me, ttl).unwrap();
+    let session = store
+        .session(std::sync::Arc::new(SystemClock), None)
+        .unwrap();
+    let (mut writer, mut renewer) = (session.writer, session.renewer.unwrap());
+    let held = &[(run_id.clone(), crate::store::moves::FIRST_TOKEN)];
+    renewer
+        .renew(me, held, ttl, Duration::from_secs(1))
+        .unwrap();
+
+    // The renewal's own write fails: its fate is unknown, and the store stops writing. (A
+    // longer TTL: a row rewritten with the same bytes writes no page.)
+    sqlite.faults.fail_next(FaultKind::LogWrite);
+    let failed = renewer
+        .renew(me, held, ttl * 2, Duration::from_secs(1))
+        .unwrap_err();
+    assert!(matches!(failed, Error::CommitUnknown(_)), "{failed}");
+    assert!(
+        failed
+            .to_string()
+            .contains("may or may not have been written"),
+        "{failed}"
+    );
+    assert_eq!(sqlite.faults.injected(), 1);
+    for refused in [
+        renewer
+            .renew(me, held, ttl, Duration::from_secs(1))
+            .map(|_| ()),
+        writer.renew(me, held, ttl).map(|_| ()),
+        writer
+            .release(&run_id, me, crate::store::moves::FIRST_TOKEN)
+            .map(|_| ()),
+        store.cancel(&run_id, "x"),
+        store.runs(None).map(|_| ()),
+        sqlite.checkpoint(),
+        sqlite.sync_log(),
+    ] {
+        let err = refused.unwrap_err();
+        assert!(matches!(err, Error::DiskStateUnknown(_)), "{err}");
+        assert!(err.to_string().contains("a lease renewal"), "{err}");
+    }
+    // Reopened, it writes again.
+    drop((writer, renewer, store));
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    store.cancel(&run_id, "x").unwrap();
+}
+
+#[cfg(unix)]
+#[test]
+fn sqlite_a_failed_write_of_the_log_starting_over_fails_its_commit_as_of_unknown_fate() {
+    use crate::testkit::FaultKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let (me, ttl) = ("me/000000000001", Duration::from_secs(30));
+    create_run(&store, &RunId::from("r1"), me, ttl).unwrap();
+    // Everything copied, and no reader: the next commit starts the log over, writing its
+    // header with its frames.
+    sqlite.checkpoint().unwrap();
+    let backfilled: (i64, i64) = lock(&sqlite.writer)
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+            Ok((r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!(backfilled.0, backfilled.1, "the whole log was copied");
+    sqlite.faults.fail_next(FaultKind::LogWrite);
+    let err = create_run(&store, &RunId::from("r2"), me, ttl).unwrap_err();
+    assert!(matches!(err, Error::CommitUnknown(_)), "{err}");
+    assert!(
+        err.to_string().contains("may or may not have been written"),
+        "{err}"
+    );
+    let refused = create_run(&store, &RunId::from("r3"), me, ttl).unwrap_err();
+    assert!(matches!(refused, Error::DiskStateUnknown(_)), "{refused}");
+    drop(store);
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    let runs: Vec<String> = store
+        .runs(None)
+        .unwrap()
+        .into_iter()
+        .map(|run| run.id.to_string())
+        .collect();
+    // Nothing of the commit was written.
+    assert_eq!(runs, ["r1"]);
+}
+
+#[cfg(unix)]
+#[test]
+fn sqlite_each_kind_of_fault_fails_the_next_call_of_its_kind_on_this_store_only() {
+    use crate::testkit::FaultKind;
+
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    let other = Store::open(dir.path().join("other.sqlite")).unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let (me, ttl) = ("me/000000000001", Duration::from_secs(30));
+    create_run(&store, &RunId::from("r1"), me, ttl).unwrap();
+    for kind in [FaultKind::LogWrite, FaultKind::LogSync] {
+        assert!(sqlite.faults.count(kind) > 0, "{kind:?}");
+    }
+    sqlite.checkpoint().unwrap();
+    for kind in [FaultKind::DatabaseWrite, FaultKind::DatabaseSync] {
+        assert!(sqlite.faults.count(kind) > 0, "{kind:?}");
+    }
+    // A truncation, which agentrt's own checkpoints never ask for.
+    sqlite.faults.fail_next(FaultKind::LogTruncate);
+    let truncated =
+        lock(&sqlite.writer).query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+    assert_eq!(
+        truncated.unwrap_err().sqlite_error_code(),
+        Some(rusqlite::ErrorCode::SystemIoFailure)
+    );
+    assert_eq!(sqlite.faults.count(FaultKind::LogTruncate), 1);
+    // Armed on one store, a fault leaves another alone.
+    sqlite.faults.fail_next(FaultKind::LogWrite);
+    create_run(&other, &RunId::from("r1"), me, ttl).unwrap();
+    assert_eq!(sqlite.faults.injected(), 1);
+    assert!(create_run(&store, &RunId::from("r2"), me, ttl).is_err());
+    assert_eq!(sqlite.faults.injected(), 2);
 }

@@ -138,6 +138,9 @@ struct ShimFile {
     /// A log: its database file. A database file: its log, while both are open. Cleared by
     /// whichever closes first.
     peer: *mut ShimFile,
+    /// The test seam: this store's counted and failed writes, syncs and truncations.
+    #[cfg(any(test, feature = "testkit"))]
+    seam: super::faults::vfs::FileSeam,
 }
 
 /// The size of [`ShimFile`], rounded so that the real file after it is aligned.
@@ -182,6 +185,9 @@ unsafe extern "C" fn open(
         (*shim).real = real_file;
         (*shim).log = ptr::null_mut();
         (*shim).peer = ptr::null_mut();
+        // Written in place: the memory is SQLite's, not yet a value to drop.
+        #[cfg(any(test, feature = "testkit"))]
+        ptr::addr_of_mut!((*shim).seam).write(super::faults::vfs::FileSeam::new(name, flags));
         (*shim).base.pMethods = &METHODS;
         if flags & ffi::SQLITE_OPEN_WAL != 0 {
             // Gathered only when the database file is ours: its barrier and locks are where
@@ -256,7 +262,11 @@ unsafe fn write_out(file: *mut ffi::sqlite3_file, log: &mut LogBuffer) -> c_int 
         let mut offset = log.start;
         for chunk in log.data.chunks(WRITE_LIMIT) {
             #[cfg(any(test, feature = "testkit"))]
-            if super::faults::vfs::before_log_write() {
+            if super::faults::vfs::before_log_write()
+                || (*(file as *mut ShimFile))
+                    .seam
+                    .fails(super::faults::vfs::Op::Write)
+            {
                 rc = ffi::SQLITE_IOERR_WRITE;
                 break;
             }
@@ -319,6 +329,10 @@ unsafe extern "C" fn write(
     unsafe {
         let shim = file as *mut ShimFile;
         let Some(log) = (*shim).log.as_mut() else {
+            #[cfg(any(test, feature = "testkit"))]
+            if (*shim).seam.fails(super::faults::vfs::Op::Write) {
+                return ffi::SQLITE_IOERR_WRITE;
+            }
             let (real, methods) = real(file);
             return (methods.xWrite.expect("xWrite"))(real, data, amount, offset);
         };
@@ -376,6 +390,8 @@ unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
             drop(Box::from_raw((*shim).log));
             (*shim).log = ptr::null_mut();
         }
+        #[cfg(any(test, feature = "testkit"))]
+        drop(ptr::addr_of!((*shim).seam).read());
         if flushed != ffi::SQLITE_OK {
             flushed
         } else {
@@ -415,6 +431,15 @@ unsafe extern "C" fn read(
 }
 
 unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
+    // SAFETY: the file is ours.
+    #[cfg(any(test, feature = "testkit"))]
+    if unsafe {
+        (*(file as *mut ShimFile))
+            .seam
+            .fails(super::faults::vfs::Op::Truncate)
+    } {
+        return ffi::SQLITE_IOERR_TRUNCATE;
+    }
     flushed!(file, xTruncate, size)
 }
 
@@ -422,7 +447,20 @@ unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     if let Some(rc) = unsafe { refused(file) } {
         return rc;
     }
-    flushed!(file, xSync, flags)
+    let rc = flushed!(file, xSync, flags);
+    // A failed write-back is reported after the sync: what it was to write may be on disk.
+    // SAFETY: the file is ours.
+    #[cfg(any(test, feature = "testkit"))]
+    if rc == ffi::SQLITE_OK
+        && unsafe {
+            (*(file as *mut ShimFile))
+                .seam
+                .fails(super::faults::vfs::Op::Sync)
+        }
+    {
+        return ffi::SQLITE_IOERR_FSYNC;
+    }
+    rc
 }
 
 unsafe extern "C" fn file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {

@@ -13,9 +13,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rusqlite::{Connection, TransactionBehavior};
+use rusqlite::{Connection, Transaction, TransactionBehavior};
 
-use super::error::Db;
+use super::error::{Db, db_error, is_io, noted_io_error, take_io_error};
 use super::{
     database::{Sqlite, lock},
     log::log_pages,
@@ -59,12 +59,16 @@ enum LogSync {
 }
 
 impl Sqlite {
-    /// The writer connection, at the store's own `synchronous` setting.
+    /// The writer connection, at the store's own `synchronous` setting; refused once an I/O
+    /// error was met. What the caller does with it is watched from here on: an I/O error
+    /// noted on this thread is this use's, which [`IoFailure::fail_if_noted`] then takes.
+    ///
+    /// [`IoFailure::fail_if_noted`]: super::failure::IoFailure::fail_if_noted
     fn writer(&self) -> Result<MutexGuard<'_, Connection>> {
-        if let Some(log) = &self.log {
-            log.refuse_if_failed()?;
-        }
+        self.failure.refuse_if_failed()?;
         let conn = lock(&self.writer);
+        // After the lock: no other use of the writer runs on this thread meanwhile.
+        take_io_error();
         if self.writer_lowered.load(Ordering::SeqCst) {
             self.restore_synchronous(&conn)?;
         }
@@ -94,12 +98,25 @@ impl Sqlite {
     /// which is all it takes when none is refused (the usual case); if one is, the transaction
     /// is rolled back and the group applied again with each move in a savepoint of its own, so
     /// that a refused move is rolled back alone. `apply` must therefore give the same result
-    /// when called again on the same state. An error means nothing was committed.
+    /// when called again on the same state. An error means nothing was committed, except
+    /// [`Error::CommitUnknown`]: an I/O error once the commit may have reached the disk. An
+    /// I/O error, wherever met, makes the store refuse every later write.
     ///
     /// With [`LogSync::Deferred`] (and a store that [defers syncs](Self::defers_sync)), the
     /// commit writes the log without syncing it: the caller must [`sync_log`](Self::sync_log)
     /// before it tells anyone of these moves.
     fn transact_group<T>(
+        &self,
+        moves: &mut [T],
+        sync: LogSync,
+        apply: impl FnMut(&mut T, &mut dyn Tx, Isolation) -> bool,
+    ) -> Result<()> {
+        let committed = self.transact_group_watched(moves, sync, apply);
+        self.failure.fail_if_noted("committing the moves");
+        committed
+    }
+
+    fn transact_group_watched<T>(
         &self,
         moves: &mut [T],
         sync: LogSync,
@@ -121,11 +138,16 @@ impl Sqlite {
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .db()?;
             let mut sql = Sql(&tx);
-            if moves
-                .iter_mut()
-                .all(|group_move| apply(group_move, &mut sql, Isolation::Shared))
-            {
-                return tx.commit().db();
+            let mut stopped = None;
+            if moves.iter_mut().all(|group_move| {
+                let stands = apply(group_move, &mut sql, Isolation::Shared);
+                stopped = stopped_at_io(&tx);
+                stands && stopped.is_none()
+            }) {
+                return commit(tx);
+            }
+            if let Some(err) = stopped {
+                return Err(err);
             }
             drop(tx); // rolls back
             let tx = conn
@@ -137,9 +159,12 @@ impl Sqlite {
                 if !apply(group_move, &mut sql, Isolation::Savepoint) {
                     sql.rollback_to("agentrt_move")?;
                 }
+                if let Some(err) = stopped_at_io(&tx) {
+                    return Err(err);
+                }
                 sql.release_savepoint("agentrt_move")?;
             }
-            tx.commit().db()
+            commit(tx)
         })();
         if defer && let Err(err) = self.restore_synchronous(&conn) {
             // The group's own outcome stands (its sync is the caller's); the next use of the
@@ -151,21 +176,82 @@ impl Sqlite {
 
     /// Copies what the write-ahead log holds into the database file, without waiting for
     /// readers or blocking writers (a `PASSIVE` checkpoint); nothing to do in memory.
-    fn checkpoint(&self) -> Result<()> {
+    /// A checkpoint that fails with an I/O error (a page copied, or the file synced) makes the
+    /// store refuse every later write.
+    pub(super) fn checkpoint(&self) -> Result<()> {
         if self.path.is_some() {
-            self.writer()?
+            let checkpointed = self
+                .writer()?
                 .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                .db()?;
+                .db();
+            self.failure.fail_if_noted("a checkpoint");
+            checkpointed?;
         }
         Ok(())
     }
 
     /// Runs `f` on the writer connection outside any move: reads that must see every committed
-    /// move, and the lease's single-statement writes (renewal on `:memory:`, release).
-    fn on_writer<R>(&self, f: impl FnOnce(&mut Sql<'_>) -> Result<R>) -> Result<R> {
+    /// move, and the lease's single-statement writes (renewal on `:memory:`, release). `what`
+    /// names it should it meet an I/O error, which makes the store refuse every later write.
+    fn on_writer<R>(&self, what: &str, f: impl FnOnce(&mut Sql<'_>) -> Result<R>) -> Result<R> {
         let conn = self.writer()?;
-        f(&mut Sql(&conn))
+        let done = f(&mut Sql(&conn));
+        self.failure.fail_if_noted(what);
+        done
     }
+
+    /// [`on_writer`](Self::on_writer) for a statement that commits alone: an I/O error leaves
+    /// its fate unknown.
+    fn write_on_writer<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
+    ) -> Result<R> {
+        self.on_writer(what, |sql| of_unknown_fate(what, f(sql)))
+    }
+}
+
+/// Commits `tx`. An I/O error at the commit leaves its fate unknown: the frames may have
+/// reached the log whole, and a failed sync says nothing of what the disk kept. Any other
+/// error rolls it back.
+fn commit(tx: Transaction<'_>) -> Result<()> {
+    tx.commit().map_err(|err| {
+        let unknown = is_io(&err);
+        // Noted, for the store to refuse every later write.
+        let err = db_error(err);
+        if unknown {
+            Error::CommitUnknown(err.to_string())
+        } else {
+            err
+        }
+    })
+}
+
+/// The result of a statement that commits alone: an I/O error it met (noted on this thread)
+/// leaves its fate unknown.
+pub(super) fn of_unknown_fate<R>(what: &str, done: Result<R>) -> Result<R> {
+    match done {
+        Err(err) if noted_io_error().is_some() => {
+            Err(Error::CommitUnknown(format!("{what}: {err}")))
+        }
+        done => done,
+    }
+}
+
+/// The error that stops a transaction once a statement of it met an I/O error: SQLite may have
+/// rolled it back, after which each later statement would commit alone. While the transaction
+/// is still open, its rollback leaves nothing written; if SQLite had rolled it back already,
+/// a statement after that may have committed alone.
+fn stopped_at_io(tx: &Transaction<'_>) -> Option<Error> {
+    let why = noted_io_error()?;
+    Some(if tx.is_autocommit() {
+        Error::CommitUnknown(format!(
+            "SQLite rolled the transaction back at an I/O error ({why}); a statement after it \
+             may have committed alone"
+        ))
+    } else {
+        Error::CommitFailed(format!("a move met an I/O error: {why}"))
+    })
 }
 
 /// One move in a transaction of its own on the writer connection: committed when `apply`
@@ -175,13 +261,20 @@ pub(super) fn transact(
     clock: &dyn Clock,
     apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
 ) -> Result<()> {
-    let mut conn = store.writer()?;
-    let tx = conn
-        .transaction_with_behavior(TransactionBehavior::Immediate)
-        .db()?;
-    apply(&mut Sql(&tx), &mut Now::new(clock))?;
-    tx.commit().db()?;
-    Ok(())
+    let committed = (|| {
+        let mut conn = store.writer()?;
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .db()?;
+        let applied = apply(&mut Sql(&tx), &mut Now::new(clock));
+        if let Some(err) = stopped_at_io(&tx) {
+            return Err(err);
+        }
+        applied?;
+        commit(tx)
+    })();
+    store.failure.fail_if_noted("an operator's move");
+    committed
 }
 
 /// Starts the write side of a supervisor on `store`.
@@ -315,7 +408,7 @@ impl Writer for SqliteWriter {
 
     fn read(&mut self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
         self.wait_synced();
-        self.store.on_writer(|sql| read(sql))?;
+        self.store.on_writer("a read", |sql| read(sql))?;
         // What it read may be another process's group, committed and not yet synced: the
         // caller (a resume, say) decides on it.
         self.store.sync_after_read()
@@ -324,12 +417,12 @@ impl Writer for SqliteWriter {
     fn renew(&mut self, owner: &str, held: &[(RunId, u64)], ttl: Duration) -> Result<Renewal> {
         self.wait_synced();
         self.store
-            .on_writer(|sql| moves::renew(sql, owner, held, ttl))
+            .write_on_writer("a lease renewal", |sql| moves::renew(sql, owner, held, ttl))
     }
 
     fn release(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
         self.wait_synced();
-        self.store.on_writer(|sql| {
+        self.store.write_on_writer("a lease release", |sql| {
             use crate::store::backend::LeaseWrites;
             sql.release_lease(run_id, owner, token)
         })
@@ -454,7 +547,8 @@ impl SqliteWriter {
         }
         let started = Instant::now();
         if let Err(err) = self.store.checkpoint() {
-            // The next period tries again; the log only grows meanwhile.
+            // Unless it met an I/O error (which stops every write), the next period tries
+            // again; the log only grows meanwhile.
             tracing::warn!(%err, "a checkpoint failed");
         }
         self.last_checkpoint = Instant::now();
@@ -626,7 +720,7 @@ mod tests {
         assert!(panicked.is_err());
         // The writer is still at NORMAL; its next use puts FULL back before anything commits.
         let sync: i64 = sqlite
-            .on_writer(|sql| {
+            .on_writer("a read", |sql| {
                 sql.0
                     .pragma_query_value(None, "synchronous", |r| r.get(0))
                     .db()

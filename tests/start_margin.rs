@@ -1,0 +1,260 @@
+//! A side effect starts only with the start margin left on the lease, judged by the loop's own
+//! monotonic deadline: a loop short of it waits for a renewal, or stops with `LeaseLost`, and
+//! moving the wall clock (forward or back) changes nothing of that.
+
+use std::{
+    sync::{
+        Arc, Condvar, Mutex, OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
+};
+
+use agentrt::{
+    Agent, Config, Error, EventKind, ModelResponse, MoveInfo, MoveKind, MoveObserver, Outcome,
+    RunId, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
+    testkit::{
+        Behaviour, LeaseLostLog, RecordingTool, ScriptedModel, TempStore, WallClockShift,
+        assert_no_run_leased, with_system,
+    },
+};
+use serde_json::json;
+
+const TTL: Duration = Duration::from_millis(600);
+
+/// The wall clock is the process's: one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds the store's writer before it applies the model's answer (and the tool's start planned
+/// with it), until released: a writer stalled where nothing of the move is written yet.
+#[derive(Default)]
+struct StallAnswer {
+    armed: AtomicBool,
+    entered: AtomicBool,
+    released: (Mutex<bool>, Condvar),
+}
+
+impl StallAnswer {
+    fn release(&self) {
+        let (released, wake) = &self.released;
+        *released.lock().unwrap() = true;
+        wake.notify_all();
+    }
+}
+
+impl MoveObserver for StallAnswer {
+    fn before_apply(&self, info: &MoveInfo) {
+        if info.kind != MoveKind::FinishModelStep || !self.armed.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        self.entered.store(true, Ordering::SeqCst);
+        let (released, wake) = &self.released;
+        let mut released = released.lock().unwrap();
+        while !*released {
+            released = wake.wait(released).unwrap();
+        }
+    }
+}
+
+/// Polls `done` until it holds, failing the test after a minute.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        actix_rt::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+fn wall_millis() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// The model answers with a call of `charge`; renewals stop (another connection holds the
+/// write lock) while the store's writer is held before the answer, until the keeper finds the
+/// lease expired by its deadline. Then the wall clock moves by `shift`, and the writer goes on:
+/// the answer is recorded, the call is not started.
+fn short_of_the_margin(shift: i64) {
+    let db = TempStore::new();
+    let store = db.open();
+    let charge = RecordingTool::new("charge");
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("c1", "charge", json!({"cents": 500}))]),
+        ModelResponse::answer("charged"),
+    ]);
+    let agent = Agent::new(model).tool(charge.clone());
+    let stall = Arc::new(StallAnswer::default());
+    stall.armed.store(true, Ordering::SeqCst);
+    let lost = LeaseLostLog::new();
+    let (observer, path, seen) = (stall.clone(), db.path(), lost.clone());
+    let reply = with_system(move || async move {
+        let config = Config::default()
+            .lease_ttl(TTL)
+            .observer(ObserverRef(observer.clone()));
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("a", agent)
+            .start()
+            .unwrap();
+        sup.send(SubscribeLeaseLost(seen.recipient()))
+            .await
+            .unwrap();
+        let call = actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id("r1")));
+        until("the writer holds the answer", || {
+            observer.entered.load(Ordering::SeqCst)
+        })
+        .await;
+        let lock = rusqlite::Connection::open(&path).unwrap();
+        lock.execute_batch("BEGIN IMMEDIATE").unwrap();
+        until("the keeper finds the lease expired", || {
+            !seen.seen().is_empty()
+        })
+        .await;
+        let expires_at: i64 = lock
+            .query_row(
+                "SELECT lease_expires_at FROM runs WHERE id = 'r1'",
+                [],
+                |row| row.get(0),
+            )
+            .unwrap();
+        let moved = WallClockShift::by(shift);
+        if shift < 0 {
+            // By the moved wall clock, the stored lease has far more than the margin left: only
+            // the loop's own deadline can refuse the start.
+            assert!(expires_at > wall_millis() + shift + (TTL / 3).as_millis() as i64);
+        }
+        lock.execute_batch("ROLLBACK").unwrap();
+        observer.release();
+        let reply = call.await.unwrap().unwrap();
+        drop(moved);
+        reply
+    });
+
+    let err = reply.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
+    assert!(charge.executions().is_empty(), "the call was not started");
+    let store = db.open();
+    let kinds: Vec<EventKind> = store
+        .events(&RunId::from("r1"))
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert!(kinds.contains(&EventKind::ModelFinished), "{kinds:?}");
+    assert!(!kinds.contains(&EventKind::ToolStarted), "{kinds:?}");
+    assert!(!kinds.contains(&EventKind::PolicyDecided), "{kinds:?}");
+    // The call that stopped released its lease: a resume need not wait out the TTL.
+    assert_no_run_leased(&store);
+}
+
+/// Shares one observer between the test and the supervisor.
+struct ObserverRef(Arc<StallAnswer>);
+
+impl MoveObserver for ObserverRef {
+    fn before_apply(&self, info: &MoveInfo) {
+        self.0.before_apply(info);
+    }
+}
+
+#[test]
+fn a_start_short_of_the_margin_starts_nothing_with_the_wall_clock_moved_back() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    short_of_the_margin(-60_000);
+}
+
+#[test]
+fn a_start_short_of_the_margin_starts_nothing_with_the_wall_clock_moved_forward() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    short_of_the_margin(60_000);
+}
+
+/// The log lines of every thread, from the first call on.
+fn log() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOG.get_or_init(|| {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).unwrap();
+        log
+    })
+}
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Sink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_loop_short_of_the_margin_waits_for_renewals_and_finishes_the_run() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let log = log();
+    // A margin of four fifths of the TTL: for two fifths of each renewal period (a third of
+    // the TTL) the lease has less left, and a start then waits for the next renewal.
+    let db = TempStore::new();
+    let store = db.open();
+    // Each call takes a little time: the run spans several renewal periods, and its starts
+    // fall at every point of them.
+    let tool = RecordingTool::new("lookup").behaviour(Behaviour::Sleep(TTL / 9));
+    let mut script: Vec<ModelResponse> = (1..=12)
+        .map(|n| ModelResponse::calls(vec![ToolCall::new(format!("c{n}"), "lookup", json!({}))]))
+        .collect();
+    script.push(ModelResponse::answer("done"));
+    let agent = Agent::new(ScriptedModel::new(script)).tool(tool.clone());
+    let lost = LeaseLostLog::new();
+    let seen = lost.clone();
+    let reply = with_system(move || async move {
+        let config = Config::default()
+            .lease_ttl(TTL)
+            .start_margin(TTL * 4 / 5);
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("a", agent)
+            .start()
+            .unwrap();
+        sup.send(SubscribeLeaseLost(seen.recipient()))
+            .await
+            .unwrap();
+        sup.send(StartRun::new("a", json!({}))).await.unwrap()
+    });
+    assert!(matches!(
+        reply.unwrap().outcome,
+        Outcome::Succeeded { .. }
+    ));
+    assert_eq!(tool.executions().len(), 12);
+    assert!(lost.seen().is_empty());
+    // Some of the twelve starts (each with a chance of two in five) waited for a renewal.
+    let log = String::from_utf8(log.lock().unwrap().clone()).unwrap();
+    assert!(
+        log.contains("short of the start margin; waiting for a renewal"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_margin_not_shorter_than_the_ttl_is_refused_at_start() {
+    let db = TempStore::new();
+    let store = db.open();
+    let err = with_system(move || async move {
+        let config = Config::default()
+            .lease_ttl(Duration::from_secs(3))
+            .start_margin(Duration::from_secs(3));
+        Supervisor::builder(store).config(config).start().err()
+    })
+    .expect("refused");
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("start margin"), "{err}");
+}

@@ -217,9 +217,7 @@ fn a_loop_short_of_the_margin_waits_for_renewals_and_finishes_the_run() {
     let lost = LeaseLostLog::new();
     let seen = lost.clone();
     let reply = with_system(move || async move {
-        let config = Config::default()
-            .lease_ttl(TTL)
-            .start_margin(TTL * 4 / 5);
+        let config = Config::default().lease_ttl(TTL).start_margin(TTL * 4 / 5);
         let sup = Supervisor::builder(store)
             .config(config)
             .agent("a", agent)
@@ -230,10 +228,7 @@ fn a_loop_short_of_the_margin_waits_for_renewals_and_finishes_the_run() {
             .unwrap();
         sup.send(StartRun::new("a", json!({}))).await.unwrap()
     });
-    assert!(matches!(
-        reply.unwrap().outcome,
-        Outcome::Succeeded { .. }
-    ));
+    assert!(matches!(reply.unwrap().outcome, Outcome::Succeeded { .. }));
     assert_eq!(tool.executions().len(), 12);
     assert!(lost.seen().is_empty());
     // Some of the twelve starts (each with a chance of two in five) waited for a renewal.

@@ -5,7 +5,7 @@
 
 use std::sync::Mutex;
 
-use super::error::take_io_error;
+use super::error::{noted_io_error, take_io_error};
 use crate::error::{Error, Result};
 
 /// Why the store stopped writing, once it has; shared by every connection that writes.
@@ -39,5 +39,16 @@ impl IoFailure {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<String>> {
         self.why.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The result of a statement that commits alone: an I/O error it met (noted on this thread)
+/// leaves its fate unknown.
+pub(super) fn of_unknown_fate<R>(what: &str, done: Result<R>) -> Result<R> {
+    match done {
+        Err(err) if noted_io_error().is_some() => {
+            Err(Error::CommitUnknown(format!("{what}: {err}")))
+        }
+        done => done,
     }
 }

@@ -231,20 +231,13 @@ pub(crate) fn wal_vfs_on(options: &Options) -> bool {
 /// [`schema_status`](super::schema_status).
 pub(crate) fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
     let path = path.as_ref();
-    let found = read_schema_version(path, LogRead::Locked)?;
+    let found = read_schema_version(path, |real| {
+        read_locked(real).map_err(|err| on_open(err, path))
+    })?;
     Ok(SchemaStatus {
         found,
         supported: SCHEMA_VERSION,
     })
-}
-
-/// How [`read_schema_version`] reads a database that has a log beside it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LogRead {
-    /// Through SQLite's read-only connection, under its locks: it may create the `-shm`.
-    Locked,
-    /// As a read-only store reads it (see `read_only`): nothing created, nothing changed.
-    Untouched,
 }
 
 /// The offsets in an SQLite file's 100-byte header that the checks below read.
@@ -272,7 +265,14 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
 /// header says the version, and a connection that treats it as immutable (taking no lock and
 /// creating nothing) reads the schema's pages to find damage. Symbolic links are resolved
 /// first, as SQLite does, so that the log looked for is the one SQLite would use.
-pub(crate) fn read_schema_version(path: &Path, with_log: LogRead) -> Result<u32> {
+///
+/// `read_log` reads the version of a database with a log beside it, given the resolved path:
+/// under SQLite's locks for a store about to write (which may create the `-shm`), or as a
+/// read-only store reads (nothing created, nothing changed).
+pub(crate) fn read_schema_version(
+    path: &Path,
+    read_log: impl FnOnce(&Path) -> Result<u32>,
+) -> Result<u32> {
     use std::io::Read;
 
     let corrupt = |detail: String| Error::DatabaseCorrupt {
@@ -315,12 +315,8 @@ pub(crate) fn read_schema_version(path: &Path, with_log: LogRead) -> Result<u32>
     }
     let mut log = real.clone().into_os_string();
     log.push("-wal");
-    let read_log = || match with_log {
-        LogRead::Locked => read_locked(&real).map_err(|err| on_open(err, path)),
-        LogRead::Untouched => super::read_only::version_beside_log(path, &real),
-    };
     if Path::new(&log).exists() {
-        return read_log();
+        return read_log(&real);
     }
     let page_size = match u32::from(u16::from_be_bytes([head[header::PAGE_SIZE], head[17]])) {
         1 => 65_536,
@@ -348,7 +344,7 @@ pub(crate) fn read_schema_version(path: &Path, with_log: LogRead) -> Result<u32>
         // A process that opened the database since the log was looked for may have been
         // copying its log into the file (which needs the log): what looked damaged is read
         // again under SQLite's locks then. With no log still, no process wrote the file.
-        Err(_) if Path::new(&log).exists() => read_log(),
+        Err(_) if Path::new(&log).exists() => read_log(&real),
         Err(err) => Err(on_open(err, path)),
     }
 }

@@ -30,7 +30,7 @@ use rusqlite::{OpenFlags, config::DbConfig};
 use super::error::Db;
 use super::{
     boundary,
-    open::{LogRead, Role, configure, on_open, read_schema_version, uri_path, user_version},
+    open::{Role, configure, on_open, read_schema_version, uri_path, user_version},
     options::Options,
     sql::Sql,
 };
@@ -49,7 +49,8 @@ use crate::{
 /// database, [`Error::NotADatabase`]; a database cut short or whose schema pages are damaged,
 /// [`Error::DatabaseCorrupt`].
 pub fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
-    let found = read_schema_version(path.as_ref(), LogRead::Untouched)?;
+    let path = path.as_ref();
+    let found = read_schema_version(path, |real| version_beside_log(path, real))?;
     Ok(SchemaStatus {
         found,
         supported: SCHEMA_VERSION,
@@ -77,7 +78,7 @@ pub fn quick_check(path: impl AsRef<Path>) -> Result<Vec<String>> {
 }
 
 /// The schema version of a database that has a log beside it, read without changing anything.
-pub(super) fn version_beside_log(path: &Path, real: &Path) -> Result<u32> {
+fn version_beside_log(path: &Path, real: &Path) -> Result<u32> {
     let beside = look(real).map_err(|err| unreadable(path, err))?;
     let opened = Opened::open(path, real, &Options::default(), beside)?;
     user_version(&opened.conn).map_err(|err| on_open(err, path))

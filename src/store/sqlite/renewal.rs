@@ -96,7 +96,7 @@ impl Renewer for SqliteRenewer {
             }
         };
         self.pending.announce(false);
-        let renewal = super::writer::of_unknown_fate("a lease renewal", renewal);
+        let renewal = super::failure::of_unknown_fate("a lease renewal", renewal);
         self.failure.fail_if_noted("a lease renewal");
         renewal
     }

@@ -207,7 +207,7 @@ impl Sqlite {
         what: &str,
         f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
     ) -> Result<R> {
-        self.on_writer(what, |sql| of_unknown_fate(what, f(sql)))
+        self.on_writer(what, |sql| super::failure::of_unknown_fate(what, f(sql)))
     }
 }
 
@@ -225,17 +225,6 @@ fn commit(tx: Transaction<'_>) -> Result<()> {
             err
         }
     })
-}
-
-/// The result of a statement that commits alone: an I/O error it met (noted on this thread)
-/// leaves its fate unknown.
-pub(super) fn of_unknown_fate<R>(what: &str, done: Result<R>) -> Result<R> {
-    match done {
-        Err(err) if noted_io_error().is_some() => {
-            Err(Error::CommitUnknown(format!("{what}: {err}")))
-        }
-        done => done,
-    }
 }
 
 /// The error that stops a transaction once a statement of it met an I/O error: SQLite may have

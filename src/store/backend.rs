@@ -339,7 +339,20 @@ impl GroupFailure {
             Error::CommitUnknown(message) => GroupFailure::Unknown(message.clone()),
             Error::SyncFailed(message) => GroupFailure::Sync(message.clone()),
             Error::DiskStateUnknown(why) => GroupFailure::Refused(why.clone()),
+            Error::CommitFailed(message) => GroupFailure::Commit(message.clone()),
             err => GroupFailure::Commit(err.to_string()),
+        }
+    }
+
+    /// The failure of a group that committed, from the sync that was to make it durable: a
+    /// store that refuses to sync (it stopped at an I/O error meanwhile) leaves the group
+    /// committed, readable, and maybe not durable, as a failed sync does.
+    pub(crate) fn of_sync(synced: Result<()>) -> Option<Self> {
+        match synced {
+            Err(Error::DiskStateUnknown(why)) => Some(GroupFailure::Sync(format!(
+                "the store stopped at an I/O error before this group's sync ({why})"
+            ))),
+            synced => GroupFailure::of_result(synced),
         }
     }
 

@@ -79,6 +79,16 @@ pub struct Sqlite {
     pub(crate) faults: super::faults::Faults,
 }
 
+impl Drop for Sqlite {
+    fn drop(&mut self) {
+        use super::failure::keep_log_on_close;
+        keep_log_on_close(&self.failure, &lock(&self.writer));
+        if let Some(reader) = &self.reader {
+            keep_log_on_close(&self.failure, &lock(reader));
+        }
+    }
+}
+
 impl std::fmt::Debug for Sqlite {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Sqlite")

@@ -37,8 +37,29 @@ impl IoFailure {
         }
     }
 
+    /// Whether an I/O error was met.
+    pub(crate) fn has_failed(&self) -> bool {
+        self.lock().is_some()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<String>> {
         self.why.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Leaves the log as it is when `conn` closes, if the store failed: the last connection to
+/// close a database would otherwise copy the log into the file and delete it, writing to a disk
+/// whose state is unknown what the next open is to recover from.
+pub(super) fn keep_log_on_close(failure: &IoFailure, conn: &rusqlite::Connection) {
+    if !failure.has_failed() {
+        return;
+    }
+    let kept = conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+        true,
+    );
+    if let Err(err) = kept {
+        tracing::warn!(%err, "the log may be checkpointed as the failed store closes");
     }
 }
 

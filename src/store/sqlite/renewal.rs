@@ -53,6 +53,12 @@ pub(super) struct SqliteRenewer {
     failure: Arc<IoFailure>,
 }
 
+impl Drop for SqliteRenewer {
+    fn drop(&mut self) {
+        super::failure::keep_log_on_close(&self.failure, &self.conn);
+    }
+}
+
 impl SqliteRenewer {
     /// A connection of its own, hardened like every other; `None` in memory, where the writer's
     /// connection is the whole database and renewals go through it.

@@ -207,6 +207,36 @@ fn after_a_failed_log_sync_the_store_refuses_to_write_or_vouch_for_reads() {
 }
 
 #[test]
+fn a_failed_store_closes_leaving_every_file_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.sqlite");
+    let store = Store::open(&path).unwrap();
+    create_run(&store, &RunId::from("r"), "me/000000000001", Duration::from_secs(30)).unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    sqlite.faults.fail_next_sync();
+    assert!(sqlite.sync_log().is_err());
+    let files = || -> Vec<(String, Vec<u8>)> {
+        let mut files: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|entry| {
+                let path = entry.unwrap().path();
+                let name = path.file_name().unwrap().to_string_lossy().into_owned();
+                (name, std::fs::read(&path).unwrap())
+            })
+            .collect();
+        files.sort();
+        files
+    };
+    let before = files();
+    assert!(before.iter().any(|(name, _)| name.ends_with("-wal")));
+    // The last connection to close would copy the log into the file and delete it.
+    drop(store);
+    assert_eq!(files(), before, "nothing written as the failed store closed");
+    let reopened = Store::open(&path).unwrap();
+    assert_eq!(reopened.runs(None).unwrap().len(), 1);
+}
+
+#[test]
 fn a_log_that_cannot_be_opened_fails_that_sync_only() {
     let dir = tempfile::tempdir().unwrap();
     // A directory cannot be opened for writing.

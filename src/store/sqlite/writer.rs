@@ -495,19 +495,19 @@ impl SqliteWriter {
                                 self.observer.as_deref(),
                                 std::mem::take(&mut returned.written),
                                 batch,
-                                GroupFailure::of_result(self.store.sync_log()),
+                                GroupFailure::of_sync(self.store.sync_log()),
                             );
                         }
                     }
                 }
-                GroupFailure::of_result(self.store.sync_log())
+                GroupFailure::of_sync(self.store.sync_log())
             }
             // A move refused in a group that synced in its commit may have been refused on
             // another process's group, readable but not yet durable (a run id taken by an
             // insert that a power cut would undo, say); a group that wrote nothing did not
             // sync at all.
             Ok(()) if batch.iter().any(|pending| pending.refused()) => {
-                GroupFailure::of_result(self.store.sync_after_read())
+                GroupFailure::of_sync(self.store.sync_after_read())
             }
             Ok(()) => None,
             Err(err) => Some(GroupFailure::of(&err)),
@@ -645,7 +645,7 @@ fn spawn_syncer(
             // Ends when the writer holding the sender is gone, after the groups it sent.
             while let Ok(first) = committed.recv() {
                 let groups: Vec<_> = std::iter::once(first).chain(committed.try_iter()).collect();
-                let failure = GroupFailure::of_result(store.sync_log());
+                let failure = GroupFailure::of_sync(store.sync_log());
                 for mut group in groups {
                     let written = std::mem::take(&mut group.written);
                     finish_group(observer.as_deref(), written, group.take(), failure.clone());

@@ -108,9 +108,10 @@ fn scripted(tool: Arming, script: Vec<ModelResponse>) -> Agent {
         .max_steps(steps)
 }
 
-/// Long enough that no renewal comes between the arming of a fault and the commit it is for,
-/// short enough for the resume after the reopening to wait for its expiry.
-const TTL: Duration = Duration::from_secs(2);
+/// Long enough that a renewal (every third of it) coming between the arming of a fault and the
+/// commit it is for is most unlikely, even on a loaded machine; short enough for the resume
+/// after the reopening to wait for its expiry.
+const TTL: Duration = Duration::from_secs(9);
 
 /// What the first process saw.
 struct Failed {
@@ -289,6 +290,24 @@ fn a_failed_write_of_a_checkpoint_to_the_database_file_stops_the_store() {
         MANY_STEPS,
     );
     // The checkpoint between two commits failed: the next move is refused, nothing written.
+    assert!(
+        matches!(failed.error, Error::DiskStateUnknown(_)),
+        "{:?}",
+        failed.error
+    );
+    assert_sticky(&failed, "a checkpoint");
+    assert!(failed.executions.0 < MANY_STEPS);
+}
+
+#[test]
+fn a_failed_truncation_of_the_database_file_at_a_checkpoint_stops_the_store() {
+    // A checkpoint that copied the whole log sets the file's size to the database's.
+    let failed = case(
+        Fault::Vfs(FaultKind::DatabaseTruncate),
+        Arm::AndReturn,
+        TTL,
+        MANY_STEPS,
+    );
     assert!(
         matches!(failed.error, Error::DiskStateUnknown(_)),
         "{:?}",

@@ -35,8 +35,8 @@ pub enum FaultKind {
     /// A sync of the database file, at the end of a checkpoint. Done, then reported failed
     /// with `SQLITE_IOERR_FSYNC`.
     DatabaseSync,
-    /// A truncation of the database file, by a checkpoint of a database that shrank. Fails
-    /// with `SQLITE_IOERR_TRUNCATE`, truncating nothing.
+    /// A truncation of the database file: a checkpoint that copied the whole log sets the
+    /// file's size to the database's. Fails with `SQLITE_IOERR_TRUNCATE`, truncating nothing.
     DatabaseTruncate,
 }
 

@@ -65,16 +65,31 @@ pub fn quick_check(path: impl AsRef<Path>) -> Result<Vec<String>> {
     let path = path.as_ref();
     schema_status(path)?;
     let db = ReadOnly::new(path, Options::default())?;
-    let opened = db.current()?;
-    let found = opened
-        .conn
-        .prepare("PRAGMA quick_check")
-        .and_then(|mut check| {
-            check
-                .query_map([], |row| row.get(0))?
-                .collect::<rusqlite::Result<Vec<String>>>()
-        });
-    Ok(found.unwrap_or_else(|err| vec![err.to_string()]))
+    db.on_connection(|opened| {
+        let found = opened
+            .conn
+            .prepare("PRAGMA quick_check")
+            .and_then(|mut check| {
+                check
+                    .query_map([], |row| row.get(0))?
+                    .collect::<rusqlite::Result<Vec<String>>>()
+            });
+        match found {
+            Ok(found) => Ok(found),
+            // Damage stops the check: that is what it found. Any other error (a busy database,
+            // say) is no finding, and is the check's error.
+            Err(err) if is_damage(&err) => Ok(vec![err.to_string()]),
+            Err(err) => Err(err).db(),
+        }
+    })
+}
+
+/// SQLite's answer for a file that is not a database or is damaged.
+fn is_damage(err: &rusqlite::Error) -> bool {
+    matches!(
+        err.sqlite_error_code(),
+        Some(rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase)
+    )
 }
 
 /// The schema version of a database that has a log beside it, read without changing anything.
@@ -194,6 +209,28 @@ impl ReadOnly {
 
     /// The connection, opened again first if what lies beside the file changed in a way that
     /// its way of reading does not follow.
+    /// Runs `f` on the connection as things are now: with a read mark taken the ordinary way
+    /// when the live index has none that fits, and again when a process opening the database
+    /// may have raced it (its checkpoint rewrites the file, under a read of the file alone or
+    /// of a copy). A read still raced after three tries is refused as busy, never answered.
+    fn on_connection<R>(&self, mut f: impl FnMut(&Opened) -> Result<R>) -> Result<R> {
+        for _ in 0..3 {
+            let mut opened = self.current()?;
+            let mut result = f(&opened);
+            if result.as_ref().is_err_and(no_read_mark) && !opened.marks {
+                *opened = opened.taking_marks(&self.path, &self.real, &self.options)?;
+                result = f(&opened);
+            }
+            if !opened.stale(&self.look()?) {
+                return result;
+            }
+        }
+        Err(busy(format!(
+            "{} kept changing while it was being read; try again",
+            self.path.display()
+        )))
+    }
+
     fn current(&self) -> Result<MutexGuard<'_, Opened>> {
         let mut opened = self
             .opened
@@ -229,22 +266,7 @@ impl Backend for ReadOnly {
     }
 
     fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let mut opened = self.current()?;
-            let mut result = read(&mut Sql(&opened.conn));
-            if result.as_ref().is_err_and(no_read_mark) && !opened.marks {
-                *opened = opened.taking_marks(&self.path, &self.real, &self.options)?;
-                result = read(&mut Sql(&opened.conn));
-            }
-            // A read of the file alone, or of a copy, that a process opening the database may
-            // have raced (its checkpoint rewrites the file): read again as things are now.
-            if tries < 3 && opened.stale(&self.look()?) {
-                continue;
-            }
-            return result;
-        }
+        self.on_connection(|opened| read(&mut Sql(&opened.conn)))
     }
 
     fn transact(
@@ -264,14 +286,15 @@ impl Backend for ReadOnly {
     }
 
     fn health(&self) -> Result<Health> {
-        let opened = self.current()?;
-        // An immutable connection reports the journal mode it reads with, not the file's.
-        let journal_mode = (opened.how == How::Immutable).then_some("wal");
-        boundary::health(
-            &opened.conn,
-            self.options.synchronous.as_str(),
-            journal_mode,
-        )
+        self.on_connection(|opened| {
+            // An immutable connection reports the journal mode it reads with, not the file's.
+            let journal_mode = (opened.how == How::Immutable).then_some("wal");
+            boundary::health(
+                &opened.conn,
+                self.options.synchronous.as_str(),
+                journal_mode,
+            )
+        })
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -518,7 +541,11 @@ impl CopyDir {
             ))
         };
         let dir = std::env::temp_dir().join(format!("agentrt-read-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir(&dir).map_err(failed)?;
+        // Only this user may read the copy: the file's own directory may be what kept it private.
+        let mut private = std::fs::DirBuilder::new();
+        #[cfg(unix)]
+        std::os::unix::fs::DirBuilderExt::mode(&mut private, 0o700);
+        private.create(&dir).map_err(failed)?;
         let copy = CopyDir {
             db: dir.join("copy.db"),
             dir,

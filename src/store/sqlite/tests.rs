@@ -211,7 +211,13 @@ fn a_failed_store_closes_leaving_every_file_as_it_was() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("db.sqlite");
     let store = Store::open(&path).unwrap();
-    create_run(&store, &RunId::from("r"), "me/000000000001", Duration::from_secs(30)).unwrap();
+    create_run(
+        &store,
+        &RunId::from("r"),
+        "me/000000000001",
+        Duration::from_secs(30),
+    )
+    .unwrap();
     let sqlite = Sqlite::of(&store).unwrap();
     sqlite.faults.fail_next_sync();
     assert!(sqlite.sync_log().is_err());
@@ -231,7 +237,11 @@ fn a_failed_store_closes_leaving_every_file_as_it_was() {
     assert!(before.iter().any(|(name, _)| name.ends_with("-wal")));
     // The last connection to close would copy the log into the file and delete it.
     drop(store);
-    assert_eq!(files(), before, "nothing written as the failed store closed");
+    assert_eq!(
+        files(),
+        before,
+        "nothing written as the failed store closed"
+    );
     let reopened = Store::open(&path).unwrap();
     assert_eq!(reopened.runs(None).unwrap().len(), 1);
 }

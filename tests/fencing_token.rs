@@ -1,6 +1,7 @@
 //! The fencing token: every acquisition of a run's lease takes a higher one, the tool and its
 //! reconcile hook are given it, `step.tool_started` records it; and a system that fences by it
 //! refuses the late attempt of a real process stopped mid-call and taken over.
+#![cfg(unix)]
 
 use std::{
     io::{BufRead, BufReader},
@@ -217,13 +218,45 @@ fn touch(path: &Path) {
     std::fs::write(path, b"go").unwrap();
 }
 
+/// The child process: on a failing test, woken and killed rather than left stopped.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Stops the child where it holds no lock of the database: stopped in the middle of a renewal's
+/// write (a third of the TTL apart, each a few milliseconds), it would keep the write lock, and
+/// nobody could take its run over.
+fn stop_outside_a_write(pid: u32, db: &Path) {
+    let probe = rusqlite::Connection::open(db).unwrap();
+    probe.busy_timeout(Duration::from_millis(50)).unwrap();
+    for _ in 0..100 {
+        signal(pid, "-STOP");
+        match probe.execute_batch("BEGIN IMMEDIATE; ROLLBACK") {
+            Ok(()) => return,
+            Err(_) => {
+                signal(pid, "-CONT");
+                std::thread::sleep(Duration::from_millis(7));
+            }
+        }
+    }
+    panic!("the child kept the database's write lock");
+}
+
 #[test]
 fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
     let db = TempStore::new();
     drop(db.open());
     let resource_path = db.dir().join("payments.sqlite");
     let gate = db.dir().join("gate");
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
             "--exact",
@@ -238,10 +271,12 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let lines = lines_of(&mut child);
+    let mut child = ChildGuard(child);
+    let lines = lines_of(&mut child.0);
     assert_eq!(wait_for(&lines, "STARTED "), "1");
     // The child has written its `step.tool_started` and is inside the call: it stalls there.
-    signal(child.id(), "-STOP");
+    let pid = child.0.id();
+    stop_outside_a_write(pid, &db.path());
 
     // Another process's supervisor takes the run over once the stopped one's lease expires; the
     // hook asks the resource with token 2, which fences token 1 off; the charge runs under 2.
@@ -268,10 +303,10 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
 
     // The stopped process wakes and performs its attempt: refused.
     touch(&gate);
-    signal(child.id(), "-CONT");
+    signal(pid, "-CONT");
     assert_eq!(wait_for(&lines, "REFUSED "), "2");
     assert_eq!(wait_for(&lines, "ENDED "), "true");
-    assert!(child.wait().unwrap().success());
+    assert!(child.0.wait().unwrap().success());
 
     let applied: Vec<(String, FencingToken)> = resource
         .applications()
@@ -284,7 +319,7 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
     assert_eq!(refused.len(), 1);
     assert_eq!(
         (refused[0].token, refused[0].fence, refused[0].pid),
-        (FencingToken::new(1), FencingToken::new(2), child.id())
+        (FencingToken::new(1), FencingToken::new(2), pid)
     );
     let store = db.open();
     assert_eq!(tokens_of(&store, EventKind::ToolStarted), [1, 2]);

@@ -106,32 +106,39 @@ impl LeaseKeeper {
                 // outlive the lease it renews.
                 let patience = Self::period(self.ttl);
                 let renewal = renewer.renew(&self.owner, &held, self.ttl, patience);
-                self.settle(renewal, sent);
+                self.settle(renewal, &held, sent);
             }
             Renewer::Store(store) => {
                 self.renewing = true;
                 let renew = store.send(RenewLeases {
                     owner: self.owner.clone(),
-                    held,
+                    held: held.clone(),
                     ttl: self.ttl,
                 });
                 ctx.spawn(renew.into_actor(self).map(move |renewal, this, _| {
                     this.renewing = false;
-                    this.settle(renewal.unwrap_or(Err(Error::StoreUnavailable)), sent);
+                    let renewal = renewal.unwrap_or(Err(Error::StoreUnavailable));
+                    this.settle(renewal, &held, sent);
                 }));
             }
         }
     }
 
-    /// Acts on a renewal sent at `sent`: new deadlines for the runs renewed, `LeaseLost` for
-    /// the runs lost.
-    fn settle(&mut self, renewal: Result<Renewal>, sent: Instant) {
+    /// Acts on a renewal of `sent_for` (each run with its token) sent at `sent`: new deadlines
+    /// for the runs renewed, `LeaseLost` for the runs lost. A run held under another token
+    /// since (its call returned and another acquired it while the renewal was on its way) is
+    /// not this renewal's.
+    fn settle(&mut self, renewal: Result<Renewal>, sent_for: &[(RunId, u64)], sent: Instant) {
+        let sent_for: HashMap<&RunId, u64> = sent_for.iter().map(|(id, t)| (id, *t)).collect();
+        let still = |held: &Held, run_id: &RunId| sent_for.get(run_id) == Some(&held.grant.token());
         match renewal {
             Ok(Renewal {
                 renewed, missing, ..
             }) => {
                 for run_id in renewed {
-                    if let Some(held) = self.held.get(&run_id) {
+                    if let Some(held) = self.held.get(&run_id)
+                        && still(held, &run_id)
+                    {
                         held.grant.renewed(sent);
                     }
                 }
@@ -139,6 +146,9 @@ impl LeaseKeeper {
                     let Some(held) = self.held.get(&run_id) else {
                         continue;
                     };
+                    if !still(held, &run_id) {
+                        continue;
+                    }
                     match self.why_lost(held, row) {
                         Some(reason) => self.lost(run_id, reason),
                         // Released by its own call, which is returning: not a loss.
@@ -163,25 +173,25 @@ impl LeaseKeeper {
         }
     }
 
-    /// Why a lease that was not renewed is lost: the row says most (a new owner is named,
-    /// whether or not the lease had expired first; a new token of this owner's is another
-    /// call's acquisition), then the deadline.
+    /// Why a lease that was not renewed is lost, from its row: another acquisition since
+    /// (another token, whoever holds it now), another owner, a cancel, or, still this call's
+    /// and RUNNING, a stored expiry that passed by the wall clock (stepped forward, or the host
+    /// suspended). `None` when the call itself released it (it paused, finished or returned).
     fn why_lost(&self, held: &Held, row: Option<LeaseRow>) -> Option<LeaseLostReason> {
-        match row {
-            None => Some(LeaseLostReason::ReleasedOrCancelled),
-            Some(LeaseRow {
-                owner: Some(owner),
-                epoch,
-                ..
-            }) if *owner != *self.owner || epoch != held.grant.token() => {
+        let row = match row {
+            None => return Some(LeaseLostReason::ReleasedOrCancelled),
+            Some(row) => row,
+        };
+        match (row.owner, row.state) {
+            (Some(owner), _) if *owner != *self.owner || row.epoch != held.grant.token() => {
                 Some(LeaseLostReason::TakenBy(owner))
             }
-            Some(LeaseRow {
-                state: RunState::Cancelled,
-                ..
-            }) => Some(LeaseLostReason::ReleasedOrCancelled),
-            _ if held.grant.remaining().is_zero() => Some(LeaseLostReason::Expired),
-            Some(_) => None,
+            (None, _) if row.epoch != held.grant.token() => {
+                Some(LeaseLostReason::ReleasedOrCancelled)
+            }
+            (_, RunState::Cancelled) => Some(LeaseLostReason::ReleasedOrCancelled),
+            (Some(_), RunState::Running) => Some(LeaseLostReason::Expired),
+            _ => None,
         }
     }
 

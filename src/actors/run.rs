@@ -150,7 +150,8 @@ impl Handler<Execute> for RunActor {
             keeper.do_send(Release {
                 run_id: run_id.clone(),
             });
-            if result.is_err() {
+            // A call that acquired nothing has nothing to release.
+            if result.is_err() && grant.token() != 0 {
                 // Paused and finished runs released the lease in their move; any other return
                 // releases it here, so another process need not wait out the TTL.
                 let released = store
@@ -525,19 +526,23 @@ impl RunLoop {
     /// else for the renewals that give it back. `LeaseLost` when the deadline passes first;
     /// returns early when the keeper reports the lease lost (the loop then stops).
     async fn wait_for_margin(&self) -> Result<()> {
-        while !self.env.grant.has_margin() && !self.env.cancellation.is_cancelled() {
-            self.wait_for_renewal().await?;
+        loop {
+            let seen = self.env.grant.renewals();
+            if self.env.grant.has_margin() || self.env.cancellation.is_cancelled() {
+                return Ok(());
+            }
+            self.wait_for_renewal(seen).await?;
         }
-        Ok(())
     }
 
-    /// Waits for the lease's next renewal; `LeaseLost` when its deadline passes first.
-    async fn wait_for_renewal(&self) -> Result<()> {
+    /// Waits for a renewal after the `seen`-th (at once if one came already); `LeaseLost` when
+    /// the deadline passes first. Returns early when the cancellation signal fires.
+    async fn wait_for_renewal(&self, seen: u64) -> Result<()> {
         let grant = &self.env.grant;
         let renewal = grant.renewal();
         let mut renewal = std::pin::pin!(renewal);
         renewal.as_mut().enable();
-        if self.env.lease_lost.borrow().is_some() {
+        if grant.renewed_since(seen) || self.env.cancellation.is_cancelled() {
             return Ok(());
         }
         let left = grant.remaining();
@@ -552,6 +557,19 @@ impl RunLoop {
             () = renewal.fuse() => Ok(()),
             () = self.env.cancellation.cancelled().fuse() => Ok(()),
             () = actix_rt::time::sleep(left).fuse() => Ok(()),
+        }
+    }
+
+    /// A start's result: `None` when it was refused for want of the margin (see
+    /// [`short_of_margin`](Self::short_of_margin)), once the next renewal came: the loop then
+    /// plans it again.
+    async fn unless_short<T>(&self, started: Result<T>) -> Result<Option<T>> {
+        let seen = self.env.grant.renewals();
+        match started {
+            Err(err) if self.short_of_margin(&err) => {
+                self.wait_for_renewal(seen).await.map(|()| None)
+            }
+            started => started.map(Some),
         }
     }
 
@@ -583,13 +601,10 @@ impl RunLoop {
                         self.wait_for_margin().await?;
                     }
                     let mv = self.planned_move(&planned);
-                    match self.env.store.apply(mv, planned.durability()).await {
-                        Ok(()) => self.after_planned(planned)?,
-                        Err(err) if self.short_of_margin(&err) => {
-                            self.wait_for_renewal().await?;
-                            Next::Continue
-                        }
-                        Err(err) => return Err(err),
+                    let applied = self.env.store.apply(mv, planned.durability()).await;
+                    match self.unless_short(applied).await? {
+                        Some(()) => self.after_planned(planned)?,
+                        None => Next::Continue,
                     }
                 }
                 Ok(None) => {
@@ -767,10 +782,9 @@ impl RunLoop {
                 let store = &self.env.store;
                 let (value, then) = store.apply_then(first, then, proceed, durability).await?;
                 let next = match then {
-                    // Planned again by the loop once a renewal gave the margin back.
-                    Some(Err(err)) if self.short_of_margin(&err) => {
-                        self.wait_for_renewal().await.map(|()| Next::Continue)
-                    }
+                    // Planned again by the loop, which waits for the margin first (after a
+                    // start's first move, the lease is renewed by then).
+                    Some(Err(err)) if self.short_of_margin(&err) => Ok(Next::Continue),
                     Some(then) => then.and_then(|()| self.after_planned(planned)),
                     None => Ok(Next::Continue),
                 };
@@ -974,11 +988,8 @@ impl RunLoop {
                     m.reconcile(grant, number, attempt, None, &Resolution::Redispatch)
                 })
                 .await;
-            match redispatch {
-                Err(err) if self.short_of_margin(&err) => {
-                    return self.wait_for_renewal().await.map(|()| Next::Continue);
-                }
-                other => other?,
+            if self.unless_short(redispatch).await?.is_none() {
+                return Ok(Next::Continue);
             }
             self.set_step(number, StepState::InFlight, attempt + 1, None);
             return Ok(Next::Continue);
@@ -1030,12 +1041,9 @@ impl RunLoop {
                 m.reconcile(grant, number, attempt, Some(&c), &r)
             })
             .await;
-        match reconciled {
-            // The hook is asked again once a renewal gave the margin back.
-            Err(err) if self.short_of_margin(&err) => {
-                return self.wait_for_renewal().await.map(|()| Next::Continue);
-            }
-            other => other?,
+        // The hook is asked again once a renewal gave the margin back.
+        if self.unless_short(reconciled).await?.is_none() {
+            return Ok(Next::Continue);
         }
         match resolution {
             Resolution::Applied(output) => {

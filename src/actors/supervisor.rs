@@ -94,8 +94,9 @@ impl Config {
     }
 
     /// How much of its lease a run must have left for a side effect (a tool call, a model
-    /// call) to start: a third of the TTL by default, which a lease renewed on time always
-    /// has. It must be shorter than the TTL.
+    /// call) to start: a third of the TTL by default, which a lease renewed on time has. At
+    /// most the TTL less a renewal period (two thirds of it); zero asks only that the lease
+    /// has not expired.
     ///
     /// The loop judges what is left by its own monotonic clock (the time its last successful
     /// renewal was sent, plus the TTL), and the write that starts the side effect checks it
@@ -126,14 +127,17 @@ impl Config {
         }
     }
 
-    /// The start margin in force: the one set, or a third of the TTL; refused unless shorter
-    /// than the TTL.
+    /// The start margin in force: the one set, or a third of the TTL; refused when more than
+    /// what a lease renewed on time has left at worst (the TTL less a renewal period), which a
+    /// loop could wait for forever.
     pub(crate) fn effective_margin(&self) -> Result<Duration> {
         let ttl = self.effective_ttl();
         let margin = self.start_margin.unwrap_or(ttl / 3);
-        if margin >= ttl {
+        let most = ttl - LeaseKeeper::period(ttl);
+        if margin > most {
             return Err(Error::InvalidInput(format!(
-                "the start margin ({margin:?}) must be shorter than the lease TTL ({ttl:?})"
+                "the start margin ({margin:?}) must leave a renewal period of the lease TTL \
+                 ({ttl:?}): it can be {most:?} at most"
             )));
         }
         Ok(margin)

@@ -139,10 +139,12 @@ impl Holder {
 /// and the deadline the loop judges the lease by.
 ///
 /// The deadline is on the monotonic clock: the time its last successful write (the
-/// acquisition, then each renewal) was sent, plus the TTL. The lease in the database expires
-/// no earlier, since its expiry is read from the wall clock after that time; so a loop that
-/// finds the margin left by this deadline has it by the database's too, whatever the wall
-/// clock does meanwhile.
+/// acquisition, then each renewal) was sent, plus the TTL. The stored expiry was read from the
+/// wall clock after that time, so the deadline comes no later than it by the elapsed time; a
+/// wall clock stepped back cannot make the loop believe it has time it has not. A wall clock
+/// stepped forward, or a host suspended (the monotonic clock stands still while the wall
+/// clock does not), makes the stored lease end first: the writes that start a side effect
+/// check the stored expiry too, and the fencing token covers the rest.
 #[derive(Debug, Clone)]
 pub(crate) struct Grant {
     pub holder: Holder,
@@ -155,6 +157,8 @@ struct Granted {
     token: AtomicU64,
     /// Nanoseconds after `base`; 0 before the acquisition.
     deadline: AtomicU64,
+    /// Acquisitions and renewals so far: a waiter that read it before its check misses none.
+    renewals: AtomicU64,
     renewed: tokio::sync::Notify,
 }
 
@@ -167,6 +171,7 @@ impl Grant {
                 base: Instant::now(),
                 token: AtomicU64::new(0),
                 deadline: AtomicU64::new(0),
+                renewals: AtomicU64::new(0),
                 renewed: tokio::sync::Notify::new(),
             }),
         }
@@ -181,6 +186,7 @@ impl Grant {
         self.shared.token.store(token, Ordering::SeqCst);
         let deadline = self.nanos(sent + self.holder.ttl).max(1);
         self.shared.deadline.store(deadline, Ordering::SeqCst);
+        self.shared.renewals.fetch_add(1, Ordering::SeqCst);
         self.shared.renewed.notify_waiters();
     }
 
@@ -188,7 +194,19 @@ impl Grant {
     pub(crate) fn renewed(&self, sent: Instant) {
         let deadline = self.nanos(sent + self.holder.ttl);
         self.shared.deadline.fetch_max(deadline, Ordering::SeqCst);
+        self.shared.renewals.fetch_add(1, Ordering::SeqCst);
         self.shared.renewed.notify_waiters();
+    }
+
+    /// How many acquisitions and renewals the grant has seen: read before a check, it tells
+    /// [`renewed_since`](Self::renewed_since) whether one came after.
+    pub(crate) fn renewals(&self) -> u64 {
+        self.shared.renewals.load(Ordering::SeqCst)
+    }
+
+    /// Whether a renewal (or the acquisition) came since `renewals` was read.
+    pub(crate) fn renewed_since(&self, renewals: u64) -> bool {
+        self.renewals() != renewals
     }
 
     /// The fencing token of the acquisition (0 before it).
@@ -202,9 +220,10 @@ impl Grant {
         (self.shared.base + deadline).saturating_duration_since(Instant::now())
     }
 
-    /// Whether a side effect may start now: at least the margin is left.
+    /// Whether a side effect may start now: more than the margin is left (so an expired
+    /// lease never has it, whatever the margin).
     pub(crate) fn has_margin(&self) -> bool {
-        self.remaining() >= self.holder.margin
+        self.remaining() > self.holder.margin
     }
 
     /// Completes at the next acquisition or renewal after the call.

@@ -69,19 +69,20 @@ use crate::{
 /// [`Config::clock`]: crate::Config::clock
 #[derive(Debug)]
 #[must_use = "the shift ends when the guard is dropped"]
-pub struct WallClockShift(());
+pub struct WallClockShift(i64);
 
 impl WallClockShift {
-    /// Moves the wall clock forward by `millis` milliseconds (back, for a negative number).
+    /// Moves the wall clock forward by `millis` milliseconds (back, for a negative number),
+    /// on top of any other shift in force.
     pub fn by(millis: i64) -> Self {
-        crate::clock::WALL_SHIFT.store(millis, Ordering::SeqCst);
-        WallClockShift(())
+        crate::clock::WALL_SHIFT.fetch_add(millis, Ordering::SeqCst);
+        WallClockShift(millis)
     }
 }
 
 impl Drop for WallClockShift {
     fn drop(&mut self) {
-        crate::clock::WALL_SHIFT.store(0, Ordering::SeqCst);
+        crate::clock::WALL_SHIFT.fetch_sub(self.0, Ordering::SeqCst);
     }
 }
 

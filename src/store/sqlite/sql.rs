@@ -552,7 +552,8 @@ impl LeaseWrites for Sql<'_> {
         wall: i64,
         expires_at: i64,
     ) -> Result<Vec<RunId>> {
-        // Pairs of id and token: the vector IN builds one index of them for the statement.
+        // A row-value IN over the JSON pairs of id and token: SQLite builds one ephemeral index
+        // of them per statement, and finds each run by its key.
         let ids = serde_json::to_string(held).expect("ids serialize");
         self.0
             .prepare_cached(

@@ -749,7 +749,19 @@ impl Count {
             Class::IdempotentRetry => &mut self.idempotent_retries,
             Class::NotAppliedRetry => &mut self.not_applied_retries,
             Class::Zombie => match x.fence {
-                None => &mut self.zombies_unfenced,
+                None => {
+                    // The effects no runtime can take back: shown, not only counted.
+                    eprintln!(
+                        "zombie: {} {} attempt {} (pid {}, token {}) acted at {} µs",
+                        x.key,
+                        x.tool,
+                        x.attempt,
+                        x.pid,
+                        x.token,
+                        x.at_us.unwrap_or_default()
+                    );
+                    &mut self.zombies_unfenced
+                }
                 Some(Fence::Refused) => &mut self.zombies_fenced_refused,
                 Some(Fence::Applied) => &mut self.zombies_fenced_applied,
             },

@@ -112,6 +112,11 @@ fn fences_path(dir: &Path) -> PathBuf {
     dir.join("fences.sqlite")
 }
 
+/// What the parent did to which worker and when (wall-clock ms), to read beside the events.
+fn disturbances_path(dir: &Path) -> PathBuf {
+    dir.join("disturbances.log")
+}
+
 fn now_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -484,10 +489,20 @@ fn parent(args: &Args, dir: &Path) -> bool {
     let gap = || Duration::from_millis(rand::random_range(300..2500));
     let (mut kills, mut stops) = (0, 0);
     let mut next = Instant::now() + gap();
+    let mut disturbances = File::create(disturbances_path(dir)).expect("the disturbances log");
+    let mut note = |what: &str, index: usize, child: &Child| {
+        let line = format!(
+            "{} {what} worker-{index} pid {}\n",
+            now_us() / 1000,
+            child.id()
+        );
+        let _ = disturbances.write_all(line.as_bytes());
+    };
     loop {
         let now = Instant::now();
-        for worker in &mut workers {
+        for (index, worker) in workers.iter_mut().enumerate() {
             if worker.stopped_until.is_some_and(|at| at <= now) {
+                note("CONT", index, &worker.child);
                 signal(&worker.child, "CONT");
                 worker.stopped_until = None;
             }
@@ -504,11 +519,13 @@ fn parent(args: &Args, dir: &Path) -> bool {
                 let victim = running[rand::random_range(0..running.len())];
                 let worker = &mut workers[victim];
                 if mode == Mode::Stop && rand::random_bool(0.7) {
+                    note("STOP", victim, &worker.child);
                     signal(&worker.child, "STOP");
                     stops += 1;
                     let ttls = rand::random_range(1.0..=6.0);
                     worker.stopped_until = Some(now + mode.ttl().mul_f64(ttls));
                 } else {
+                    note("KILL", victim, &worker.child);
                     worker.child.kill().expect("SIGKILL"); // Child::kill is SIGKILL on Unix
                     worker.child.wait().expect("reaped");
                     kills += 1;

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::types::{Message, ModelResponse, RunId, ToolCall};
+use crate::types::{FencingToken, Message, ModelResponse, RunId, ToolCall};
 
 /// The default for [`Agent::max_steps`].
 pub const DEFAULT_MAX_STEPS: u32 = 64;
@@ -93,41 +93,6 @@ impl Cancellation {
     /// Completes when fired.
     pub async fn cancelled(&self) {
         self.0.cancelled().await
-    }
-}
-
-/// The fencing token of a run's lease: incremented by every acquisition of the lease (a
-/// start, a resume, a takeover), so a later owner's token is always higher than an earlier
-/// one's. JSON: the number.
-///
-/// A lease cannot stop a process that stalls between its last check and its action (a long
-/// pause, a stopped VM): by the time it acts, another process may have taken the run over and
-/// run the call again. A system that a tool writes to closes that gap if it remembers, for each
-/// idempotency key, the highest token it has seen, and refuses a request carrying a lower
-/// one; the reconcile hook's query counts as seeing its token, so an owner that asked "did it
-/// take effect?" fences off every owner before it. The testkit's `FencedResource` (feature
-/// `testkit`) is such a system, for tests.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
-#[serde(transparent)]
-pub struct FencingToken(u64);
-
-impl FencingToken {
-    /// The token numbered `value`.
-    pub const fn new(value: u64) -> Self {
-        FencingToken(value)
-    }
-
-    /// Its number.
-    pub const fn get(self) -> u64 {
-        self.0
-    }
-}
-
-impl fmt::Display for FencingToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.fmt(f)
     }
 }
 

@@ -29,8 +29,8 @@ pub use actors::{
     },
 };
 pub use agent::{
-    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, FencingToken, Model, ModelError,
-    ModelRequest, Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest,
+    Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
 };
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
@@ -43,6 +43,6 @@ pub use store::{
 #[allow(deprecated)]
 pub use types::RunOutcome;
 pub use types::{
-    Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
-    Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
+    Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
+    ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
 };

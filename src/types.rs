@@ -521,12 +521,48 @@ impl Approval {
     }
 }
 
-/// A run's lease as stored: who executes it, and until when.
+/// The fencing token of a run's lease: incremented by every acquisition of the lease (a
+/// start, a resume, a takeover), so a later owner's token is always higher than an earlier
+/// one's. JSON: the number.
+///
+/// A lease cannot stop a process that stalls between its last check and its action (a long
+/// pause, a stopped VM): by the time it acts, another process may have taken the run over and
+/// run the call again. A system that a tool writes to closes that gap if it remembers, for each
+/// idempotency key, the highest token it has seen, and refuses a request carrying a lower
+/// one; the reconcile hook's query counts as seeing its token, so an owner that asked "did it
+/// take effect?" fences off every owner before it. The testkit's `FencedResource` (feature
+/// `testkit`) is such a system, for tests.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct FencingToken(u64);
+
+impl FencingToken {
+    /// The token numbered `value`.
+    pub const fn new(value: u64) -> Self {
+        FencingToken(value)
+    }
+
+    /// Its number.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A run's lease as stored: who executes it, until when, and the fencing token its
+/// acquisition took.
 ///
 /// JSON (`expires_at` in wall-clock milliseconds since the Unix epoch):
 ///
 /// ```json
-/// {"owner": "worker-1/3f2a", "expires_at": 1700000030000}
+/// {"owner": "worker-1/3f2a", "expires_at": 1700000030000, "fencing_token": 2}
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Lease {
@@ -536,6 +572,10 @@ pub struct Lease {
     /// stale lease: its holder died or stalled, and a resume takes the run over.
     #[serde(with = "millis")]
     pub expires_at: SystemTime,
+    /// The fencing token of the lease's acquisition: a takeover's is higher than that of the
+    /// lease it took over. 0 in JSON that has none (written before tokens existed).
+    #[serde(default)]
+    pub fencing_token: FencingToken,
 }
 
 /// Why a supervisor lost the lease of a run it was executing.

@@ -542,7 +542,9 @@ fn following_tells_once_that_nobody_holds_the_lease_and_who_takes_the_run_over()
         "{stderr}"
     );
     assert!(
-        stderr.contains(&format!("run crashed: taken over by {owner}\n")),
+        stderr.contains(&format!(
+            "run crashed: taken over by {owner} (fencing token 2)\n"
+        )),
         "{stderr}"
     );
     assert_eq!(stderr.matches("taken over by").count(), 1, "{stderr}");

@@ -4,8 +4,8 @@
 use std::time::{Duration, SystemTime};
 
 use agentrt::{
-    Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, Message, ModelResponse,
-    Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
+    Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
+    ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
@@ -85,8 +85,12 @@ fn a_time_before_the_epoch_is_negative() {
     let lease = Lease {
         owner: "w".into(),
         expires_at: SystemTime::UNIX_EPOCH - Duration::from_millis(1_500),
+        fencing_token: FencingToken::new(1),
     };
-    pins(&lease, r#"{"owner":"w","expires_at":-1500}"#);
+    pins(
+        &lease,
+        r#"{"owner":"w","expires_at":-1500,"fencing_token":1}"#,
+    );
 }
 
 #[test]
@@ -119,11 +123,16 @@ fn a_lease_names_its_owner_and_expiry() {
     let lease = Lease {
         owner: "worker-1/3f2a".into(),
         expires_at: at(1_700_000_030_000),
+        fencing_token: FencingToken::new(2),
     };
     pins(
         &lease,
-        r#"{"owner":"worker-1/3f2a","expires_at":1700000030000}"#,
+        r#"{"owner":"worker-1/3f2a","expires_at":1700000030000,"fencing_token":2}"#,
     );
+    // A lease written before tokens existed reads as token 0.
+    let old: Lease =
+        serde_json::from_str(r#"{"owner":"worker-1/3f2a","expires_at":1700000030000}"#).unwrap();
+    assert_eq!(old.fencing_token, FencingToken::new(0));
 }
 
 #[test]

@@ -23,9 +23,7 @@ use super::{
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
-    agent::{
-        Agent, Cancellation, Decision, FencingToken, ModelRequest, Reconciliation, ToolContext,
-    },
+    agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
     store::{
         backend::{Durability, MoveKind},
@@ -36,8 +34,8 @@ use crate::{
         moves::{self, Move},
     },
     types::{
-        ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
-        PendingCall, RunId, RunReply, RunState, ToolCall, ToolResult,
+        ApprovalReason, FencingToken, LeaseLostReason, Message as ChatMessage, ModelResponse,
+        Outcome, PendingCall, RunId, RunReply, RunState, ToolCall, ToolResult,
     },
 };
 

@@ -12,7 +12,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt::{Approval, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
+use agentrt::{Approval, FencingToken, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets};
 use serde::Serialize;
@@ -471,12 +471,18 @@ fn describe_lease(lease: &Option<Lease>) -> String {
         None => "none".into(),
         Some(lease) if lease.expires_at <= SystemTime::now() => {
             format!(
-                "{} (expired at {}: stale, a resume takes it over)",
+                "{} (expired at {}: stale, a resume takes it over; fencing token {})",
                 lease.owner,
-                time(lease.expires_at)
+                time(lease.expires_at),
+                lease.fencing_token
             )
         }
-        Some(lease) => format!("{} until {}", lease.owner, time(lease.expires_at)),
+        Some(lease) => format!(
+            "{} until {} (fencing token {})",
+            lease.owner,
+            time(lease.expires_at),
+            lease.fencing_token
+        ),
     }
 }
 
@@ -543,8 +549,8 @@ fn events(store: &Store, run_id: &RunId, after: u64, follow: bool, json: bool) -
 enum Holder {
     /// Not running (waiting for an approval needs no executor), or not looked at yet.
     Unknown,
-    /// Leased by this owner, the lease live.
-    Held(String),
+    /// Leased by this owner under this fencing token, the lease live.
+    Held(String, FencingToken),
     /// Running, and nobody holds it: its lease expired, or it was left unleased.
     Abandoned,
 }
@@ -558,7 +564,7 @@ impl Holder {
         let lease = store.lease(&run.id)?;
         let now = match &lease {
             Some(lease) if lease.expires_at > SystemTime::now() => {
-                Holder::Held(lease.owner.clone())
+                Holder::Held(lease.owner.clone(), lease.fencing_token)
             }
             _ => Holder::Abandoned,
         };
@@ -576,11 +582,18 @@ impl Holder {
                  (the call executing it returned); a resume takes it over",
                 run.id
             ),
-            (Holder::Abandoned, Holder::Held(owner), _) => {
-                eprintln!("agentrt: run {}: taken over by {owner}", run.id)
+            // A new token is a new acquisition, whatever the owner's name.
+            (Holder::Abandoned, Holder::Held(owner, token), _) => {
+                eprintln!(
+                    "agentrt: run {}: taken over by {owner} (fencing token {token})",
+                    run.id
+                )
             }
-            (Holder::Held(before), Holder::Held(owner), _) if before != owner => {
-                eprintln!("agentrt: run {}: taken over by {owner}", run.id)
+            (Holder::Held(_, before), Holder::Held(owner, token), _) if before != token => {
+                eprintln!(
+                    "agentrt: run {}: taken over by {owner} (fencing token {token})",
+                    run.id
+                )
             }
             _ => {}
         }

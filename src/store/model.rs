@@ -265,6 +265,7 @@ impl LeaseRow {
             (Some(owner), Some(expires_at)) => Some(Lease {
                 owner: owner.clone(),
                 expires_at: from_millis(expires_at),
+                fencing_token: crate::types::FencingToken::new(self.epoch),
             }),
             _ => None,
         }

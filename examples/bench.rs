@@ -60,6 +60,22 @@ struct Args {
     /// Runs the child of workload f on this database (used by the parent process).
     #[arg(long, hide = true)]
     child: Option<std::path::PathBuf>,
+    /// Fresh-process mode: N processes for each of workloads a and b (or those `--only`
+    /// names), each started anew on a new database: its first run, then warm runs.
+    #[arg(long, num_args = 0..=1, default_missing_value = "7")]
+    fresh: Option<usize>,
+    /// Steps of the single run of the fresh mode's workload a.
+    #[arg(long, default_value_t = 500)]
+    fresh_steps: u32,
+    /// Concurrent runs of the fresh mode's workload b (of `--run-steps` steps each).
+    #[arg(long, default_value_t = 50)]
+    fresh_runs: usize,
+    /// Warm measurements after the first in each fresh process (their median is reported).
+    #[arg(long, default_value_t = 3)]
+    warm: usize,
+    /// One process of the fresh mode, measuring this workload (used by the parent process).
+    #[arg(long, hide = true)]
+    fresh_child: Option<String>,
 }
 
 /// Asks for the no-op tool `steps` times, then answers: one step is one model call and one
@@ -840,6 +856,14 @@ fn main() {
         takeover_child(path);
         return;
     }
+    if let Some(workload) = &args.fresh_child {
+        fresh_child(&args, workload);
+        return;
+    }
+    if let Some(processes) = args.fresh {
+        fresh(&args, processes);
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let wants = |name: &str| args.only.is_empty() || args.only.iter().any(|only| only == name);
     if wants("a") {
@@ -866,35 +890,9 @@ fn main() {
 /// SQLite at all: `pages` 4 KiB writes rewriting a preallocated file in place, then one
 /// `fdatasync`, as a commit to a log that has started over does. Median and deciles.
 fn workload_disk(dir: &Path) {
-    use std::os::unix::fs::FileExt;
-    const SPAN: u64 = 64 << 20;
-    let path = dir.join("disk.bin");
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .unwrap();
-    let page = [0x5au8; 4096];
-    // Allocated and on disk first, so that every sync below rewrites blocks in place.
-    for offset in (0..SPAN).step_by(1 << 20) {
-        file.write_all_at(&[0u8; 1 << 20], offset).unwrap();
-    }
-    file.sync_all().unwrap();
-    let mut offset = 0;
+    let mut disk = Disk::new(dir, 64 << 20);
     for pages in [1u64, 6, 12, 24] {
-        let mut micros: Vec<f64> = (0..1500)
-            .map(|_| {
-                let started = Instant::now();
-                for _ in 0..pages {
-                    file.write_all_at(&page, offset).unwrap();
-                    offset = (offset + 4096) % SPAN;
-                }
-                file.sync_data().unwrap();
-                started.elapsed().as_secs_f64() * 1e6
-            })
-            .collect();
+        let mut micros = disk.write_sync_us(pages, 1500);
         micros.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let at = |q: f64| micros[((micros.len() - 1) as f64 * q) as usize];
         println!(
@@ -902,5 +900,274 @@ fn workload_disk(dir: &Path) {
             json!({ "bench": "disk_write_sync", "pages": pages, "p10_us": at(0.1), "p50_us": at(0.5), "p90_us": at(0.9) })
         );
     }
+}
+
+/// A file for timing writes and their `fdatasync`, with no SQLite; removed when dropped.
+struct Disk {
+    path: std::path::PathBuf,
+    file: std::fs::File,
+    span: u64,
+    offset: u64,
+}
+
+impl Disk {
+    /// A file of `span` bytes, allocated and on disk first, so that every sync rewrites
+    /// blocks in place.
+    fn new(dir: &Path, span: u64) -> Self {
+        use std::os::unix::fs::FileExt;
+        let path = dir.join(format!("disk-{}.bin", rand::random::<u32>()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        for offset in (0..span).step_by(1 << 20) {
+            file.write_all_at(&vec![0u8; (span - offset).min(1 << 20) as usize], offset)
+                .unwrap();
+        }
+        file.sync_all().unwrap();
+        Disk {
+            path,
+            file,
+            span,
+            offset: 0,
+        }
+    }
+
+    /// `count` times: `pages` 4 KiB pages written in place, then one `fdatasync`; each time's
+    /// microseconds.
+    fn write_sync_us(&mut self, pages: u64, count: usize) -> Vec<f64> {
+        self.write_then_us(pages, count, std::fs::File::sync_data)
+    }
+
+    /// The same with `fsync`, which SQLite calls (as built by `libsqlite3-sys`, without
+    /// `HAVE_FDATASYNC`): it also writes the file's changed times, an inode update each time.
+    fn write_fsync_us(&mut self, pages: u64, count: usize) -> Vec<f64> {
+        self.write_then_us(pages, count, std::fs::File::sync_all)
+    }
+
+    fn write_then_us(
+        &mut self,
+        pages: u64,
+        count: usize,
+        sync: fn(&std::fs::File) -> std::io::Result<()>,
+    ) -> Vec<f64> {
+        use std::os::unix::fs::FileExt;
+        let page = [0x5au8; 4096];
+        (0..count)
+            .map(|_| {
+                let started = Instant::now();
+                for _ in 0..pages {
+                    self.file.write_all_at(&page, self.offset).unwrap();
+                    self.offset = (self.offset + 4096) % self.span;
+                }
+                sync(&self.file).unwrap();
+                started.elapsed().as_secs_f64() * 1e6
+            })
+            .collect()
+    }
+}
+
+impl Drop for Disk {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// `count` times: `pages` 4 KiB pages appended to a new file, then one `fdatasync`, as a
+/// commit to a log that is still growing does (each sync also writes the file's new size);
+/// each time's microseconds.
+fn append_sync_us(dir: &Path, pages: u64, count: usize) -> Vec<f64> {
+    use std::io::Write;
+    let path = dir.join(format!("append-{}.bin", rand::random::<u32>()));
+    let mut file = std::fs::File::create(&path).unwrap();
+    let chunk = vec![0x5au8; 4096 * pages as usize];
+    let micros = (0..count)
+        .map(|_| {
+            let started = Instant::now();
+            file.write_all(&chunk).unwrap();
+            file.sync_data().unwrap();
+            started.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    drop(file);
     let _ = std::fs::remove_file(&path);
+    micros
+}
+
+/// The pages one step of workload a writes to the log at FULL, all in the step's one sync:
+/// the two commits' frames (the outcome and reservation, then the answer, decision and
+/// start), counted from the log's writes under `strace` (see docs/performance.md).
+const STEP_PAGES: u64 = 10;
+
+/// The fresh mode: `processes` processes for each workload, each this binary started again
+/// on a new database in a new directory; prints each process's line, then the medians and
+/// ranges over the processes.
+fn fresh(args: &Args, processes: usize) {
+    let workloads: Vec<&str> = ["a", "b"]
+        .into_iter()
+        .filter(|w| args.only.is_empty() || args.only.iter().any(|only| only == w))
+        .collect();
+    let mut lines: HashMap<&str, Vec<Value>> = HashMap::new();
+    for process in 0..processes {
+        for &workload in &workloads {
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--fresh-child", workload])
+                .args(["--fresh-steps", &args.fresh_steps.to_string()])
+                .args(["--fresh-runs", &args.fresh_runs.to_string()])
+                .args(["--run-steps", &args.run_steps.to_string()])
+                .args(["--warm", &args.warm.to_string()])
+                .stderr(std::process::Stdio::inherit())
+                .output()
+                .unwrap();
+            assert!(output.status.success(), "the fresh child failed");
+            let mut line: Value = String::from_utf8(output.stdout)
+                .unwrap()
+                .lines()
+                .find_map(|line| serde_json::from_str(line).ok())
+                .expect("the fresh child's line");
+            line["process"] = json!(process);
+            println!("{line}");
+            lines.entry(workload).or_default().push(line);
+        }
+    }
+    for workload in workloads {
+        let lines = &lines[workload];
+        let spread = |field: &str| {
+            let mut values: Vec<f64> = lines.iter().filter_map(|l| l[field].as_f64()).collect();
+            let (min, max) = (
+                values.iter().cloned().fold(f64::MAX, f64::min),
+                values.iter().cloned().fold(f64::MIN, f64::max),
+            );
+            json!({ "median": median(&mut values), "min": min, "max": max })
+        };
+        let figures = json!({
+            "processes": lines.len(),
+            "runs": lines[0]["runs"], "steps_per_run": lines[0]["steps_per_run"],
+            "first_steps_per_s": spread("first_steps_per_s"),
+            "warm_steps_per_s": spread("warm_steps_per_s"),
+            "sync_p50_us": spread("sync_p50_us"),
+            "fsync_p50_us": spread("fsync_p50_us"),
+            "append_sync_p50_us": spread("append_sync_p50_us"),
+            "ratio_first_to_fsync_limit": spread("ratio_first_to_fsync_limit"),
+            "limit_steps_per_s": spread("limit_steps_per_s"),
+            "ratio_first_to_limit": spread("ratio_first_to_limit"),
+            "ratio_warm_to_limit": spread("ratio_warm_to_limit"),
+            "ratio_first_to_warm": spread("ratio_first_to_warm"),
+            "open_ms": spread("open_ms"),
+            "peak_rss_kib": spread("peak_rss_kib"),
+        });
+        let mut line = json!({ "summary": format!("fresh_{workload}") });
+        line.as_object_mut()
+            .unwrap()
+            .extend(figures.as_object().unwrap().clone());
+        println!("{line}");
+    }
+}
+
+/// The size of a file, 0 when it does not exist.
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}
+
+/// One process of the fresh mode, on a new database in a new directory: the disk's
+/// write-and-sync time for a step's pages, then the workload (a: one run; b: concurrent runs
+/// with group commit) at FULL as this process's first run, then `--warm` times again on the
+/// same database and supervisor. Prints one JSON line.
+fn fresh_child(args: &Args, workload: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (runs, steps) = match workload {
+        "a" => (1, args.fresh_steps),
+        "b" => (args.fresh_runs, args.run_steps),
+        other => panic!("no fresh workload {other}"),
+    };
+    // The disk first, in a small file (a large one would leave writeback behind it).
+    let mut disk = Disk::new(dir.path(), 8 << 20);
+    let mut sync_us = disk.write_sync_us(STEP_PAGES, 500);
+    let mut fsync_us = disk.write_fsync_us(STEP_PAGES, 500);
+    drop(disk);
+    let mut append_us = append_sync_us(dir.path(), STEP_PAGES, 500);
+    let (sync_p50, fsync_p50, append_p50) = (
+        median(&mut sync_us),
+        median(&mut fsync_us),
+        median(&mut append_us),
+    );
+
+    let path = dir.path().join("fresh.db");
+    let wal = dir.path().join("fresh.db-wal");
+    let opened = Instant::now();
+    let store = options(Synchronous::Full).open(&path).unwrap();
+    let open_ms = opened.elapsed().as_secs_f64() * 1000.0;
+    let commits = Commits::default();
+    let config = Config::default().observer(commits.clone());
+    let model = LoopModel::new(steps);
+    let agent = Agent::new(model.clone()).tool(Noop).max_steps(u32::MAX);
+    let rounds: Vec<Value> = actix::System::new().block_on(async move {
+        let started = Instant::now();
+        let sup = bench_supervisor(store, config, agent);
+        let supervisor_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let mut rounds = Vec::new();
+        for round in 0..=args.warm {
+            // A marker for syscall traces (scripts/fresh-trace.sh): nothing else calls getppid.
+            let _ = (round, std::os::unix::process::parent_id());
+            commits.transactions.store(0, Ordering::SeqCst);
+            model.latencies.lock().unwrap().clear();
+            let wal_before = file_len(&wal);
+            let started = Instant::now();
+            let calls: Vec<_> = (0..runs)
+                .map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({})))))
+                .collect();
+            for call in calls {
+                let reply = call.await.unwrap().unwrap().unwrap();
+                assert!(matches!(reply.outcome, Outcome::Succeeded { .. }));
+            }
+            let elapsed = started.elapsed();
+            let mut latencies: Vec<f64> = model
+                .latencies
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_secs_f64() * 1e6)
+                .collect();
+            let first_steps_us: Vec<f64> = latencies.iter().take(5).cloned().collect();
+            rounds.push(json!({
+                "steps_per_s": (runs * steps as usize) as f64 / elapsed.as_secs_f64(),
+                "commits_per_step": commits.per_step(runs * steps as usize).0,
+                "wal_bytes_before": wal_before, "wal_bytes_after": file_len(&wal),
+                "step_p50_us": median(&mut latencies), "first_steps_us": first_steps_us,
+                "supervisor_ms": supervisor_ms,
+            }));
+        }
+        rounds
+    });
+    let first = &rounds[0];
+    let first_steps_per_s = first["steps_per_s"].as_f64().unwrap();
+    let mut warm: Vec<f64> = rounds[1..]
+        .iter()
+        .map(|r| r["steps_per_s"].as_f64().unwrap())
+        .collect();
+    let warm_steps_per_s = if warm.is_empty() {
+        f64::NAN
+    } else {
+        median(&mut warm)
+    };
+    let limit = 1e6 / sync_p50;
+    println!(
+        "{}",
+        json!({ "bench": format!("fresh_{workload}"), "sync": "Full", "runs": runs, "steps_per_run": steps,
+                "first_steps_per_s": first_steps_per_s, "warm_steps_per_s": warm_steps_per_s, "warm_rounds": args.warm,
+                "sync_pages": STEP_PAGES, "sync_p50_us": sync_p50, "fsync_p50_us": fsync_p50, "append_sync_p50_us": append_p50,
+                "fsync_limit_steps_per_s": 1e6 / fsync_p50, "ratio_first_to_fsync_limit": first_steps_per_s * fsync_p50 / 1e6,
+                "limit_steps_per_s": limit, "ratio_first_to_limit": first_steps_per_s / limit,
+                "ratio_warm_to_limit": warm_steps_per_s / limit, "ratio_first_to_warm": first_steps_per_s / warm_steps_per_s,
+                "open_ms": open_ms, "supervisor_ms": first["supervisor_ms"],
+                "first_commits_per_step": first["commits_per_step"], "first_step_p50_us": first["step_p50_us"],
+                "first_run_first_steps_us": first["first_steps_us"],
+                "first_wal_bytes": [first["wal_bytes_before"], first["wal_bytes_after"]],
+                "warm_step_p50_us": rounds.get(1).map(|r| r["step_p50_us"].clone()),
+                "warm_wal_bytes": rounds[1..].iter().map(|r| json!([r["wal_bytes_before"], r["wal_bytes_after"]])).collect::<Vec<_>>(),
+                "peak_rss_kib": peak_rss_kib() })
+    );
 }

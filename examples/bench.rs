@@ -44,8 +44,8 @@ struct Args {
     /// dropped (`UNIQUE (run_id, call_id)` on steps), created again on one side.
     #[arg(long, hide = true)]
     call_id_index_ab: bool,
-    /// Only these workloads (a, b, c, e, f, and disk, which runs only when named); a to f
-    /// when empty.
+    /// Only these workloads (a, b, c, e, f; and disk and growth, which run only when named); a
+    /// to f when empty.
     #[arg(long)]
     only: Vec<String>,
     /// Only this durability setting for workloads a and b (full, normal); both when absent.
@@ -883,6 +883,66 @@ fn main() {
     }
     if args.only.iter().any(|only| only == "disk") {
         workload_disk(dir.path());
+    }
+    if args.only.iter().any(|only| only == "growth") {
+        workload_growth(&args, dir.path());
+    }
+}
+
+/// growth (only when asked for): `--rounds` rounds in a row of `--runs` concurrent runs of
+/// `--run-steps` steps, at FULL with group commit, on one database and one supervisor: whether
+/// a store slows down as it grows. One line per round (steps/s, step latency p50 and p99, the
+/// sizes of the database and its log after it), then the last round's steps/s over the first's.
+fn workload_growth(args: &Args, dir: &Path) {
+    let path = dir.join("growth.db");
+    let store = options(Synchronous::Full).open(&path).unwrap();
+    let model = LoopModel::new(args.run_steps);
+    let agent = Agent::new(model.clone())
+        .tool(Noop)
+        .max_steps(2 * args.run_steps + 2);
+    let (runs, steps, rounds) = (args.runs, args.run_steps, args.rounds);
+    let size = |suffix: &str| {
+        let mut name = path.clone().into_os_string();
+        name.push(suffix);
+        std::fs::metadata(name).map(|m| m.len()).unwrap_or(0)
+    };
+    let figures = actix::System::new().block_on(async move {
+        let sup = bench_supervisor(store, Config::default(), agent);
+        let mut figures = Vec::new();
+        for round in 0..rounds {
+            model.latencies.lock().unwrap().clear();
+            let started = Instant::now();
+            let calls: Vec<_> = (0..runs)
+                .map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({})))))
+                .collect();
+            for call in calls {
+                call.await.unwrap().unwrap().unwrap();
+            }
+            let steps_per_s = runs as f64 * steps as f64 / started.elapsed().as_secs_f64();
+            let mut latencies: Vec<f64> = model
+                .latencies
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_secs_f64() * 1000.0)
+                .collect();
+            latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
+            println!(
+                "{}",
+                json!({ "bench": "growth", "round": round, "runs": runs, "steps_per_run": steps,
+                        "steps_per_s": steps_per_s, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+                        "db_bytes": size(""), "wal_bytes": size("-wal") })
+            );
+            figures.push(steps_per_s);
+        }
+        figures
+    });
+    if let (Some(first), Some(last)) = (figures.first(), figures.last()) {
+        println!(
+            "{}",
+            json!({ "summary": "growth_last_vs_first", "rounds": rounds, "ratio": last / first })
+        );
     }
 }
 

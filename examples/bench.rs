@@ -95,6 +95,18 @@ impl LoopModel {
             latencies: Arc::default(),
         }
     }
+
+    /// The step latency (in ms) at percentiles `p50` and `p99` of the steps so far, and
+    /// forgets them.
+    fn take_p50_p99(&self) -> (f64, f64) {
+        let mut latencies: Vec<f64> = std::mem::take(&mut *self.latencies.lock().unwrap())
+            .iter()
+            .map(|d| d.as_secs_f64() * 1000.0)
+            .collect();
+        latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
+        (pct(0.5), pct(0.99))
+    }
 }
 
 #[async_trait(?Send)]
@@ -615,20 +627,8 @@ fn concurrent(
         started.elapsed()
     });
     let _ = std::fs::remove_file(&path);
-    let mut latencies: Vec<f64> = model
-        .latencies
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_secs_f64() * 1000.0)
-        .collect();
-    latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
-    (
-        runs as f64 * steps as f64 / elapsed.as_secs_f64(),
-        pct(0.5),
-        pct(0.99),
-    )
+    let (p50, p99) = model.take_p50_p99();
+    (runs as f64 * steps as f64 / elapsed.as_secs_f64(), p50, p99)
 }
 
 /// b: many concurrent runs of 20 steps on one supervisor, group commit on against off.
@@ -910,7 +910,6 @@ fn workload_growth(args: &Args, dir: &Path) {
         let sup = bench_supervisor(store, Config::default(), agent);
         let mut figures = Vec::new();
         for round in 0..rounds {
-            model.latencies.lock().unwrap().clear();
             let started = Instant::now();
             let calls: Vec<_> = (0..runs)
                 .map(|_| actix_rt::spawn(sup.send(StartRun::new("bench", json!({})))))
@@ -919,19 +918,11 @@ fn workload_growth(args: &Args, dir: &Path) {
                 call.await.unwrap().unwrap().unwrap();
             }
             let steps_per_s = runs as f64 * steps as f64 / started.elapsed().as_secs_f64();
-            let mut latencies: Vec<f64> = model
-                .latencies
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_secs_f64() * 1000.0)
-                .collect();
-            latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
+            let (p50, p99) = model.take_p50_p99();
             println!(
                 "{}",
                 json!({ "bench": "growth", "round": round, "runs": runs, "steps_per_run": steps,
-                        "steps_per_s": steps_per_s, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+                        "steps_per_s": steps_per_s, "p50_ms": p50, "p99_ms": p99,
                         "db_bytes": size(""), "wal_bytes": size("-wal") })
             );
             figures.push(steps_per_s);

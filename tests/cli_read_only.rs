@@ -11,11 +11,11 @@ use std::{
     pin::pin,
     process::{Child, Stdio},
     sync::{Arc, Mutex},
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use agentrt::{
-    Agent, Config, ModelResponse, ResumeRun, RunId, StartRun, Store, Supervisor, ToolCall,
+    Agent, ModelResponse, ResumeRun, RunId, Store, Supervisor,
     testkit::{Behaviour, RecordingTool, ScriptedModel, database_at_schema, with_system},
 };
 use assert_cmd::Command;
@@ -36,7 +36,7 @@ fn helper() {
     let path = PathBuf::from(std::env::var(HELPER_DB).unwrap());
     let _open = match what.as_str() {
         "seed" => {
-            seed(&path);
+            cli_seed::seed(&path);
             None
         }
         // A commit left in the log: the store's writer never checkpoints by itself.
@@ -65,59 +65,8 @@ fn in_child(what: &str, path: &Path) {
     assert!(status.success(), "the helper {what} failed");
 }
 
-/// A finished run `done`, a run `wait` waiting for approval of call `pay-1`, and a run
-/// `crashed` whose process died mid-run (its short lease already stale).
-fn seed(path: &Path) {
-    let script = || {
-        ScriptedModel::new(vec![
-            ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-            ModelResponse::answer("paid"),
-        ])
-    };
-    let pay = RecordingTool::new("pay");
-    let stuck = RecordingTool::new("pay").behaviour(Behaviour::Block);
-    let store = Store::open(path).unwrap();
-    let (waiting, plain, blocking, probe) = (
-        Agent::new(script())
-            .tool(pay.clone())
-            .policy(agentrt::RequireApprovalFor::tools(["pay"])),
-        Agent::new(script()).tool(pay.clone()),
-        Agent::new(script()).tool(stuck.clone()),
-        stuck.clone(),
-    );
-    with_system(|| async move {
-        let sup = Supervisor::builder(store.clone())
-            .agent("waits", waiting)
-            .agent("plain", plain)
-            .start()
-            .unwrap();
-        sup.send(StartRun::new("plain", json!({})).with_id("done"))
-            .await
-            .unwrap()
-            .unwrap();
-        sup.send(StartRun::new("waits", json!({})).with_id("wait"))
-            .await
-            .unwrap()
-            .unwrap();
-        let doomed = Supervisor::builder(store)
-            .config(Config::default().lease_ttl(Duration::from_millis(100)))
-            .agent("plain", blocking)
-            .start()
-            .unwrap();
-        let started = doomed.send(StartRun::new("plain", json!({})).with_id("crashed"));
-        let executing = probe.wait_executions(1);
-        futures_util::future::select(pin!(started), pin!(executing)).await;
-    });
-    // Wait until the stored lease is stale (the dead keeper may renew once more).
-    let store = Store::open(path).unwrap();
-    loop {
-        let lease = store.lease(&RunId::from("crashed")).unwrap().unwrap();
-        match lease.expires_at.duration_since(SystemTime::now()) {
-            Ok(wait) => std::thread::sleep(wait + Duration::from_millis(1)),
-            Err(_) => break,
-        }
-    }
-}
+#[path = "support/cli_seed.rs"]
+mod cli_seed;
 
 /// A database seeded once per test binary, closed: nothing beside it.
 fn seeded() -> &'static Path {

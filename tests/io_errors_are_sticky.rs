@@ -281,15 +281,10 @@ fn a_failed_sync_of_the_log_in_a_full_commit_stops_the_store() {
 /// run goes on.
 const MANY_STEPS: usize = 5_000;
 
-#[test]
-fn a_failed_write_of_a_checkpoint_to_the_database_file_stops_the_store() {
-    let failed = case(
-        Fault::Vfs(FaultKind::DatabaseWrite),
-        Arm::AndReturn,
-        TTL,
-        MANY_STEPS,
-    );
-    // The checkpoint between two commits failed: the next move is refused, nothing written.
+/// A checkpoint between two commits meets `fault`: the next move is refused, nothing written,
+/// and the store refuses every later write.
+fn a_checkpoint_fault_stops_the_store(fault: FaultKind) {
+    let failed = case(Fault::Vfs(fault), Arm::AndReturn, TTL, MANY_STEPS);
     assert!(
         matches!(failed.error, Error::DiskStateUnknown(_)),
         "{:?}",
@@ -297,41 +292,22 @@ fn a_failed_write_of_a_checkpoint_to_the_database_file_stops_the_store() {
     );
     assert_sticky(&failed, "a checkpoint");
     assert!(failed.executions.0 < MANY_STEPS);
+}
+
+#[test]
+fn a_failed_write_of_a_checkpoint_to_the_database_file_stops_the_store() {
+    a_checkpoint_fault_stops_the_store(FaultKind::DatabaseWrite);
 }
 
 #[test]
 fn a_failed_truncation_of_the_database_file_at_a_checkpoint_stops_the_store() {
     // A checkpoint that copied the whole log sets the file's size to the database's.
-    let failed = case(
-        Fault::Vfs(FaultKind::DatabaseTruncate),
-        Arm::AndReturn,
-        TTL,
-        MANY_STEPS,
-    );
-    assert!(
-        matches!(failed.error, Error::DiskStateUnknown(_)),
-        "{:?}",
-        failed.error
-    );
-    assert_sticky(&failed, "a checkpoint");
-    assert!(failed.executions.0 < MANY_STEPS);
+    a_checkpoint_fault_stops_the_store(FaultKind::DatabaseTruncate);
 }
 
 #[test]
 fn a_failed_sync_of_the_database_file_at_a_checkpoint_stops_the_store() {
-    let failed = case(
-        Fault::Vfs(FaultKind::DatabaseSync),
-        Arm::AndReturn,
-        TTL,
-        MANY_STEPS,
-    );
-    assert!(
-        matches!(failed.error, Error::DiskStateUnknown(_)),
-        "{:?}",
-        failed.error
-    );
-    assert_sticky(&failed, "a checkpoint");
-    assert!(failed.executions.0 < MANY_STEPS);
+    a_checkpoint_fault_stops_the_store(FaultKind::DatabaseSync);
 }
 
 #[test]

@@ -211,7 +211,11 @@ fn session(store: &Store) -> Session {
 /// Renews `owner`'s leases on `held`, each under the first token.
 fn renew(store: &Store, owner: &str, held: &[RunId]) -> super::model::Renewal {
     let held: Vec<(RunId, u64)> = held.iter().map(|id| (id.clone(), FIRST_TOKEN)).collect();
-    let held = held.as_slice();
+    renew_tokens(store, owner, &held)
+}
+
+/// Renews `owner`'s leases on `held`, each run under its token.
+fn renew_tokens(store: &Store, owner: &str, held: &[(RunId, u64)]) -> super::model::Renewal {
     let mut session = session(store);
     let ttl = Duration::from_secs(30);
     match &mut session.renewer {
@@ -977,15 +981,9 @@ pub(crate) fn every_acquisition_takes_a_higher_token_and_an_older_one_writes_not
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
-    let mut session = session(&store);
-    let stale = [(run("r"), FIRST_TOKEN)];
-    let ttl = Duration::from_secs(30);
-    let renewal = match &mut session.renewer {
-        Some(renewer) => renewer.renew(OWNER, &stale, ttl, Duration::from_secs(1)),
-        None => session.writer.renew(OWNER, &stale, ttl),
-    }
-    .unwrap();
+    let renewal = renew_tokens(&store, OWNER, &[(run("r"), FIRST_TOKEN)]);
     assert!(renewal.renewed.is_empty());
+    let mut session = session(&store);
     assert!(
         !session
             .writer

@@ -182,7 +182,7 @@ impl<'a, 'c> Move<'a, 'c> {
     /// taking grant its token.
     fn move_run(&mut self, m: RunMove<'_>) -> Result<Option<i64>> {
         // Read before the wall clock: the grant's deadline is then no later than the expiry.
-        let sent = Instant::now();
+        let sent = m.take.map(|_| Instant::now());
         let expires_at = m.take.map(|grant| grant.holder.expiry(wall_millis()));
         let update = RunUpdate {
             from: m.from,
@@ -196,7 +196,7 @@ impl<'a, 'c> Move<'a, 'c> {
         };
         match self.tx.update_run(self.run_id, &update)? {
             Some(epoch) => {
-                if let Some(grant) = m.take {
+                if let (Some(grant), Some(sent)) = (m.take, sent) {
                     grant.acquired(epoch, sent);
                 }
                 Ok(expires_at)

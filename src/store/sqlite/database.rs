@@ -14,7 +14,10 @@ use super::error::Db;
 use super::{
     failure::IoFailure,
     log::LogFile,
-    open::{Role, configure, migrate, on_open, open_writing, schema_status, user_version},
+    open::{
+        Role, configure, migrate, on_open, open_writing, refuse_other_schema, schema_status,
+        user_version,
+    },
     options::{Options, Synchronous},
 };
 use crate::{
@@ -143,21 +146,7 @@ impl Sqlite {
     fn open(path: &Path, options: Options) -> Result<Sqlite> {
         let path = path.to_path_buf();
         match schema_status(&path) {
-            Ok(status) if status.found > status.supported => {
-                return Err(Error::SchemaTooNew {
-                    path,
-                    found: status.found,
-                    supported: status.supported,
-                });
-            }
-            Ok(status) if status.pending() > 0 && !options.migrate => {
-                return Err(Error::SchemaOutdated {
-                    path,
-                    found: status.found,
-                    supported: status.supported,
-                });
-            }
-            Ok(_) => {}
+            Ok(status) => refuse_other_schema(&path, status.found, options.migrate)?,
             Err(Error::NoDatabase { .. }) if options.create => {}
             Err(err) => return Err(err),
         }
@@ -175,21 +164,7 @@ impl Sqlite {
             // Read again, now under SQLite's locks: another process may have upgraded the file
             // since its version was first read.
             let found = user_version(&writer).map_err(|err| on_open(err, &path))?;
-            let supported = super::SCHEMA_VERSION;
-            if found > supported {
-                return Err(Error::SchemaTooNew {
-                    path,
-                    found,
-                    supported,
-                });
-            }
-            if found < supported {
-                return Err(Error::SchemaOutdated {
-                    path,
-                    found,
-                    supported,
-                });
-            }
+            refuse_other_schema(&path, found, false)?;
         }
         let reader = rusqlite::Connection::open_with_flags(
             &path,

@@ -240,6 +240,28 @@ pub(crate) fn schema_status(path: impl AsRef<Path>) -> Result<SchemaStatus> {
     })
 }
 
+/// Refuses a database of schema version `found` other than this build's: a newer one
+/// ([`Error::SchemaTooNew`]), or an older one that is not to be migrated
+/// ([`Error::SchemaOutdated`]).
+pub(crate) fn refuse_other_schema(path: &Path, found: u32, migrating: bool) -> Result<()> {
+    let (path, supported) = (path.to_path_buf(), SCHEMA_VERSION);
+    if found > supported {
+        return Err(Error::SchemaTooNew {
+            path,
+            found,
+            supported,
+        });
+    }
+    if found < supported && !migrating {
+        return Err(Error::SchemaOutdated {
+            path,
+            found,
+            supported,
+        });
+    }
+    Ok(())
+}
+
 /// The offsets in an SQLite file's 100-byte header that the checks below read.
 mod header {
     pub const MAGIC: &[u8; 16] = b"SQLite format 3\0";

@@ -30,7 +30,9 @@ use rusqlite::{OpenFlags, config::DbConfig};
 use super::error::Db;
 use super::{
     boundary,
-    open::{Role, configure, on_open, read_schema_version, uri_path, user_version},
+    open::{
+        Role, configure, on_open, read_schema_version, refuse_other_schema, uri_path, user_version,
+    },
     options::Options,
     sql::Sql,
 };
@@ -130,27 +132,11 @@ impl Options {
                 "an in-memory database cannot be opened read-only: it is new and empty".into(),
             ));
         }
-        let status = schema_status(path)?;
+        schema_status(path)?;
         let db = ReadOnly::new(path, self)?;
-        // Read again through the store's own connection: a process may have upgraded the file
-        // since its version was first read.
-        let found = db.schema_version()?;
-        let path = path.to_path_buf();
-        let supported = status.supported;
-        if found > supported {
-            return Err(Error::SchemaTooNew {
-                path,
-                found,
-                supported,
-            });
-        }
-        if found < supported {
-            return Err(Error::SchemaOutdated {
-                path,
-                found,
-                supported,
-            });
-        }
+        // Read through the store's own connection: a process may have upgraded the file since
+        // its version was first read.
+        refuse_other_schema(path, db.schema_version()?, false)?;
         Ok(Store::from_backend(Arc::new(db)))
     }
 }

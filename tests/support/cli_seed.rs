@@ -1,0 +1,79 @@
+//! The database the CLI's tests run against, seeded the same way in each of them.
+
+use std::{
+    path::Path,
+    pin::pin,
+    time::{Duration, SystemTime},
+};
+
+use agentrt::{
+    Agent, Config, ModelResponse, RequireApprovalFor, RunId, StartRun, Store, Supervisor, ToolCall,
+    testkit::{Behaviour, RecordingTool, ScriptedModel, with_system},
+};
+use serde_json::json;
+
+/// Seeds the database at `path` with a finished run `done`, a run `wait` waiting for approval
+/// of call `pay-1`, and a run `crashed` whose process died mid-run (its short lease already
+/// stale).
+pub fn seed(path: &Path) {
+    let script = || {
+        ScriptedModel::new(vec![
+            ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
+            ModelResponse::answer("paid"),
+        ])
+    };
+    let pay = RecordingTool::new("pay");
+    let stuck = RecordingTool::new("pay").behaviour(Behaviour::Block);
+    let store = Store::open(path).unwrap();
+    let (waiting, plain, blocking, probe) = (
+        Agent::new(script())
+            .tool(pay.clone())
+            .policy(RequireApprovalFor::tools(["pay"])),
+        Agent::new(script()).tool(pay.clone()),
+        Agent::new(script()).tool(stuck.clone()),
+        stuck.clone(),
+    );
+    with_system(|| async move {
+        // The default TTL: these runs must finish whatever the machine's pace, and a short lease
+        // would be lost if a renewal came late.
+        let sup = Supervisor::builder(store.clone())
+            .agent("waits", waiting)
+            .agent("plain", plain)
+            .start()
+            .unwrap();
+        sup.send(StartRun::new("plain", json!({})).with_id("done"))
+            .await
+            .unwrap()
+            .unwrap();
+        sup.send(StartRun::new("waits", json!({})).with_id("wait"))
+            .await
+            .unwrap()
+            .unwrap();
+        // A short TTL, so that the lease is stale soon after the crash.
+        let doomed = Supervisor::builder(store)
+            .config(Config::default().lease_ttl(Duration::from_millis(100)))
+            .agent("plain", blocking)
+            .start()
+            .unwrap();
+        // The crash comes once the tool runs, or once the start gives up because a late renewal
+        // let the short lease lapse first: either way the run is left RUNNING under a lease of
+        // the dead process.
+        let started = doomed.send(StartRun::new("plain", json!({})).with_id("crashed"));
+        let executing = probe.wait_executions(1);
+        futures_util::future::select(pin!(started), pin!(executing)).await;
+    });
+    // Wait until the stored lease is stale, reading it again after each expiry: the dead
+    // process's keeper may renew once more while its thread winds down. A stale lease stays
+    // stale: a renewal extends only a live one.
+    let store = Store::open(path).unwrap();
+    loop {
+        let lease = store
+            .lease(&RunId::from("crashed"))
+            .unwrap()
+            .expect("leased");
+        match lease.expires_at.duration_since(SystemTime::now()) {
+            Ok(wait) => std::thread::sleep(wait + Duration::from_millis(1)),
+            Err(_) => break,
+        }
+    }
+}

@@ -1,38 +1,98 @@
 //! What an agent is made of: a [`Model`], [`Tool`]s and a [`Policy`].
 
-use std::{collections::BTreeMap, fmt, sync::Arc};
+use std::{collections::BTreeMap, fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use crate::types::{FencingToken, Message, ModelResponse, RunId, ToolCall};
+use crate::model_policy::ModelPolicy;
+use crate::types::{FencingToken, Message, ModelResponse, RunId, ToolCall, ToolSpec};
 
 /// The default for [`Agent::max_steps`].
 pub const DEFAULT_MAX_STEPS: u32 = 64;
 
 /// What the model is asked.
+///
+/// Built by the run loop for each attempt of a model call; a [`Model`] reads it and answers.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct ModelRequest<'a> {
     /// The run.
     pub run_id: &'a RunId,
     /// The step number of this model call.
     pub step: u32,
-    /// The run's input.
+    /// 1 for the first attempt of this call, then 2, 3, ...: an attempt after a retryable
+    /// error, or the call dispatched again after its executor died.
+    pub attempt: u32,
+    /// The run's input, as it was started.
     pub input: &'a Value,
-    /// The conversation so far: earlier responses and the results of their tool calls.
+    /// The whole conversation, in order: the agent's instructions as a
+    /// [`Message::System`] (when it has some), the run's input as [`Message::User`] turns
+    /// (see [`Agent::map_input`]), then every earlier response and the result of each of its
+    /// tool calls.
     pub messages: &'a [Message],
+    /// The tools the model may call, with their descriptions and argument schemas, in name
+    /// order.
+    pub tools: &'a [ToolSpec],
 }
 
-/// A model failed to answer. It fails the run.
+/// Why a model gave no answer: [fatal](ModelError::fatal) (the run fails at once), or
+/// [retryable](ModelError::retryable) (the agent's [`ModelPolicy`] tries again, and fails the
+/// run only when it gives up).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct ModelError(pub String);
+#[error("{message}")]
+pub struct ModelError {
+    message: String,
+    retryable: bool,
+    retry_after: Option<Duration>,
+}
 
 impl ModelError {
-    /// A model error saying `message`.
+    /// A fatal error saying `message`: the run fails without another attempt.
     pub fn new(message: impl Into<String>) -> Self {
-        ModelError(message.into())
+        ModelError::fatal(message)
+    }
+
+    /// A fatal error saying `message`: a request the server refused as invalid or
+    /// unauthorized (a 400, a 401), a response that cannot be read as an answer.
+    pub fn fatal(message: impl Into<String>) -> Self {
+        ModelError {
+            message: message.into(),
+            retryable: false,
+            retry_after: None,
+        }
+    }
+
+    /// A transient error saying `message`: a rate limit, a server error (5xx), a timeout, a
+    /// dropped connection. Another attempt may succeed.
+    pub fn retryable(message: impl Into<String>) -> Self {
+        ModelError {
+            retryable: true,
+            ..ModelError::fatal(message)
+        }
+    }
+
+    /// The server asked not to be called again before `after` (its `Retry-After`): the next
+    /// attempt waits at least that long.
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// What went wrong.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether another attempt may succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+
+    /// How long the server asked to wait before the next attempt, if it said.
+    pub fn retry_after_hint(&self) -> Option<Duration> {
+        self.retry_after
     }
 }
 
@@ -136,6 +196,20 @@ pub trait Tool: Send + Sync + 'static {
     /// The name the model calls it by.
     fn name(&self) -> &str;
 
+    /// What it does, for the model: when to call it, and what it returns. Sent with every
+    /// model request. Empty by default.
+    fn description(&self) -> &str {
+        ""
+    }
+
+    /// The JSON Schema of its arguments, sent with every model request. A call whose
+    /// arguments do not match it is not run: the model is told why, as a failed result. By
+    /// default any JSON object. Derive it from the arguments' Rust type with
+    /// [`schema_for`](crate::schema_for), or write it by hand.
+    fn parameters(&self) -> Value {
+        serde_json::json!({ "type": "object" })
+    }
+
     /// True when running the same call twice has the effect of running it once. An interrupted
     /// call of an idempotent tool whose outcome is unknown is simply run again.
     fn idempotent(&self) -> bool {
@@ -215,56 +289,189 @@ impl Policy for RequireApprovalFor {
     }
 }
 
-/// An agent: a model, the tools it may call, and the policy that decides each call.
+/// The JSON Schema of `T`, for [`Tool::parameters`]: derived with `schemars` (derive
+/// `schemars::JsonSchema` on the arguments' type beside `serde::Deserialize`), without the
+/// `$schema` and `title` keys that model APIs do not need.
+///
+/// ```
+/// use schemars::JsonSchema;
+/// use serde::Deserialize;
+///
+/// /// Refund an order.
+/// #[derive(Deserialize, JsonSchema)]
+/// struct Refund {
+///     /// The order's id.
+///     order_id: String,
+///     /// How much, in cents.
+///     cents: u64,
+/// }
+///
+/// let schema = agentrt::schema_for::<Refund>();
+/// assert_eq!(schema["type"], "object");
+/// assert_eq!(schema["required"], serde_json::json!(["order_id", "cents"]));
+/// ```
+pub fn schema_for<T: schemars::JsonSchema>() -> Value {
+    let mut schema = serde_json::to_value(schemars::schema_for!(T)).expect("a schema serializes");
+    if let Some(object) = schema.as_object_mut() {
+        object.remove("$schema");
+        object.remove("title");
+    }
+    schema
+}
+
+/// Turns a run's input into the user turns that open its conversation.
+pub type InputMapper = dyn Fn(&Value) -> Vec<Message> + Send + Sync;
+
+/// A tool as an agent holds it: with its description and schema, read once, and the
+/// schema's validator.
+pub(crate) struct RegisteredTool {
+    pub(crate) tool: Arc<dyn Tool>,
+    /// Why the schema cannot check arguments, if it cannot: every call of the tool is then
+    /// refused with it.
+    validator: std::result::Result<jsonschema::Validator, String>,
+}
+
+impl RegisteredTool {
+    fn new(tool: Arc<dyn Tool>) -> (Self, ToolSpec) {
+        let spec = ToolSpec {
+            name: tool.name().to_owned(),
+            description: tool.description().to_owned(),
+            parameters: tool.parameters(),
+        };
+        let validator = jsonschema::validator_for(&spec.parameters).map_err(|err| {
+            tracing::error!(tool = %spec.name, %err, "the tool's argument schema is invalid: every call of it is refused");
+            format!("the tool's argument schema is invalid: {err}")
+        });
+        (RegisteredTool { tool, validator }, spec)
+    }
+
+    /// Why `args` cannot be passed to the tool, if they cannot.
+    pub(crate) fn refuse(&self, args: &Value) -> Option<String> {
+        let validator = match &self.validator {
+            Ok(validator) => validator,
+            Err(why) => return Some(why.clone()),
+        };
+        let problems: Vec<String> = validator
+            .iter_errors(args)
+            .take(MAX_SCHEMA_ERRORS)
+            .map(|err| {
+                let at = err.instance_path().to_string();
+                if at.is_empty() {
+                    err.to_string()
+                } else {
+                    format!("at {at}: {err}")
+                }
+            })
+            .collect();
+        (!problems.is_empty()).then(|| {
+            format!(
+                "the arguments do not match the tool's schema: {}",
+                problems.join("; ")
+            )
+        })
+    }
+}
+
+/// The most schema violations one refusal names: enough for a model to mend its call.
+const MAX_SCHEMA_ERRORS: usize = 5;
+
+/// An agent: a model, the tools it may call, the policy that decides each call, and how its
+/// model is called.
 ///
 /// Registered on a supervisor by name; a run stores that name, so any process that registered
 /// an agent under the same name can resume the run.
 ///
 /// ```
-/// use agentrt::{Agent, RequireApprovalFor};
+/// use agentrt::{Agent, ModelPolicy, RequireApprovalFor};
 /// # use agentrt::testkit::{ScriptedModel, RecordingTool};
 /// # let model = ScriptedModel::new(vec![]);
 /// # let (send_email, lookup) = (RecordingTool::new("send_email"), RecordingTool::new("lookup"));
 /// let agent = Agent::new(model)
+///     .instructions("You answer customers of Example Corp. Be brief.")
 ///     .tool(send_email)
 ///     .tool(lookup)
 ///     .policy(RequireApprovalFor::tools(["send_email"]))
+///     .model_policy(ModelPolicy::default().max_attempts(5))
 ///     .max_steps(20);
 /// ```
 #[derive(Clone)]
 pub struct Agent {
     pub(crate) model: Arc<dyn Model>,
-    pub(crate) tools: BTreeMap<String, Arc<dyn Tool>>,
+    pub(crate) tools: BTreeMap<String, Arc<RegisteredTool>>,
+    /// The tools' specs, in name order, as each request carries them.
+    pub(crate) specs: Arc<[ToolSpec]>,
     pub(crate) policy: Arc<dyn Policy>,
+    pub(crate) model_policy: ModelPolicy,
+    pub(crate) instructions: Option<String>,
+    pub(crate) map_input: Option<Arc<InputMapper>>,
     pub(crate) max_steps: u32,
 }
 
 impl Agent {
-    /// An agent answering with `model`, with no tools, allowing every call.
+    /// An agent answering with `model`, with no tools and no instructions, allowing every
+    /// call, calling its model with the default [`ModelPolicy`].
     pub fn new(model: impl Model) -> Self {
         Agent {
             model: Arc::new(model),
             tools: BTreeMap::new(),
+            specs: Arc::from(Vec::new()),
             policy: Arc::new(AllowAll),
+            model_policy: ModelPolicy::default(),
+            instructions: None,
+            map_input: None,
             max_steps: DEFAULT_MAX_STEPS,
         }
     }
 
-    /// Adds a tool, under its [`Tool::name`]; a tool of the same name is replaced.
-    pub fn tool(mut self, tool: impl Tool) -> Self {
-        self.tools.insert(tool.name().to_owned(), Arc::new(tool));
-        self
+    /// Adds a tool, under its [`Tool::name`]; a tool of the same name is replaced. Its
+    /// description and schema are read now. A schema that is not valid JSON Schema is logged
+    /// as an error, and every call of the tool is refused with the reason.
+    pub fn tool(self, tool: impl Tool) -> Self {
+        self.shared_tool(Arc::new(tool))
     }
 
     /// Adds a shared tool.
     pub fn shared_tool(mut self, tool: Arc<dyn Tool>) -> Self {
-        self.tools.insert(tool.name().to_owned(), tool);
+        let (registered, spec) = RegisteredTool::new(tool);
+        self.tools.insert(spec.name.clone(), Arc::new(registered));
+        let mut specs: Vec<ToolSpec> = self
+            .specs
+            .iter()
+            .filter(|s| s.name != spec.name)
+            .cloned()
+            .collect();
+        specs.push(spec);
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        self.specs = specs.into();
         self
     }
 
     /// Sets the policy (the default allows every call).
     pub fn policy(mut self, policy: impl Policy) -> Self {
         self.policy = Arc::new(policy);
+        self
+    }
+
+    /// Sets how the model is called: the timeout of each attempt, and the retries.
+    pub fn model_policy(mut self, policy: ModelPolicy) -> Self {
+        self.model_policy = policy;
+        self
+    }
+
+    /// The system prompt: the conversation's first message, a [`Message::System`].
+    pub fn instructions(mut self, instructions: impl Into<String>) -> Self {
+        self.instructions = Some(instructions.into());
+        self
+    }
+
+    /// How a run's input becomes the user turns that open its conversation. By default a
+    /// string input is one user message of that text, `null` is none, and any other value
+    /// is one user message of its JSON.
+    pub fn map_input<F>(mut self, map: F) -> Self
+    where
+        F: Fn(&Value) -> Vec<Message> + Send + Sync + 'static,
+    {
+        self.map_input = Some(Arc::new(map));
         self
     }
 
@@ -275,12 +482,33 @@ impl Agent {
         self.max_steps = max_steps;
         self
     }
+
+    /// The messages that open a run's conversation: the instructions, then the input's turns.
+    pub(crate) fn opening(&self, input: &Value) -> Vec<Message> {
+        let system = self
+            .instructions
+            .iter()
+            .map(|text| Message::System { text: text.clone() });
+        let user = match &self.map_input {
+            Some(map) => map(input),
+            None => match input {
+                Value::Null => Vec::new(),
+                Value::String(text) => vec![Message::User { text: text.clone() }],
+                other => vec![Message::User {
+                    text: other.to_string(),
+                }],
+            },
+        };
+        system.chain(user).collect()
+    }
 }
 
 impl fmt::Debug for Agent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Agent")
             .field("tools", &self.tools.keys().collect::<Vec<_>>())
+            .field("instructions", &self.instructions)
+            .field("model_policy", &self.model_policy)
             .field("max_steps", &self.max_steps)
             .finish_non_exhaustive()
     }

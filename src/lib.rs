@@ -5,6 +5,7 @@ mod actors;
 mod agent;
 mod clock;
 mod error;
+mod model_policy;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -29,12 +30,16 @@ pub use actors::{
     },
 };
 pub use agent::{
-    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, Model, ModelError, ModelRequest,
-    Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, InputMapper, Model, ModelError,
+    ModelRequest, Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
+    schema_for,
 };
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
 pub use error::{DatabaseError, Error, Result};
+pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
+/// The `schemars` this crate derives schemas with (see [`schema_for`]).
+pub use schemars;
 pub use store::{
     Health, SCHEMA_VERSION, SchemaStatus, Store,
     backend::{MoveInfo, MoveKind, MoveObserver},
@@ -45,4 +50,5 @@ pub use types::RunOutcome;
 pub use types::{
     Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
     ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
+    ToolSpec, Usage,
 };

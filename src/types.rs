@@ -162,6 +162,8 @@ pub enum EventKind {
     ModelStarted,
     /// `step.model_finished`
     ModelFinished,
+    /// `step.model_attempt_failed`: an attempt of a model call failed, and is tried again.
+    ModelAttemptFailed,
     /// `policy.decided`
     PolicyDecided,
     /// `run.waiting`
@@ -186,9 +188,10 @@ pub enum EventKind {
 
 impl EventKind {
     /// Every kind, in the order of `docs/events.md`.
-    pub const ALL: [EventKind; 13] = [
+    pub const ALL: [EventKind; 14] = [
         EventKind::RunStarted,
         EventKind::ModelStarted,
+        EventKind::ModelAttemptFailed,
         EventKind::ModelFinished,
         EventKind::PolicyDecided,
         EventKind::RunWaiting,
@@ -208,6 +211,7 @@ impl EventKind {
             EventKind::RunStarted => "run.started",
             EventKind::ModelStarted => "step.model_started",
             EventKind::ModelFinished => "step.model_finished",
+            EventKind::ModelAttemptFailed => "step.model_attempt_failed",
             EventKind::PolicyDecided => "policy.decided",
             EventKind::RunWaiting => "run.waiting",
             EventKind::ApprovalRecorded => "approval.recorded",
@@ -297,11 +301,12 @@ impl ToolCall {
 
 /// What the model answered: text, tool calls, or both. No tool calls means a final answer.
 ///
-/// JSON (this is also how a response is stored in the log): `text` is left out when absent,
-/// and `tool_calls` may be left out when empty on input:
+/// JSON (this is also how a response is stored in the log): `text`, `usage` and `model` are
+/// left out when absent, and `tool_calls` may be left out when empty on input:
 ///
 /// ```json
-/// {"text": "Let me look.", "tool_calls": [{"id": "c1", "name": "weather", "args": {}}]}
+/// {"text": "Let me look.", "tool_calls": [{"id": "c1", "name": "weather", "args": {}}],
+///  "usage": {"input_tokens": 412, "output_tokens": 18}, "model": "gpt-4o-mini-2024-07-18"}
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelResponse {
@@ -311,6 +316,48 @@ pub struct ModelResponse {
     /// The tools to call, in order.
     #[serde(default)]
     pub tool_calls: Vec<ToolCall>,
+    /// The tokens the call used, as the server reported them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// The model that answered, as the server named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+/// Tokens a model call used, as the server reported them; summed for a run by
+/// `Store::usage`.
+///
+/// JSON: `{"input_tokens": 412, "output_tokens": 18}`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens of the request (the prompt), cached ones included.
+    #[serde(default)]
+    pub input_tokens: u64,
+    /// Tokens of the answer.
+    #[serde(default)]
+    pub output_tokens: u64,
+}
+
+impl std::ops::AddAssign for Usage {
+    fn add_assign(&mut self, other: Usage) {
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+    }
+}
+
+/// A tool as a model is told of it: its name, what it does, and the JSON Schema of its
+/// arguments (see `Tool::description` and `Tool::parameters`).
+///
+/// JSON: `{"name": "weather", "description": "The weather in a city.", "parameters":
+/// {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does; may be empty.
+    pub description: String,
+    /// The JSON Schema of its arguments.
+    pub parameters: Value,
 }
 
 impl ModelResponse {
@@ -318,15 +365,15 @@ impl ModelResponse {
     pub fn answer(text: impl Into<String>) -> Self {
         ModelResponse {
             text: Some(text.into()),
-            tool_calls: Vec::new(),
+            ..ModelResponse::default()
         }
     }
 
     /// A response that asks for tool calls.
     pub fn calls(tool_calls: Vec<ToolCall>) -> Self {
         ModelResponse {
-            text: None,
             tool_calls,
+            ..ModelResponse::default()
         }
     }
 }
@@ -345,15 +392,28 @@ pub enum ToolResult {
 
 /// One entry of the conversation given to the model.
 ///
-/// JSON: tagged by `role`, `"assistant"` with the fields of a [`ModelResponse`], or `"tool"`:
+/// JSON: tagged by `role`: `"system"` and `"user"` with their `text`, `"assistant"` with the
+/// fields of a [`ModelResponse`], or `"tool"`:
 ///
 /// ```json
+/// {"role": "system", "text": "You answer customers of Example Corp."}
+/// {"role": "user", "text": "Where is my order?"}
 /// {"role": "assistant", "text": "Let me look.", "tool_calls": []}
 /// {"role": "tool", "call_id": "c1", "name": "weather", "result": {"ok": {"sky": "clear"}}}
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum Message {
+    /// The agent's instructions (the system prompt).
+    System {
+        /// Their text.
+        text: String,
+    },
+    /// A turn of the user: the run's input, as the agent maps it.
+    User {
+        /// Its text.
+        text: String,
+    },
     /// An earlier response of the model.
     Assistant(ModelResponse),
     /// The result of one tool call.

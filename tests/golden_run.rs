@@ -135,7 +135,13 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
     let last_conversation = model.seen().pop().unwrap();
     assert_eq!(
         last_conversation.len(),
-        5,
-        "two responses and three tool results"
+        6,
+        "the input, two responses and three tool results"
+    );
+    assert_eq!(
+        last_conversation[0],
+        agentrt::Message::User {
+            text: r#"{"q":1}"#.into()
+        }
     );
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, SystemTime};
 use agentrt::{
     Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
     ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
+    ToolSpec, Usage,
 };
 use serde::{Serialize, de::DeserializeOwned};
 use serde_json::json;
@@ -209,12 +210,45 @@ fn model_responses_tool_results_and_messages_keep_the_shape_they_are_logged_in()
     let response = ModelResponse {
         text: Some("Let me look.".into()),
         tool_calls: vec![ToolCall::new("c1", "weather", json!({"city": "Oslo"}))],
+        ..ModelResponse::default()
     };
     pins(
         &response,
         r#"{"text":"Let me look.","tool_calls":[{"id":"c1","name":"weather","args":{"city":"Oslo"}}]}"#,
     );
     pins(&ModelResponse::calls(vec![]), r#"{"tool_calls":[]}"#);
+    let paid = ModelResponse {
+        usage: Some(Usage {
+            input_tokens: 412,
+            output_tokens: 18,
+        }),
+        model: Some("m-1".into()),
+        ..ModelResponse::answer("hi")
+    };
+    pins(
+        &paid,
+        r#"{"text":"hi","tool_calls":[],"usage":{"input_tokens":412,"output_tokens":18},"model":"m-1"}"#,
+    );
+    pins(
+        &Message::System {
+            text: "Be brief.".into(),
+        },
+        r#"{"role":"system","text":"Be brief."}"#,
+    );
+    pins(
+        &Message::User {
+            text: "Where is my order?".into(),
+        },
+        r#"{"role":"user","text":"Where is my order?"}"#,
+    );
+    pins(
+        &ToolSpec {
+            name: "weather".into(),
+            description: "The weather in a city.".into(),
+            parameters: json!({"type": "object"}),
+        },
+        r#"{"name":"weather","description":"The weather in a city.","parameters":{"type":"object"}}"#,
+    );
     pins(
         &ToolResult::Ok(json!({"sky": "clear"})),
         r#"{"ok":{"sky":"clear"}}"#,

@@ -23,7 +23,7 @@ use super::{
     store::{ApplyMove, ReadState, ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
-    agent::{Agent, Cancellation, Decision, ModelRequest, Reconciliation, ToolContext},
+    agent::{Agent, Cancellation, Decision, ModelError, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
     store::{
         backend::{Durability, MoveKind},
@@ -400,13 +400,14 @@ impl RunLoop {
 
     fn new(env: Env, agent: Arc<Agent>, input: Value, steps: Vec<StepRow>) -> Self {
         let run_id = env.run_id.clone();
+        let messages = agent.opening(&input);
         let mut run = RunLoop {
             env,
             run_id,
             agent,
             input,
             steps: Vec::new(),
-            messages: Vec::new(),
+            messages,
             cursor: 0,
             call_ids: HashSet::new(),
         };
@@ -657,15 +658,18 @@ impl RunLoop {
         }
         let call = step.call.clone().expect("tool steps have a call");
         let number = step.step;
-        let rejection = if !self.agent.tools.contains_key(&call.name) {
-            Some(format!("the agent has no tool named {:?}", call.name))
-        } else if !call.args.is_object() {
-            Some(format!(
+        let rejection = match self.agent.tools.get(&call.name) {
+            None => Some(format!("the agent has no tool named {:?}", call.name)),
+            // A string: what a model adapter keeps of arguments that were not JSON.
+            Some(_) if call.args.is_string() => Some(format!(
+                "the arguments of a tool call must be a JSON object; these are not JSON: {}",
+                call.args.as_str().unwrap_or_default()
+            )),
+            Some(_) if !call.args.is_object() => Some(format!(
                 "the arguments of a tool call must be a JSON object, not {}",
                 call.args
-            ))
-        } else {
-            None
+            )),
+            Some(tool) => tool.refuse(&call.args),
         };
         if let Some(error) = rejection {
             return Ok(Some(Planned::Reject {
@@ -800,35 +804,42 @@ impl RunLoop {
         }
     }
 
+    /// Dispatches attempt `attempt` of model step `step` (already reserved) and records what
+    /// came of it: the answer, with the move that follows it; a failure the model policy
+    /// tries again, then the next attempt's reservation; or the failure of the run.
     async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
-        let span = tracing::info_span!("model", step);
+        let span = tracing::info_span!("model", step, attempt);
         let request = ModelRequest {
             run_id: &self.run_id,
             step,
+            attempt,
             input: &self.input,
             messages: &self.messages,
+            tools: &self.agent.specs,
         };
+        let policy = &self.agent.model_policy;
         let answer = AssertUnwindSafe(self.agent.model.complete(request))
             .catch_unwind()
             .instrument(span);
-        // A model call has no side effect: on cancel it is dropped, not awaited.
+        let timeout = async {
+            match policy.attempt_timeout() {
+                Some(limit) => actix_rt::time::sleep(limit).await,
+                None => std::future::pending().await,
+            }
+        };
+        // A model call has no side effect: on cancel or timeout it is dropped, not awaited.
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
             _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
+            () = timeout.fuse() => Ok(Err(ModelError::retryable(format!(
+                "no answer within {} s",
+                policy.attempt_timeout().unwrap_or_default().as_secs_f64()
+            )))),
         };
         let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
         let mut response = match answer {
             Ok(response) => response,
-            Err(error) => {
-                let outcome = ModelOutcome::Failed(error.0.clone());
-                self.apply(MoveKind::FinishModelStep, move |m, grant| {
-                    m.finish_model_step(grant, step, attempt, &outcome)
-                })
-                .await?;
-                return Ok(Next::Return(Outcome::Failed {
-                    error: format!("the model failed: {}", error.0),
-                }));
-            }
+            Err(error) => return self.model_failed(step, attempt, error).await,
         };
         self.make_call_ids_unique(step, &mut response);
         let stored_json = serde_json::to_value(&response).expect("a response serializes");
@@ -868,6 +879,62 @@ impl RunLoop {
         next
     }
 
+    /// Attempt `attempt` of model step `step` failed: records it and reserves the next
+    /// attempt after the policy's backoff, or fails the run when the policy gives up.
+    async fn model_failed(&mut self, step: u32, attempt: u32, error: ModelError) -> Result<Next> {
+        let message = error.message().to_owned();
+        let next = if error.is_retryable() {
+            let unit = rand::random::<f64>();
+            self.agent
+                .model_policy
+                .next_attempt(attempt, error.retry_after_hint(), unit)
+        } else {
+            Err("not retryable".to_owned())
+        };
+        let retry_in = match next {
+            Ok(retry_in) => retry_in,
+            Err(why) => {
+                tracing::warn!(step, attempt, error = %message, why, "the model failed");
+                let outcome = ModelOutcome::Failed {
+                    error: message.clone(),
+                    attempts: attempt,
+                };
+                self.apply(MoveKind::FinishModelStep, move |m, grant| {
+                    m.finish_model_step(grant, step, attempt, &outcome)
+                })
+                .await?;
+                return Ok(Next::Return(Outcome::Failed {
+                    error: moves::model_failure(&message, attempt),
+                }));
+            }
+        };
+        tracing::info!(step, attempt, error = %message, ?retry_in, "a model attempt failed; trying again");
+        let failed = message.clone();
+        self.apply(MoveKind::FailModelAttempt, move |m, grant| {
+            m.fail_model_attempt(grant, step, attempt, &failed, retry_in)
+        })
+        .await?;
+        futures_util::select_biased! {
+            _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
+            () = actix_rt::time::sleep(retry_in).fuse() => {}
+        }
+        loop {
+            if self.env.lease_lost.borrow().is_some() {
+                return self.stopped().await.map(Next::Return);
+            }
+            self.wait_for_margin().await?;
+            let begin = self.move_of(MoveKind::BeginModelAttempt, move |m, grant| {
+                m.begin_model_attempt(grant, step, attempt)
+            });
+            let begun = self.env.store.apply(begin, Durability::Written).await;
+            if self.unless_short(begun).await?.is_some() {
+                break;
+            }
+        }
+        self.set_step(step, StepState::InFlight, attempt + 1, None);
+        Ok(Next::Continue)
+    }
+
     /// Call ids address approvals: they are kept unique within the run. An empty id, or one
     /// an earlier call of the run (or of this response) took, becomes `call-STEP`.
     fn make_call_ids_unique(&mut self, step: u32, response: &mut ModelResponse) {
@@ -899,11 +966,9 @@ impl RunLoop {
                 self.set_step(step, StepState::InFlight, attempt + 1, None);
                 Ok(Next::Continue)
             }
-            ToolDecision::Deny { reason, .. } => {
-                let result = serde_json::to_value(ToolResult::Error(format!(
-                    "the call was denied: {reason}"
-                )))
-                .unwrap();
+            ToolDecision::Deny { reason, note, .. } => {
+                let denial = ToolDecision::denial(&reason, note.as_deref());
+                let result = serde_json::to_value(ToolResult::Error(denial)).unwrap();
                 self.set_step(step, StepState::Finished, attempt, Some(result));
                 Ok(Next::Continue)
             }
@@ -936,7 +1001,7 @@ impl RunLoop {
         let call = step.call.clone().expect("tool steps have a call");
         let (number, attempt) = (step.step, step.attempt);
         let span = tracing::info_span!("tool", step = number, tool = %call.name, attempt);
-        let result = match self.agent.tools.get(&call.name).cloned() {
+        let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.
             None => ToolResult::Error(format!("the agent has no tool named {:?}", call.name)),
             Some(tool) => {
@@ -992,7 +1057,7 @@ impl RunLoop {
             self.set_step(number, StepState::InFlight, attempt + 1, None);
             return Ok(Next::Continue);
         };
-        let tool = self.agent.tools.get(&call.name).cloned();
+        let tool = self.agent.tools.get(&call.name).map(|t| t.tool.clone());
         let answer = match &tool {
             Some(tool) => {
                 let ctx = self.tool_context(number, &call, attempt);

@@ -190,6 +190,10 @@ pub enum MoveKind {
     BeginModelStep,
     /// A model's answer or failure (`step.model_finished`), with the tool calls it asked for.
     FinishModelStep,
+    /// A model attempt that failed and is tried again (`step.model_attempt_failed`).
+    FailModelAttempt,
+    /// The next attempt of a model call, after a failed one (`step.model_started`).
+    BeginModelAttempt,
     /// The policy's decision on a tool call, and its start, denial or pause.
     DecideTool,
     /// A tool call the loop cannot execute (unknown tool, arguments not an object).
@@ -217,6 +221,8 @@ impl MoveKind {
             MoveKind::CreateRun => "create_run",
             MoveKind::BeginModelStep => "begin_model_step",
             MoveKind::FinishModelStep => "finish_model_step",
+            MoveKind::FailModelAttempt => "fail_model_attempt",
+            MoveKind::BeginModelAttempt => "begin_model_attempt",
             MoveKind::DecideTool => "decide_tool",
             MoveKind::RejectTool => "reject_tool",
             MoveKind::FinishTool => "finish_tool",

@@ -444,7 +444,10 @@ pub(crate) fn a_failed_model_call_fails_the_run_and_releases_the_lease(f: &dyn F
     create(&store, &run("r"), &me());
     let mine = me();
     on(&store, &run("r"), |m| m.begin_model_step(&mine, 1)).unwrap();
-    let outcome = ModelOutcome::Failed("503".into());
+    let outcome = ModelOutcome::Failed {
+        error: "503".into(),
+        attempts: 1,
+    };
     on(&store, &run("r"), |m| {
         m.finish_model_step(&mine, 1, 1, &outcome)
     })

@@ -279,7 +279,8 @@ pub(crate) enum ModelOutcome {
         response: ModelResponse,
         recorded: Value,
     },
-    Failed(String),
+    /// No answer: the last attempt's error, after this many attempts.
+    Failed { error: String, attempts: u32 },
 }
 
 /// A decision on a tool call, as it is recorded.
@@ -302,6 +303,16 @@ pub(crate) enum ToolDecision {
 }
 
 impl ToolDecision {
+    /// What the model is told of a denied call: the reason, and the decider's note.
+    pub(crate) fn denial(reason: &str, note: Option<&str>) -> String {
+        match note {
+            Some(note) if !note.trim().is_empty() => {
+                format!("the call was denied: {reason}: {note}")
+            }
+            _ => format!("the call was denied: {reason}"),
+        }
+    }
+
     /// The payload of its `policy.decided`.
     pub(crate) fn payload(&self, call: &ToolCall, source: &str) -> Value {
         let (decision, reason, by, note) = match self {

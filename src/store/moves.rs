@@ -4,7 +4,10 @@
 //!
 //! Also the reads and lease operations built on [`Reads`] and [`LeaseWrites`].
 
-use std::{collections::HashSet, time::Instant};
+use std::{
+    collections::HashSet,
+    time::{Duration, Instant},
+};
 
 use serde_json::{Value, json};
 
@@ -319,6 +322,44 @@ impl<'a, 'c> Move<'a, 'c> {
         )
     }
 
+    /// Records an attempt of model step `step` that failed with an error the agent's model
+    /// policy tries again after `retry_in`. The step stays in flight: a crash before the next
+    /// attempt leaves it for a takeover to dispatch again.
+    pub(crate) fn fail_model_attempt(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        error: &str,
+        retry_in: Duration,
+    ) -> Result<()> {
+        self.touch_held(
+            grant,
+            Need::Held,
+            "a model attempt's failure cannot be recorded",
+        )?;
+        let payload = json!({
+            "attempt": attempt,
+            "error": error,
+            "retry_in_ms": u64::try_from(retry_in.as_millis()).unwrap_or(u64::MAX),
+        });
+        self.append(EventKind::ModelAttemptFailed, Some(step), &payload)
+    }
+
+    /// Starts the next attempt of model step `step`, whose attempt `attempt` failed, before
+    /// its request is dispatched.
+    pub(crate) fn begin_model_attempt(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+    ) -> Result<()> {
+        self.touch_held(grant, Need::Margin, "a model call cannot start")?;
+        self.start_attempt(step, StepState::InFlight, attempt)?;
+        let payload = json!({ "attempt": attempt + 1 });
+        self.append(EventKind::ModelStarted, Some(step), &payload)
+    }
+
     /// Records the model's answer. Tool calls (their ids already unique within the run) become
     /// pending steps numbered after this one; a final answer finishes the run; a model error
     /// fails it.
@@ -331,12 +372,18 @@ impl<'a, 'c> Move<'a, 'c> {
     ) -> Result<()> {
         self.touch_held(grant, Need::Held, "the model's answer cannot be recorded")?;
         let (response, recorded) = match outcome {
-            ModelOutcome::Failed(error) => {
+            ModelOutcome::Failed { error, attempts } => {
                 self.close_step(step, StepState::InFlight, attempt, None)?;
-                let payload = json!({ "error": error });
+                let payload = json!({ "error": error, "attempt": attempt, "attempts": attempts });
                 self.append(EventKind::ModelFinished, Some(step), &payload)?;
-                let error = format!("the model failed: {error}");
-                return self.finish_run(grant, RunState::Failed, None, Some(&error));
+                let error = model_failure(error, *attempts);
+                return self.finish_run(
+                    grant,
+                    RunState::Failed,
+                    None,
+                    Some(&error),
+                    Some(*attempts),
+                );
             }
             ModelOutcome::Answered { response, recorded } => (response, recorded),
         };
@@ -351,7 +398,7 @@ impl<'a, 'c> Move<'a, 'c> {
         self.append(EventKind::ModelFinished, Some(step), recorded)?;
         if response.tool_calls.is_empty() {
             let output = response.text.clone().unwrap_or_default();
-            self.finish_run(grant, RunState::Succeeded, Some(&output), None)?;
+            self.finish_run(grant, RunState::Succeeded, Some(&output), None, None)?;
         }
         Ok(())
     }
@@ -363,6 +410,7 @@ impl<'a, 'c> Move<'a, 'c> {
         state: RunState,
         output: Option<&str>,
         error: Option<&str>,
+        model_attempts: Option<u32>,
     ) -> Result<()> {
         self.move_run(RunMove {
             output,
@@ -377,12 +425,15 @@ impl<'a, 'c> Move<'a, 'c> {
         if let Some(error) = error {
             payload["error"] = json!(error);
         }
+        if let Some(attempts) = model_attempts {
+            payload["model_attempts"] = json!(attempts);
+        }
         self.append(EventKind::RunFinished, None, &payload)
     }
 
     /// Fails a RUNNING run (e.g. it reached its step limit).
     pub(crate) fn fail_run(&mut self, grant: &Grant, error: &str) -> Result<()> {
-        self.finish_run(grant, RunState::Failed, None, Some(error))
+        self.finish_run(grant, RunState::Failed, None, Some(error), None)
     }
 
     /// Records the policy's decision on a pending tool call and acts on it in the same
@@ -430,8 +481,10 @@ impl<'a, 'c> Move<'a, 'c> {
     ) -> Result<()> {
         match decision {
             ToolDecision::Allow { .. } => self.start_tool_attempt(grant, step, from, attempt, call),
-            ToolDecision::Deny { reason: why, .. } => {
-                let error = format!("the call was denied: {why}");
+            ToolDecision::Deny {
+                reason: why, note, ..
+            } => {
+                let error = ToolDecision::denial(why, note.as_deref());
                 let result = serde_json::to_value(ToolResult::Error(error.clone())).unwrap();
                 self.close_step(step, from, attempt, Some(&result))?;
                 if attempt > 0 {
@@ -735,6 +788,15 @@ impl<'a, 'c> Move<'a, 'c> {
 /// run with the fencing token its lease was acquired with): compare-and-set on the owner and
 /// the token. The rows of runs that were not renewed are read afterwards, which happens only
 /// when a lease was lost.
+/// A run's failure for want of a model answer, as `run.finished` and the outcome say it.
+pub(crate) fn model_failure(error: &str, attempts: u32) -> String {
+    if attempts > 1 {
+        format!("the model failed after {attempts} attempts: {error}")
+    } else {
+        format!("the model failed: {error}")
+    }
+}
+
 pub(crate) fn renew(
     conn: &mut dyn LeaseWrites,
     owner: &str,

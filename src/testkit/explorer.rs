@@ -327,17 +327,13 @@ impl Explorer {
     fn witnessed_agent(&self) -> (Agent, Witness) {
         let mut agent = (self.make_agent)();
         let witness = Witness::default();
-        agent.tools = agent
-            .tools
-            .into_iter()
-            .map(|(name, tool)| {
-                let witnessed: Arc<dyn Tool> = Arc::new(Witnessed {
-                    inner: tool,
-                    witness: witness.clone(),
-                });
-                (name, witnessed)
-            })
-            .collect();
+        let tools = std::mem::take(&mut agent.tools);
+        for registered in tools.into_values() {
+            agent = agent.shared_tool(Arc::new(Witnessed {
+                inner: registered.tool.clone(),
+                witness: witness.clone(),
+            }));
+        }
         (agent, witness)
     }
 }
@@ -525,6 +521,14 @@ struct Witnessed {
 impl Tool for Witnessed {
     fn name(&self) -> &str {
         self.inner.name()
+    }
+
+    fn description(&self) -> &str {
+        self.inner.description()
+    }
+
+    fn parameters(&self) -> Value {
+        self.inner.parameters()
     }
 
     fn idempotent(&self) -> bool {

@@ -49,6 +49,6 @@ pub use store::{
 pub use types::RunOutcome;
 pub use types::{
     Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
-    ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
-    ToolSpec, Usage,
+    ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, RunUsage, ToolCall,
+    ToolResult, ToolSpec, Usage,
 };

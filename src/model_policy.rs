@@ -108,27 +108,25 @@ impl ModelPolicy {
         self.max_attempts
     }
 
-    /// How long to wait before the attempt after `attempt` failed retryably, or why not to
-    /// try again. `retry_after` is the server's hint; `unit` a random number in `[0, 1)`.
+    /// How long to wait before the attempt after `attempt` failed retryably; `Err(None)`
+    /// when that was the last attempt allowed, `Err(Some(why))` when the policy refuses to
+    /// wait as asked. `retry_after` is the server's hint; `unit` a random number in `[0, 1)`.
     pub(crate) fn next_attempt(
         &self,
         attempt: u32,
         retry_after: Option<Duration>,
         unit: f64,
-    ) -> Result<Duration, String> {
+    ) -> Result<Duration, Option<String>> {
         if attempt >= self.max_attempts {
-            return Err(format!(
-                "gave up after {attempt} attempt{}",
-                if attempt == 1 { "" } else { "s" }
-            ));
+            return Err(None);
         }
         if let Some(after) = retry_after {
             if after > self.max_retry_after {
-                return Err(format!(
+                return Err(Some(format!(
                     "the server asked to wait {} s, longer than the policy's {} s",
                     after.as_secs_f64(),
                     self.max_retry_after.as_secs_f64()
-                ));
+                )));
             }
             return Ok(after);
         }
@@ -173,6 +171,7 @@ mod tests {
         assert!(
             too_long
                 .unwrap_err()
+                .unwrap()
                 .contains("longer than the policy's 5 s")
         );
     }
@@ -181,13 +180,10 @@ mod tests {
     fn the_last_attempt_gives_up() {
         let policy = ModelPolicy::default().max_attempts(3);
         assert!(policy.next_attempt(2, None, 0.0).is_ok());
-        assert_eq!(
-            policy.next_attempt(3, None, 0.0),
-            Err("gave up after 3 attempts".into())
-        );
+        assert_eq!(policy.next_attempt(3, None, 0.0), Err(None));
         assert_eq!(
             ModelPolicy::no_retries().next_attempt(1, None, 0.0),
-            Err("gave up after 1 attempt".into())
+            Err(None)
         );
     }
 }

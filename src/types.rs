@@ -345,6 +345,25 @@ impl std::ops::AddAssign for Usage {
     }
 }
 
+/// What a run's model calls used, summed over its log (`Store::usage`).
+///
+/// JSON: `{"input_tokens": 1200, "output_tokens": 90, "answers": 3, "attempts": 4,
+/// "models": ["gpt-4o-mini-2024-07-18"]}`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunUsage {
+    /// The tokens of every answer recorded, as the servers reported them.
+    #[serde(flatten)]
+    pub tokens: Usage,
+    /// The answers recorded (`step.model_finished` without an error).
+    pub answers: u32,
+    /// The attempts dispatched (`step.model_started`): more than the answers when an attempt
+    /// failed, timed out, or was cut off by a crash and dispatched again. A cut-off attempt
+    /// may still have been paid for, though its usage was never reported.
+    pub attempts: u32,
+    /// The models that answered, as the servers named them, in the order first seen.
+    pub models: Vec<String>,
+}
+
 /// A tool as a model is told of it: its name, what it does, and the JSON Schema of its
 /// arguments (see `Tool::description` and `Tool::parameters`).
 ///

@@ -889,12 +889,16 @@ impl RunLoop {
                 .model_policy
                 .next_attempt(attempt, error.retry_after_hint(), unit)
         } else {
-            Err("not retryable".to_owned())
+            Err(None)
         };
         let retry_in = match next {
             Ok(retry_in) => retry_in,
-            Err(why) => {
-                tracing::warn!(step, attempt, error = %message, why, "the model failed");
+            Err(refused) => {
+                let message = match refused {
+                    Some(why) => format!("{message} ({why})"),
+                    None => message,
+                };
+                tracing::warn!(step, attempt, error = %message, "the model failed");
                 let outcome = ModelOutcome::Failed {
                     error: message.clone(),
                     attempts: attempt,

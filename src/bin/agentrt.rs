@@ -12,7 +12,9 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt::{Approval, FencingToken, Lease, PendingCall, Run, RunId, RunState, Store, sqlite};
+use agentrt::{
+    Approval, FencingToken, Lease, PendingCall, Run, RunId, RunState, RunUsage, Store, sqlite,
+};
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets};
 use serde::Serialize;
@@ -365,6 +367,7 @@ struct Shown<'a> {
     run: &'a Run,
     lease: Option<LeaseView<'a>>,
     pending_calls: &'a [PendingCall],
+    usage: &'a RunUsage,
 }
 
 /// `lease --json`.
@@ -430,11 +433,13 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     let run = store.run(run_id).map_err(|e| e.to_string())?;
     let lease = store.lease(run_id).map_err(|e| e.to_string())?;
     let pending = store.pending_calls(run_id).map_err(|e| e.to_string())?;
+    let usage = store.usage(run_id).map_err(|e| e.to_string())?;
     if json {
         return print_json(&Shown {
             run: &run,
             lease: LeaseView::of(&lease),
             pending_calls: &pending,
+            usage: &usage,
         });
     }
     out!("run       {}", run.id);
@@ -450,6 +455,7 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     out!("created   {}", time(run.created_at));
     out!("updated   {}", time(run.updated_at));
     out!("lease     {}", describe_lease(&lease));
+    out!("model     {}", describe_usage(&usage));
     if !pending.is_empty() {
         let mut table = table(&["CALL", "STEP", "TOOL", "ARGS", "WAITS FOR"]);
         for call in &pending {
@@ -464,6 +470,21 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
         out!("\n{}", table.trim_fmt());
     }
     Ok(())
+}
+
+fn describe_usage(usage: &RunUsage) -> String {
+    let plural = |n: u32, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    let mut line = format!(
+        "{} in, {} out; {}, {}",
+        usage.tokens.input_tokens,
+        usage.tokens.output_tokens,
+        plural(usage.answers, "answer"),
+        plural(usage.attempts, "attempt"),
+    );
+    if !usage.models.is_empty() {
+        line.push_str(&format!(" ({})", usage.models.join(", ")));
+    }
+    format!("tokens {line}")
 }
 
 fn describe_lease(lease: &Option<Lease>) -> String {

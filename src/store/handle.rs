@@ -107,6 +107,12 @@ impl Store {
         self.read(|reads| moves::events_after(reads, run_id, after))
     }
 
+    /// What a run's model calls used: the tokens of every answer, summed, and the attempts
+    /// dispatched (see [`RunUsage`](crate::RunUsage)).
+    pub fn usage(&self, run_id: &RunId) -> Result<crate::RunUsage> {
+        self.read(|reads| moves::usage(reads, run_id))
+    }
+
     /// The tool calls of a run that wait for an approval not yet recorded.
     pub fn pending_calls(&self, run_id: &RunId) -> Result<Vec<PendingCall>> {
         self.read(|reads| moves::pending_calls(reads, run_id))

@@ -22,7 +22,7 @@ use crate::{
     error::{Error, Result},
     types::{
         Approval, ApprovalReason, Event, EventKind, Lease, LeaseLostReason, PendingCall, Run,
-        RunId, RunState, ToolCall, ToolResult,
+        RunId, RunState, RunUsage, ToolCall, ToolResult, Usage,
     },
 };
 
@@ -822,6 +822,34 @@ pub(crate) fn renew(
 
 // ---------------------------------------------------------------------------------------------
 // Reads
+
+/// What a run's model calls used, from its log; an unknown run is not found.
+pub(crate) fn usage(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunUsage> {
+    run(reads, run_id)?;
+    let mut usage = RunUsage::default();
+    for event in reads.events_after(run_id, 0)? {
+        match event.kind {
+            EventKind::ModelStarted => usage.attempts += 1,
+            EventKind::ModelFinished if event.payload.get("error").is_none() => {
+                usage.answers += 1;
+                if let Some(tokens) = event
+                    .payload
+                    .get("usage")
+                    .and_then(|u| serde_json::from_value::<Usage>(u.clone()).ok())
+                {
+                    usage.tokens += tokens;
+                }
+                if let Some(model) = event.payload.get("model").and_then(Value::as_str) {
+                    if !usage.models.iter().any(|m| m == model) {
+                        usage.models.push(model.to_owned());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(usage)
+}
 
 /// A run; an unknown one is not found.
 pub(crate) fn run(reads: &mut dyn Reads, run_id: &RunId) -> Result<Run> {

@@ -43,6 +43,7 @@ pub fn faults(store: &Store) -> Option<&Faults> {
 }
 
 use std::{
+    collections::{BTreeMap, VecDeque},
     future::Future,
     path::{Path, PathBuf},
     sync::{
@@ -58,7 +59,8 @@ use tokio::sync::{Semaphore, watch};
 use crate::{
     Clock, Error, LeaseLost, Model, ModelError, ModelRequest, ModelResponse, Reconciliation,
     Result, ResumeRun, RunId, RunReply, Store, Supervisor, Tool, ToolContext, ToolError,
-    async_trait, types::Message,
+    async_trait,
+    types::{Message, ToolSpec},
 };
 
 /// Moves the wall clock that lease times are read from (never [`Config::clock`]'s), for this
@@ -228,9 +230,25 @@ pub struct ScriptedModel {
 struct ModelInner {
     script: Vec<Result<ModelResponse, ModelError>>,
     block_turn: Mutex<Option<usize>>,
+    /// Per turn: the errors its next calls fail with, before the script answers.
+    failures: Mutex<BTreeMap<usize, VecDeque<ModelError>>>,
     calls: AtomicUsize,
-    seen: Mutex<Vec<Vec<Message>>>,
+    seen: Mutex<Vec<SeenRequest>>,
     gate: Gate,
+}
+
+/// One call a [`ScriptedModel`] was given: what the model was asked.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct SeenRequest {
+    /// The model step.
+    pub step: u32,
+    /// The attempt of the step.
+    pub attempt: u32,
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// The tools offered.
+    pub tools: Vec<ToolSpec>,
 }
 
 impl ScriptedModel {
@@ -245,6 +263,7 @@ impl ScriptedModel {
             inner: Arc::new(ModelInner {
                 script,
                 block_turn: Mutex::new(None),
+                failures: Mutex::new(BTreeMap::new()),
                 calls: AtomicUsize::new(0),
                 seen: Mutex::new(Vec::new()),
                 gate: Gate::new(),
@@ -255,6 +274,20 @@ impl ScriptedModel {
     /// Calls for turn `turn` (from 0) block until [`ScriptedModel::release`].
     pub fn block_at_turn(self, turn: usize) -> Self {
         *self.inner.block_turn.lock().unwrap() = Some(turn);
+        self
+    }
+
+    /// The next calls for turn `turn` (from 0) fail with `errors`, one each, in order; the
+    /// calls after them answer from the script. How a test plays a flaky server: a
+    /// [retryable](ModelError::retryable) error is tried again by the agent's model policy.
+    pub fn failing_at_turn(self, turn: usize, errors: Vec<ModelError>) -> Self {
+        self.inner
+            .failures
+            .lock()
+            .unwrap()
+            .entry(turn)
+            .or_default()
+            .extend(errors);
         self
     }
 
@@ -270,6 +303,14 @@ impl ScriptedModel {
 
     /// The conversation each call was given, in the order of the calls.
     pub fn seen(&self) -> Vec<Vec<Message>> {
+        let seen = self.inner.seen.lock().unwrap();
+        seen.iter()
+            .map(|request| request.messages.clone())
+            .collect()
+    }
+
+    /// Each call's request, in the order of the calls.
+    pub fn requests(&self) -> Vec<SeenRequest> {
         self.inner.seen.lock().unwrap().clone()
     }
 
@@ -288,12 +329,23 @@ impl Model for ScriptedModel {
             .filter(|m| matches!(m, Message::Assistant(_)))
             .count();
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner
-            .seen
+        self.inner.seen.lock().unwrap().push(SeenRequest {
+            step: request.step,
+            attempt: request.attempt,
+            messages: request.messages.to_vec(),
+            tools: request.tools.to_vec(),
+        });
+        self.inner.gate.enter();
+        let failure = self
+            .inner
+            .failures
             .lock()
             .unwrap()
-            .push(request.messages.to_vec());
-        self.inner.gate.enter();
+            .get_mut(&turn)
+            .and_then(VecDeque::pop_front);
+        if let Some(error) = failure {
+            return Err(error);
+        }
         if *self.inner.block_turn.lock().unwrap() == Some(turn) {
             self.inner.gate.hold().await;
         }

@@ -121,8 +121,8 @@ impl Model for LoopModel {
         {
             self.latencies.lock().unwrap().push(now - before);
         }
-        // Each turn adds a response and one tool result.
-        let turn = (request.messages.len() / 2) as u32;
+        // Each turn is a model step and one tool step: turn t is step 2t + 1.
+        let turn = (request.step - 1) / 2;
         Ok(if turn < self.steps {
             ModelResponse::calls(vec![ToolCall::new(format!("c{turn}"), "noop", json!({}))])
         } else {

@@ -21,6 +21,9 @@ mod upgrading_0_6_md {}
 #[cfg(all(doctest, feature = "testkit"))]
 #[doc = include_str!("../docs/testing.md")]
 mod testing_md {}
+#[cfg(all(doctest, feature = "testkit"))]
+#[doc = include_str!("../docs/models.md")]
+mod models_md {}
 
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},

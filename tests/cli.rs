@@ -74,6 +74,31 @@ fn show_names_the_pending_call_and_the_lease() {
 }
 
 #[test]
+fn show_gives_the_runs_token_totals() {
+    let db = fixture();
+    agentrt(&db.path())
+        .args(["show", "done"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(
+            "model     tokens 30 in, 5 out; 2 answers, 2 attempts (scripted-1)",
+        ));
+    let out = agentrt(&db.path())
+        .args(["show", "done", "--json"])
+        .output()
+        .unwrap();
+    let usage = &json_of(&out.stdout)["usage"];
+    assert_eq!(
+        usage,
+        &json!({"input_tokens": 30, "output_tokens": 5, "answers": 2, "attempts": 2, "models": ["scripted-1"]})
+    );
+    assert_eq!(
+        serde_json::from_value::<agentrt::RunUsage>(usage.clone()).unwrap(),
+        db.open().usage(&RunId::from("done")).unwrap()
+    );
+}
+
+#[test]
 fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finishes() {
     let db = fixture();
     agentrt(&db.path())

@@ -839,10 +839,10 @@ pub(crate) fn usage(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunUsage> {
                 {
                     usage.tokens += tokens;
                 }
-                if let Some(model) = event.payload.get("model").and_then(Value::as_str) {
-                    if !usage.models.iter().any(|m| m == model) {
-                        usage.models.push(model.to_owned());
-                    }
+                if let Some(model) = event.payload.get("model").and_then(Value::as_str)
+                    && !usage.models.iter().any(|m| m == model)
+                {
+                    usage.models.push(model.to_owned());
                 }
             }
             _ => {}

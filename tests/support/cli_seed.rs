@@ -8,6 +8,7 @@ use std::{
 
 use agentrt::{
     Agent, Config, ModelResponse, RequireApprovalFor, RunId, StartRun, Store, Supervisor, ToolCall,
+    Usage,
     testkit::{Behaviour, RecordingTool, ScriptedModel, with_system},
 };
 use serde_json::json;
@@ -17,9 +18,21 @@ use serde_json::json;
 /// stale).
 pub fn seed(path: &Path) {
     let script = || {
+        let paid = |response: ModelResponse, input_tokens, output_tokens| ModelResponse {
+            usage: Some(Usage {
+                input_tokens,
+                output_tokens,
+            }),
+            model: Some("scripted-1".into()),
+            ..response
+        };
         ScriptedModel::new(vec![
-            ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-            ModelResponse::answer("paid"),
+            paid(
+                ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
+                10,
+                2,
+            ),
+            paid(ModelResponse::answer("paid"), 20, 3),
         ])
     };
     let pay = RecordingTool::new("pay");

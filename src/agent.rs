@@ -37,6 +37,33 @@ pub struct ModelRequest<'a> {
     pub tools: &'a [ToolSpec],
 }
 
+impl<'a> ModelRequest<'a> {
+    /// A request for the first attempt of model step 1 of `run_id`: how a model adapter's own
+    /// tests call it without a supervisor. [`at`](Self::at) sets the step and attempt.
+    pub fn new(
+        run_id: &'a RunId,
+        input: &'a Value,
+        messages: &'a [Message],
+        tools: &'a [ToolSpec],
+    ) -> Self {
+        ModelRequest {
+            run_id,
+            step: 1,
+            attempt: 1,
+            input,
+            messages,
+            tools,
+        }
+    }
+
+    /// The same request, as attempt `attempt` of step `step`.
+    pub fn at(mut self, step: u32, attempt: u32) -> Self {
+        self.step = step;
+        self.attempt = attempt;
+        self
+    }
+}
+
 /// Why a model gave no answer: [fatal](ModelError::fatal) (the run fails at once), or
 /// [retryable](ModelError::retryable) (the agent's [`ModelPolicy`] tries again, and fails the
 /// run only when it gives up).
@@ -338,7 +365,10 @@ impl RegisteredTool {
             description: tool.description().to_owned(),
             parameters: tool.parameters(),
         };
-        let validator = jsonschema::validator_for(&spec.parameters).map_err(|err| {
+        let validator = jsonschema::options()
+            .should_validate_formats(true)
+            .build(&spec.parameters)
+            .map_err(|err| {
             tracing::error!(tool = %spec.name, %err, "the tool's argument schema is invalid: every call of it is refused");
             format!("the tool's argument schema is invalid: {err}")
         });
@@ -356,10 +386,11 @@ impl RegisteredTool {
             .take(MAX_SCHEMA_ERRORS)
             .map(|err| {
                 let at = err.instance_path().to_string();
+                let what = shortened(&err.to_string());
                 if at.is_empty() {
-                    err.to_string()
+                    what
                 } else {
-                    format!("at {at}: {err}")
+                    format!("at {at}: {what}")
                 }
             })
             .collect();
@@ -374,6 +405,17 @@ impl RegisteredTool {
 
 /// The most schema violations one refusal names: enough for a model to mend its call.
 const MAX_SCHEMA_ERRORS: usize = 5;
+
+/// The most characters of one violation (which quotes the offending value) a refusal keeps.
+const MAX_PROBLEM_CHARS: usize = 200;
+
+/// `text`, cut to [`MAX_PROBLEM_CHARS`] characters with an ellipsis when longer.
+pub(crate) fn shortened(text: &str) -> String {
+    match text.char_indices().nth(MAX_PROBLEM_CHARS) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
 
 /// An agent: a model, the tools it may call, the policy that decides each call, and how its
 /// model is called.
@@ -425,7 +467,8 @@ impl Agent {
 
     /// Adds a tool, under its [`Tool::name`]; a tool of the same name is replaced. Its
     /// description and schema are read now. A schema that is not valid JSON Schema is logged
-    /// as an error, and every call of the tool is refused with the reason.
+    /// as an error: the tool is not offered to the model, and a call of it is refused with
+    /// the reason.
     pub fn tool(self, tool: impl Tool) -> Self {
         self.shared_tool(Arc::new(tool))
     }
@@ -433,6 +476,9 @@ impl Agent {
     /// Adds a shared tool.
     pub fn shared_tool(mut self, tool: Arc<dyn Tool>) -> Self {
         let (registered, spec) = RegisteredTool::new(tool);
+        // A schema that cannot be checked is not offered either: a server that checks the
+        // schemas it is sent would refuse every request.
+        let offered = registered.validator.is_ok();
         self.tools.insert(spec.name.clone(), Arc::new(registered));
         let mut specs: Vec<ToolSpec> = self
             .specs
@@ -440,7 +486,7 @@ impl Agent {
             .filter(|s| s.name != spec.name)
             .cloned()
             .collect();
-        specs.push(spec);
+        specs.extend(offered.then_some(spec));
         specs.sort_by(|a, b| a.name.cmp(&b.name));
         self.specs = specs.into();
         self

@@ -14,9 +14,13 @@ use std::time::Duration;
 /// leaves them as they were, and the run's next executor goes on from the last attempt.
 ///
 /// The backoff before attempt `n + 1` is exponential, `initial_backoff * 2^(n-1)` capped at
-/// `max_backoff`, of which a random half is taken off (so that runs that failed together do
+/// `max_backoff`, less a random part of up to a half (so that runs that failed together do
 /// not retry together); a server's `Retry-After` is waited for in full, unless it asks for
 /// more than `max_retry_after`: the run then fails rather than wait.
+///
+/// The worst case before a run fails for want of an answer, with the defaults, is three
+/// attempts that each time out: about 30 minutes. A shorter timeout suits a fast hosted
+/// model; a reasoning model or a slow local one may need the default, or no timeout.
 ///
 /// ```
 /// use std::time::Duration;
@@ -37,16 +41,17 @@ pub struct ModelPolicy {
     max_retry_after: Duration,
 }
 
-/// The default per-attempt timeout: long enough for a long answer from a slow local model.
-pub const DEFAULT_MODEL_TIMEOUT: Duration = Duration::from_secs(120);
+/// The default per-attempt timeout, 10 minutes: long enough for a long answer from a
+/// reasoning model or a slow local one, short enough that a hung connection ends.
+pub const DEFAULT_MODEL_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl Default for ModelPolicy {
-    /// A 120 s timeout per attempt; 4 attempts; backoff from 500 ms doubling up to 30 s; a
-    /// `Retry-After` of up to 60 s honoured.
+    /// A 10-minute timeout per attempt; 3 attempts; backoff from 500 ms doubling up to 30 s;
+    /// a `Retry-After` of up to 60 s honoured.
     fn default() -> Self {
         ModelPolicy {
             timeout: Some(DEFAULT_MODEL_TIMEOUT),
-            max_attempts: 4,
+            max_attempts: 3,
             initial_backoff: Duration::from_millis(500),
             max_backoff: Duration::from_secs(30),
             max_retry_after: Duration::from_secs(60),
@@ -65,10 +70,15 @@ impl ModelPolicy {
         }
     }
 
-    /// Each attempt may take at most `timeout`; one that takes longer is dropped and counts
-    /// as a retryable failure.
+    /// Each attempt may take at most `timeout` (zero means [`DEFAULT_MODEL_TIMEOUT`]); one
+    /// that takes longer is dropped and counts as a retryable failure. The server may still
+    /// finish, and bill, the request it was sent.
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = Some(timeout);
+        self.timeout = Some(if timeout.is_zero() {
+            DEFAULT_MODEL_TIMEOUT
+        } else {
+            timeout
+        });
         self
     }
 
@@ -106,6 +116,11 @@ impl ModelPolicy {
     /// The most attempts of one model call.
     pub fn max_attempts_allowed(&self) -> u32 {
         self.max_attempts
+    }
+
+    /// The longest wait between two attempts the policy allows.
+    pub(crate) fn longest_wait(&self) -> Duration {
+        self.max_backoff.max(self.max_retry_after)
     }
 
     /// How long to wait before the attempt after `attempt` failed retryably; `Err(None)`

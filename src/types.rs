@@ -329,6 +329,7 @@ pub struct ModelResponse {
 ///
 /// JSON: `{"input_tokens": 412, "output_tokens": 18}`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Usage {
     /// Tokens of the request (the prompt), cached ones included.
     #[serde(default)]
@@ -336,6 +337,16 @@ pub struct Usage {
     /// Tokens of the answer.
     #[serde(default)]
     pub output_tokens: u64,
+}
+
+impl Usage {
+    /// `input_tokens` of the request and `output_tokens` of the answer.
+    pub fn new(input_tokens: u64, output_tokens: u64) -> Self {
+        Usage {
+            input_tokens,
+            output_tokens,
+        }
+    }
 }
 
 impl std::ops::AddAssign for Usage {
@@ -350,6 +361,7 @@ impl std::ops::AddAssign for Usage {
 /// JSON: `{"input_tokens": 1200, "output_tokens": 90, "answers": 3, "attempts": 4,
 /// "models": ["gpt-4o-mini-2024-07-18"]}`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct RunUsage {
     /// The tokens of every answer recorded, as the servers reported them.
     #[serde(flatten)]
@@ -370,6 +382,7 @@ pub struct RunUsage {
 /// JSON: `{"name": "weather", "description": "The weather in a city.", "parameters":
 /// {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ToolSpec {
     /// The name the model calls it by.
     pub name: String,
@@ -377,6 +390,17 @@ pub struct ToolSpec {
     pub description: String,
     /// The JSON Schema of its arguments.
     pub parameters: Value,
+}
+
+impl ToolSpec {
+    /// The spec of tool `name`.
+    pub fn new(name: impl Into<String>, description: impl Into<String>, parameters: Value) -> Self {
+        ToolSpec {
+            name: name.into(),
+            description: description.into(),
+            parameters,
+        }
+    }
 }
 
 impl ModelResponse {
@@ -422,6 +446,7 @@ pub enum ToolResult {
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Message {
     /// The agent's instructions (the system prompt).
     System {

@@ -218,10 +218,7 @@ fn model_responses_tool_results_and_messages_keep_the_shape_they_are_logged_in()
     );
     pins(&ModelResponse::calls(vec![]), r#"{"tool_calls":[]}"#);
     let paid = ModelResponse {
-        usage: Some(Usage {
-            input_tokens: 412,
-            output_tokens: 18,
-        }),
+        usage: Some(Usage::new(412, 18)),
         model: Some("m-1".into()),
         ..ModelResponse::answer("hi")
     };
@@ -242,11 +239,11 @@ fn model_responses_tool_results_and_messages_keep_the_shape_they_are_logged_in()
         r#"{"role":"user","text":"Where is my order?"}"#,
     );
     pins(
-        &ToolSpec {
-            name: "weather".into(),
-            description: "The weather in a city.".into(),
-            parameters: json!({"type": "object"}),
-        },
+        &ToolSpec::new(
+            "weather",
+            "The weather in a city.",
+            json!({"type": "object"}),
+        ),
         r#"{"name":"weather","description":"The weather in a city.","parameters":{"type":"object"}}"#,
     );
     pins(

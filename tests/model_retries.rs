@@ -2,11 +2,17 @@
 //! after a backoff, each attempt written to the log as it happens; fatal errors, and a policy
 //! that gives up, fail the run with the last error and the number of attempts.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use agentrt::{
-    Agent, CancelRun, Event, EventKind, ModelError, ModelPolicy, ModelResponse, Outcome, RunId,
-    StartRun, Store, Supervisor, Usage,
+    Agent, CancelRun, Event, EventKind, Model, ModelError, ModelPolicy, ModelRequest,
+    ModelResponse, Outcome, RunId, StartRun, Store, Supervisor, Usage, async_trait,
     testkit::{ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
@@ -18,10 +24,7 @@ fn quick_policy() -> ModelPolicy {
 
 fn answer_with_usage() -> ModelResponse {
     ModelResponse {
-        usage: Some(Usage {
-            input_tokens: 120,
-            output_tokens: 7,
-        }),
+        usage: Some(Usage::new(120, 7)),
         model: Some("scripted-1".into()),
         ..ModelResponse::answer("done")
     }
@@ -102,7 +105,8 @@ fn a_retryable_error_is_tried_again_and_every_attempt_is_in_the_log() {
     );
     assert_eq!(events[1].payload["error"], json!("HTTP 503: overloaded"));
     assert_eq!(events[3].payload["error"], json!("HTTP 429: slow down"));
-    // The server's Retry-After is what the second backoff waited.
+    // The server's Retry-After is what the second backoff waited, though longer than the
+    // policy's own largest backoff.
     assert_eq!(events[3].payload["retry_in_ms"], json!(30));
     let attempts: Vec<u32> = model.requests().iter().map(|r| r.attempt).collect();
     assert_eq!(
@@ -112,13 +116,7 @@ fn a_retryable_error_is_tried_again_and_every_attempt_is_in_the_log() {
     );
     // Only the answer reported usage; the log has all three attempts.
     let usage = store.usage(&RunId::from("run-1")).unwrap();
-    assert_eq!(
-        usage.tokens,
-        Usage {
-            input_tokens: 120,
-            output_tokens: 7
-        }
-    );
+    assert_eq!(usage.tokens, Usage::new(120, 7));
     assert_eq!((usage.answers, usage.attempts), (1, 3));
     assert_eq!(usage.models, ["scripted-1"]);
     assert_eq!(events[5].payload["usage"]["input_tokens"], json!(120));
@@ -193,27 +191,30 @@ fn the_policy_gives_up_after_its_attempts_with_the_last_error() {
     );
 }
 
+/// Its first call never answers; every later one answers at once.
+#[derive(Clone, Default)]
+struct HangsOnce {
+    calls: Arc<AtomicUsize>,
+}
+
+#[async_trait(?Send)]
+impl Model for HangsOnce {
+    async fn complete(&self, _: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            std::future::pending::<()>().await;
+        }
+        Ok(ModelResponse::answer("late but here"))
+    }
+}
+
 #[test]
 fn an_attempt_that_outlasts_its_timeout_is_dropped_and_tried_again() {
     let db = TempStore::new();
-    // Every call of the first turn waits for a release: the first is never released.
-    let model = ScriptedModel::new(vec![ModelResponse::answer("late but here")]).block_at_turn(0);
+    let model = HangsOnce::default();
     let policy = quick_policy().timeout(Duration::from_millis(200));
     let agent = Agent::new(model.clone()).model_policy(policy);
-    let store = db.open();
 
-    let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        let call = supervisor.send(StartRun::new("a", json!("hello")).with_id("run-1"));
-        let call = actix_rt::spawn(call);
-        // The second attempt is dispatched once the first timed out: it may answer.
-        model.wait_calls(2).await;
-        model.release();
-        call.await.unwrap().unwrap().unwrap().outcome
-    });
+    let outcome = run(&db, agent);
 
     assert_eq!(
         outcome,
@@ -221,6 +222,7 @@ fn an_attempt_that_outlasts_its_timeout_is_dropped_and_tried_again() {
             output: "late but here".into()
         }
     );
+    assert_eq!(model.calls.load(Ordering::SeqCst), 2);
     let store = db.open();
     let events = model_events(&store);
     assert_eq!(
@@ -233,6 +235,29 @@ fn an_attempt_that_outlasts_its_timeout_is_dropped_and_tried_again() {
         ]
     );
     assert_eq!(events[1].payload["error"], json!("no answer within 0.2 s"));
+}
+
+#[test]
+fn a_fatal_error_after_retryable_ones_fails_the_run_with_it() {
+    let db = TempStore::new();
+    let model = ScriptedModel::new(vec![ModelResponse::answer("never")]).failing_at_turn(
+        0,
+        vec![
+            ModelError::retryable("HTTP 503"),
+            ModelError::fatal("HTTP 400: the request is too long"),
+        ],
+    );
+    let agent = Agent::new(model.clone()).model_policy(quick_policy().max_attempts(5));
+
+    let outcome = run(&db, agent);
+
+    assert_eq!(
+        outcome,
+        Outcome::Failed {
+            error: "the model failed after 2 attempts: HTTP 400: the request is too long".into()
+        }
+    );
+    assert_eq!(model.calls(), 2);
 }
 
 #[test]
@@ -267,7 +292,14 @@ fn a_cancel_during_the_backoff_stops_the_run_before_another_attempt() {
             .await
             .unwrap()
             .unwrap();
-        call.await.unwrap().unwrap().unwrap().outcome
+        // A cancel that did not end the backoff fails here, rather than wait it out.
+        let reply = actix_rt::time::timeout(Duration::from_secs(60), call).await;
+        reply
+            .expect("the cancel ended the backoff")
+            .unwrap()
+            .unwrap()
+            .unwrap()
+            .outcome
     });
 
     assert_eq!(

@@ -24,13 +24,52 @@ fn script() -> Vec<ModelResponse> {
 
 fn agent(model: &ScriptedModel, charge: &RecordingTool) -> Agent {
     Agent::new(model.clone()).tool(charge.clone()).model_policy(
-        ModelPolicy::default().backoff(Duration::from_millis(5), Duration::from_millis(20)),
+        ModelPolicy::default()
+            .max_attempts(4)
+            .backoff(Duration::from_millis(5), Duration::from_millis(20)),
     )
 }
 
-/// A short TTL: the crashed supervisor's run is free again quickly.
-fn fast_lease() -> Config {
-    Config::default().lease_ttl(Duration::from_millis(300))
+/// The crashed supervisor's run is free again after this; long enough that a slow machine
+/// renews the lease on time before the crash.
+fn lease() -> Config {
+    Config::default().lease_ttl(Duration::from_secs(2))
+}
+
+/// Starts `run-1` with `model`, and crashes its supervisor once `crash_when` says so of the
+/// run's events.
+fn crash_when(
+    db: &TempStore,
+    agent: Agent,
+    crash_when: impl Fn(&[agentrt::Event]) -> bool + 'static,
+) {
+    let (store, watcher) = (db.open(), db.open());
+    with_system(|| async move {
+        let supervisor = Supervisor::builder(store)
+            .config(lease())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
+        actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
+        // Before the run's insert commits it is not found: no events yet.
+        while !crash_when(&watcher.events(&RunId::from("run-1")).unwrap_or_default()) {
+            actix_rt::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+}
+
+fn resume(db: &TempStore, agent: Agent) -> Outcome {
+    let store = db.open();
+    with_system(|| async move {
+        let supervisor = Supervisor::builder(store)
+            .config(lease())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
+        resume_when_free(&supervisor, &RunId::from("run-1"), Duration::from_secs(20)).await
+    })
+    .unwrap()
+    .outcome
 }
 
 #[test]
@@ -49,15 +88,12 @@ fn a_crash_during_retries_keeps_every_attempt_and_the_resume_asks_the_model_agai
             ],
         )
         .block_at_turn(0);
-    let (store, agent_a, watched) = (db.open(), agent(&flaky, &charge), flaky.clone());
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent_a)
-            .start()
-            .unwrap();
-        actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
-        watched.wait_calls(3).await;
+    crash_when(&db, agent(&flaky, &charge), |events| {
+        events
+            .iter()
+            .filter(|e| e.kind == EventKind::ModelStarted)
+            .count()
+            == 3
     });
     let store = db.open();
     let attempts = |kinds: &[EventKind]| -> Vec<(EventKind, u64)> {
@@ -93,19 +129,10 @@ fn a_crash_during_retries_keeps_every_attempt_and_the_resume_asks_the_model_agai
 
     // A new process: the same agent, its model answering at once.
     let steady = ScriptedModel::new(script());
-    let (store_b, agent_b, id) = (db.open(), agent(&steady, &charge), run_id.clone());
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store_b)
-            .config(fast_lease())
-            .agent("billing", agent_b)
-            .start()
-            .unwrap();
-        resume_when_free(&supervisor, &id, Duration::from_secs(10)).await
-    })
-    .unwrap();
+    let outcome = resume(&db, agent(&steady, &charge));
 
     assert_eq!(
-        reply.outcome,
+        outcome,
         Outcome::Succeeded {
             output: "charged".into()
         }
@@ -139,4 +166,123 @@ fn a_crash_during_retries_keeps_every_attempt_and_the_resume_asks_the_model_agai
         "five attempts dispatched, two answered: the one cut off by the crash may be paid for too"
     );
     agentrt::testkit::assert_no_run_leased(&store);
+}
+
+#[test]
+fn a_crash_during_the_last_attempt_fails_the_run_without_another() {
+    let db = TempStore::new();
+    let charge = RecordingTool::new("charge");
+    let failures = (0..3).map(|_| ModelError::retryable("HTTP 503")).collect();
+    let flaky = ScriptedModel::new(script())
+        .failing_at_turn(0, failures)
+        .block_at_turn(0);
+    crash_when(&db, agent(&flaky, &charge), |events| {
+        events
+            .iter()
+            .any(|e| e.kind == EventKind::ModelStarted && e.payload["attempt"] == json!(4))
+    });
+
+    let steady = ScriptedModel::new(script());
+    let outcome = resume(&db, agent(&steady, &charge));
+
+    let error = "the model failed after 4 attempts: attempt 4, the last the model policy allows, \
+                 was cut off before it answered";
+    assert_eq!(
+        outcome,
+        Outcome::Failed {
+            error: error.into()
+        }
+    );
+    assert_eq!(steady.calls(), 0, "no fifth attempt");
+    let store = db.open();
+    let events = store.events(&RunId::from("run-1")).unwrap();
+    let reconciled = events
+        .iter()
+        .find(|e| e.kind == EventKind::StepReconciled)
+        .unwrap();
+    assert_eq!(
+        reconciled.payload,
+        json!({"attempt": 4, "outcome": "model_call", "action": "fail_run"})
+    );
+    let finished = events.last().unwrap();
+    assert_eq!(finished.kind, EventKind::RunFinished);
+    assert_eq!(finished.payload["model_attempts"], json!(4));
+    agentrt::testkit::assert_no_run_leased(&store);
+}
+
+#[test]
+fn a_takeover_during_the_backoff_waits_out_the_servers_retry_after() {
+    let db = TempStore::new();
+    let charge = RecordingTool::new("charge");
+    // Longer than the lease: the next owner takes the run over before the wait is over.
+    let retry_after = Duration::from_secs(3);
+    let flaky = ScriptedModel::new(script()).failing_at_turn(
+        0,
+        vec![ModelError::retryable("HTTP 429: slow down").retry_after(retry_after)],
+    );
+    let policy =
+        ModelPolicy::default().backoff(Duration::from_millis(5), Duration::from_millis(20));
+    let agent_a = Agent::new(flaky.clone())
+        .tool(charge.clone())
+        .model_policy(policy.clone());
+    crash_when(&db, agent_a, |events| {
+        events
+            .iter()
+            .any(|e| e.kind == EventKind::ModelAttemptFailed)
+    });
+    let store = db.open();
+    let failed = store
+        .events(&RunId::from("run-1"))
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == EventKind::ModelAttemptFailed)
+        .unwrap();
+    let retry_at = failed.payload["retry_at"].as_i64().unwrap();
+
+    /// Notes the wall-clock time of each call.
+    #[derive(Clone)]
+    struct Timed(ScriptedModel, std::sync::Arc<std::sync::Mutex<Vec<i64>>>);
+    #[agentrt::async_trait(?Send)]
+    impl agentrt::Model for Timed {
+        async fn complete(
+            &self,
+            request: agentrt::ModelRequest<'_>,
+        ) -> Result<ModelResponse, ModelError> {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis() as i64;
+            self.1.lock().unwrap().push(now);
+            self.0.complete(request).await
+        }
+    }
+    let times = std::sync::Arc::default();
+    let timed = Timed(ScriptedModel::new(script()), std::sync::Arc::clone(&times));
+    let outcome = resume(
+        &db,
+        Agent::new(timed).tool(charge.clone()).model_policy(policy),
+    );
+
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "charged".into()
+        }
+    );
+    let first = times.lock().unwrap()[0];
+    assert!(
+        first >= retry_at,
+        "the next attempt was sent {} ms before the server's Retry-After ran out",
+        retry_at - first
+    );
+    let events = store.events(&RunId::from("run-1")).unwrap();
+    let reconciled = events
+        .iter()
+        .find(|e| e.kind == EventKind::StepReconciled)
+        .unwrap();
+    assert_eq!(
+        reconciled.payload,
+        json!({"attempt": 1, "outcome": "attempt_failed", "action": "dispatch_again"})
+    );
+    assert_eq!(charge.executions().len(), 1);
 }

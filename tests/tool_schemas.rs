@@ -246,3 +246,64 @@ fn a_tool_whose_schema_is_invalid_is_never_called() {
         other => panic!("the call was not refused: {other:?}"),
     }
 }
+
+/// A tool whose schema asks for formats.
+struct Schedule;
+
+#[async_trait(?Send)]
+impl Tool for Schedule {
+    fn name(&self) -> &str {
+        "schedule"
+    }
+
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {"when": {"type": "string", "format": "date-time"}},
+            "required": ["when"]
+        })
+    }
+
+    async fn call(&self, _: &ToolContext, args: &Value) -> Result<Value, ToolError> {
+        Ok(json!({ "scheduled": args["when"] }))
+    }
+}
+
+#[test]
+fn formats_are_checked_and_a_string_holding_json_is_named_as_such() {
+    let db = TempStore::new();
+    let model = ScriptedModel::new(vec![
+        call("s1", "schedule", json!({"when": "yesterday"})),
+        call(
+            "s2",
+            "schedule",
+            json!(r#"{"when": "2026-12-01T10:00:00Z"}"#),
+        ),
+        call("s3", "schedule", json!({"when": "2026-12-01T10:00:00Z"})),
+        ModelResponse::answer("scheduled"),
+    ]);
+    let agent = Agent::new(model.clone()).tool(Schedule);
+
+    run(&db, agent);
+
+    let results = results_seen(&model);
+    let ToolResult::Error(bad_format) = &results[0].1 else {
+        panic!("a date-time that is not one was accepted: {:?}", results[0]);
+    };
+    assert!(
+        bad_format.contains("is not a \"date-time\""),
+        "{bad_format}"
+    );
+    assert_eq!(
+        results[1].1,
+        ToolResult::Error(
+            "the arguments of a tool call must be a JSON object, not a string holding JSON: \
+             {\"when\": \"2026-12-01T10:00:00Z\"}"
+                .into()
+        )
+    );
+    assert_eq!(
+        results[2].1,
+        ToolResult::Ok(json!({"scheduled": "2026-12-01T10:00:00Z"}))
+    );
+}

@@ -8,6 +8,7 @@ use std::{
     panic::AssertUnwindSafe,
     rc::Rc,
     sync::Arc,
+    time::Duration,
 };
 
 use actix::{
@@ -29,13 +30,13 @@ use crate::{
         backend::{Durability, MoveKind},
         model::{
             Grant, Holder, ModelOutcome, Resolution, RunSnapshot, StepKind, StepRow, StepState,
-            ToolDecision, idempotency_key,
+            ToolDecision, idempotency_key, wall_millis,
         },
         moves::{self, Move},
     },
     types::{
-        ApprovalReason, FencingToken, LeaseLostReason, Message as ChatMessage, ModelResponse,
-        Outcome, PendingCall, RunId, RunReply, RunState, ToolCall, ToolResult,
+        ApprovalReason, EventKind, FencingToken, LeaseLostReason, Message as ChatMessage,
+        ModelResponse, Outcome, PendingCall, RunId, RunReply, RunState, ToolCall, ToolResult,
     },
 };
 
@@ -217,6 +218,8 @@ struct RunLoop {
 enum Planned {
     /// Reserve model step `step`: its request is the next side effect.
     BeginModel { step: u32 },
+    /// Reserve the next attempt of model step `step`, whose attempt `attempt` failed.
+    BeginAttempt { step: u32, attempt: u32 },
     /// The run reached its step limit.
     Fail { error: String },
     /// Record the policy's decision on pending tool step `step`, and act on it.
@@ -244,7 +247,7 @@ impl Planned {
     /// model is asked again.
     fn durability(&self) -> Durability {
         match self {
-            Planned::BeginModel { .. } => Durability::Written,
+            Planned::BeginModel { .. } | Planned::BeginAttempt { .. } => Durability::Written,
             _ => Durability::Durable,
         }
     }
@@ -254,6 +257,7 @@ impl Planned {
         matches!(
             self,
             Planned::BeginModel { .. }
+                | Planned::BeginAttempt { .. }
                 | Planned::Decide {
                     decision: ToolDecision::Allow { .. },
                     ..
@@ -653,6 +657,12 @@ impl RunLoop {
             }
             return Ok(Some(Planned::BeginModel { step }));
         };
+        if (step.kind, step.state) == (StepKind::Model, StepState::Pending) {
+            return Ok(Some(Planned::BeginAttempt {
+                step: step.step,
+                attempt: step.attempt,
+            }));
+        }
         if (step.kind, step.state) != (StepKind::Tool, StepState::Pending) {
             return Ok(None);
         }
@@ -661,13 +671,24 @@ impl RunLoop {
         let rejection = match self.agent.tools.get(&call.name) {
             None => Some(format!("the agent has no tool named {:?}", call.name)),
             // A string: what a model adapter keeps of arguments that were not JSON.
-            Some(_) if call.args.is_string() => Some(format!(
-                "the arguments of a tool call must be a JSON object; these are not JSON: {}",
-                call.args.as_str().unwrap_or_default()
-            )),
+            Some(_) if call.args.is_string() => {
+                let raw = call.args.as_str().unwrap_or_default();
+                Some(match serde_json::from_str::<Value>(raw) {
+                    Ok(_) => format!(
+                        "the arguments of a tool call must be a JSON object, not a string \
+                         holding JSON: {}",
+                        crate::agent::shortened(raw)
+                    ),
+                    Err(_) => format!(
+                        "the arguments of a tool call must be a JSON object; these are not \
+                         JSON: {}",
+                        crate::agent::shortened(raw)
+                    ),
+                })
+            }
             Some(_) if !call.args.is_object() => Some(format!(
                 "the arguments of a tool call must be a JSON object, not {}",
-                call.args
+                crate::agent::shortened(&call.args.to_string())
             )),
             Some(tool) => tool.refuse(&call.args),
         };
@@ -709,6 +730,10 @@ impl RunLoop {
                 .move_of(MoveKind::BeginModelStep, move |m, grant| {
                     m.begin_model_step(grant, step)
                 }),
+            Planned::BeginAttempt { step, attempt } => self
+                .move_of(MoveKind::BeginModelAttempt, move |m, grant| {
+                    m.begin_model_attempt(grant, step, attempt)
+                }),
             Planned::Fail { error } => {
                 self.move_of(MoveKind::FailRun, move |m, grant| m.fail_run(grant, &error))
             }
@@ -739,6 +764,10 @@ impl RunLoop {
                     result: None,
                     waiting_for: None,
                 });
+                Ok(Next::Continue)
+            }
+            Planned::BeginAttempt { step, attempt } => {
+                self.set_step(step, StepState::InFlight, attempt + 1, None);
                 Ok(Next::Continue)
             }
             Planned::Fail { error } => Ok(Next::Return(Outcome::Failed { error })),
@@ -918,25 +947,22 @@ impl RunLoop {
             m.fail_model_attempt(grant, step, attempt, &failed, retry_in)
         })
         .await?;
-        futures_util::select_biased! {
-            _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
-            () = actix_rt::time::sleep(retry_in).fuse() => {}
+        if let Some(stopped) = self.back_off(retry_in).await {
+            return stopped;
         }
-        loop {
-            if self.env.lease_lost.borrow().is_some() {
-                return self.stopped().await.map(Next::Return);
-            }
-            self.wait_for_margin().await?;
-            let begin = self.move_of(MoveKind::BeginModelAttempt, move |m, grant| {
-                m.begin_model_attempt(grant, step, attempt)
-            });
-            let begun = self.env.store.apply(begin, Durability::Written).await;
-            if self.unless_short(begun).await?.is_some() {
-                break;
-            }
-        }
-        self.set_step(step, StepState::InFlight, attempt + 1, None);
+        // Planned as the next move: the loop reserves the next attempt with the start margin.
+        // (Stored, the step stays in flight until then.)
+        self.set_step(step, StepState::Pending, attempt, None);
         Ok(Next::Continue)
+    }
+
+    /// Waits `wait` before a model call's next attempt; `Some` when the cancellation signal
+    /// (an operator's cancel, a lost lease) ended the wait, with where the loop goes then.
+    async fn back_off(&self, wait: Duration) -> Option<Result<Next>> {
+        futures_util::select_biased! {
+            _ = self.env.cancellation.cancelled().fuse() => Some(self.interrupted_by_signal().await),
+            () = actix_rt::time::sleep(wait).fuse() => None,
+        }
     }
 
     /// Call ids address approvals: they are kept unique within the run. An empty id, or one
@@ -1049,17 +1075,7 @@ impl RunLoop {
     async fn reconcile(&mut self, step: &StepRow) -> Result<Next> {
         let (number, attempt) = (step.step, step.attempt);
         let Some(call) = step.call.clone() else {
-            self.wait_for_margin().await?;
-            let redispatch = self
-                .apply(MoveKind::Reconcile, move |m, grant| {
-                    m.reconcile(grant, number, attempt, None, &Resolution::Redispatch)
-                })
-                .await;
-            if self.unless_short(redispatch).await?.is_none() {
-                return Ok(Next::Continue);
-            }
-            self.set_step(number, StepState::InFlight, attempt + 1, None);
-            return Ok(Next::Continue);
+            return self.reconcile_model(number, attempt).await;
         };
         let tool = self.agent.tools.get(&call.name).map(|t| t.tool.clone());
         let answer = match &tool {
@@ -1118,7 +1134,9 @@ impl RunLoop {
                 self.set_step(number, StepState::Finished, attempt, Some(result));
                 Ok(Next::Continue)
             }
-            Resolution::Retry { .. } | Resolution::Redispatch => {
+            Resolution::Retry { .. }
+            | Resolution::Redispatch { .. }
+            | Resolution::GiveUp { .. } => {
                 self.set_step(number, StepState::InFlight, attempt + 1, None);
                 Ok(Next::Continue)
             }
@@ -1127,6 +1145,80 @@ impl RunLoop {
                     reason: String::new(),
                 };
                 self.after_decision(number, attempt, call, decision, ApprovalReason::Reconcile)
+            }
+        }
+    }
+
+    /// Reconciles an interrupted model step: dispatched again as its next attempt, once what
+    /// is left of a failed attempt's backoff has passed; or, when that attempt was the last
+    /// the model policy allows, the run fails.
+    async fn reconcile_model(&mut self, number: u32, attempt: u32) -> Result<Next> {
+        let id = self.run_id.clone();
+        let last = send(
+            self.env.store.addr(),
+            ReadState::new(move |reads| {
+                // The takeover marked the step interrupted: what came before says what it was
+                // doing.
+                let events = reads.events_after(&id, 0)?;
+                Ok(events
+                    .into_iter()
+                    .rfind(|e| e.step == Some(number) && e.kind != EventKind::StepInterrupted))
+            }),
+        )
+        .await?;
+        let failed = last.filter(|e| e.kind == EventKind::ModelAttemptFailed);
+        let outcome = if failed.is_some() {
+            "attempt_failed"
+        } else {
+            "model_call"
+        };
+        let policy = &self.agent.model_policy;
+        let resolution = if attempt >= policy.max_attempts_allowed() {
+            let error = match failed.as_ref().and_then(|e| e.payload["error"].as_str()) {
+                Some(error) => error.to_owned(),
+                None => format!(
+                    "attempt {attempt}, the last the model policy allows, was cut off before it \
+                     answered"
+                ),
+            };
+            Resolution::GiveUp { outcome, error }
+        } else {
+            let retry_at = failed.as_ref().and_then(|e| e.payload["retry_at"].as_i64());
+            if let Some(left) = retry_at
+                .map(|at| at - wall_millis())
+                .filter(|&left| left > 0)
+            {
+                // A wall clock far ahead where the failure was written waits no longer than
+                // the policy would have.
+                let left = Duration::from_millis(left as u64).min(policy.longest_wait());
+                if let Some(stopped) = self.back_off(left).await {
+                    return stopped;
+                }
+            }
+            self.wait_for_margin().await?;
+            Resolution::Redispatch { outcome }
+        };
+        tracing::info!(
+            step = number,
+            ?resolution,
+            "reconciling an interrupted model step"
+        );
+        let r = resolution.clone();
+        let reconciled = self
+            .apply(MoveKind::Reconcile, move |m, grant| {
+                m.reconcile(grant, number, attempt, None, &r)
+            })
+            .await;
+        if self.unless_short(reconciled).await?.is_none() {
+            return Ok(Next::Continue);
+        }
+        match resolution {
+            Resolution::GiveUp { error, .. } => Ok(Next::Return(Outcome::Failed {
+                error: moves::model_failure(&error, attempt),
+            })),
+            _ => {
+                self.set_step(number, StepState::InFlight, attempt + 1, None);
+                Ok(Next::Continue)
             }
         }
     }

@@ -367,7 +367,8 @@ struct Shown<'a> {
     run: &'a Run,
     lease: Option<LeaseView<'a>>,
     pending_calls: &'a [PendingCall],
-    usage: &'a RunUsage,
+    /// `null` when the run's log cannot be read (written by a newer version, say).
+    usage: Option<&'a RunUsage>,
 }
 
 /// `lease --json`.
@@ -433,13 +434,15 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     let run = store.run(run_id).map_err(|e| e.to_string())?;
     let lease = store.lease(run_id).map_err(|e| e.to_string())?;
     let pending = store.pending_calls(run_id).map_err(|e| e.to_string())?;
-    let usage = store.usage(run_id).map_err(|e| e.to_string())?;
+    // The totals come from the log: a log this build cannot read leaves them unknown, not
+    // the rest of the run.
+    let usage = store.usage(run_id);
     if json {
         return print_json(&Shown {
             run: &run,
             lease: LeaseView::of(&lease),
             pending_calls: &pending,
-            usage: &usage,
+            usage: usage.as_ref().ok(),
         });
     }
     out!("run       {}", run.id);
@@ -455,7 +458,10 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     out!("created   {}", time(run.created_at));
     out!("updated   {}", time(run.updated_at));
     out!("lease     {}", describe_lease(&lease));
-    out!("model     {}", describe_usage(&usage));
+    match &usage {
+        Ok(usage) => out!("model     {}", describe_usage(usage)),
+        Err(err) => out!("model     unknown: {err}"),
+    }
     if !pending.is_empty() {
         let mut table = table(&["CALL", "STEP", "TOOL", "ARGS", "WAITS FOR"]);
         for call in &pending {

@@ -344,8 +344,15 @@ impl ToolDecision {
 /// What reconciling an interrupted step decided.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Resolution {
-    /// A model step: dispatch it again.
-    Redispatch,
+    /// A model step: dispatch it again. `outcome` says what its log showed: `model_call` (an
+    /// attempt in flight) or `attempt_failed` (a failed attempt, in its backoff).
+    Redispatch { outcome: &'static str },
+    /// A model step whose attempts the model policy allows are spent: the run fails with
+    /// `error`.
+    GiveUp {
+        outcome: &'static str,
+        error: String,
+    },
     /// A tool step that took effect: this is its output.
     Applied(Value),
     /// Run the tool again; `outcome` says what the hook answered ("not_applied", "unknown",

@@ -338,10 +338,14 @@ impl<'a, 'c> Move<'a, 'c> {
             Need::Held,
             "a model attempt's failure cannot be recorded",
         )?;
+        let retry_in_ms = i64::try_from(retry_in.as_millis()).unwrap_or(i64::MAX);
+        // By the wall clock leases are read from: a process that takes the run over during
+        // the backoff waits out what is left of it.
         let payload = json!({
             "attempt": attempt,
             "error": error,
-            "retry_in_ms": u64::try_from(retry_in.as_millis()).unwrap_or(u64::MAX),
+            "retry_in_ms": retry_in_ms,
+            "retry_at": wall_millis().saturating_add(retry_in_ms),
         });
         self.append(EventKind::ModelAttemptFailed, Some(step), &payload)
     }
@@ -680,14 +684,17 @@ impl<'a, 'c> Move<'a, 'c> {
         match resolution {
             Resolution::AwaitApproval { .. } => self.pause(grant)?,
             // Running again starts a side effect: the lease must be unexpired.
-            Resolution::Redispatch | Resolution::Retry { .. } => {
+            Resolution::Redispatch { .. } | Resolution::Retry { .. } => {
                 self.touch_held(grant, Need::Margin, what)?
             }
             Resolution::Applied(_) => self.touch_held(grant, Need::Held, what)?,
+            // `finish_run` checks the lease.
+            Resolution::GiveUp { .. } => {}
         }
         let from = StepState::Interrupted;
         let (outcome, action) = match resolution {
-            Resolution::Redispatch => ("model_call", "dispatch_again"),
+            Resolution::Redispatch { outcome } => (*outcome, "dispatch_again"),
+            Resolution::GiveUp { outcome, .. } => (*outcome, "fail_run"),
             Resolution::Applied(_) => ("applied", "record_output"),
             Resolution::Retry { outcome } => (*outcome, "run_again"),
             Resolution::AwaitApproval { outcome } => (*outcome, "await_approval"),
@@ -695,10 +702,17 @@ impl<'a, 'c> Move<'a, 'c> {
         let payload = json!({ "attempt": attempt, "outcome": outcome, "action": action });
         self.append(EventKind::StepReconciled, Some(step), &payload)?;
         match (resolution, call) {
-            (Resolution::Redispatch, _) => {
+            (Resolution::Redispatch { .. }, _) => {
                 self.start_attempt(step, from, attempt)?;
                 let payload = json!({ "attempt": attempt + 1 });
                 self.append(EventKind::ModelStarted, Some(step), &payload)
+            }
+            (Resolution::GiveUp { error, .. }, _) => {
+                self.close_step(step, from, attempt, None)?;
+                let payload = json!({ "error": error, "attempt": attempt, "attempts": attempt });
+                self.append(EventKind::ModelFinished, Some(step), &payload)?;
+                let error = model_failure(error, attempt);
+                self.finish_run(grant, RunState::Failed, None, Some(&error), Some(attempt))
             }
             (Resolution::Applied(output), Some(call)) => {
                 let result = serde_json::to_value(ToolResult::Ok(output.clone())).unwrap();
@@ -781,13 +795,6 @@ impl<'a, 'c> Move<'a, 'c> {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The lease outside the moves
-
-/// Renews, in one write outside any transaction, `owner`'s unexpired leases on `held` (each
-/// run with the fencing token its lease was acquired with): compare-and-set on the owner and
-/// the token. The rows of runs that were not renewed are read afterwards, which happens only
-/// when a lease was lost.
 /// A run's failure for want of a model answer, as `run.finished` and the outcome say it.
 pub(crate) fn model_failure(error: &str, attempts: u32) -> String {
     if attempts > 1 {
@@ -797,6 +804,13 @@ pub(crate) fn model_failure(error: &str, attempts: u32) -> String {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The lease outside the moves
+
+/// Renews, in one write outside any transaction, `owner`'s unexpired leases on `held` (each
+/// run with the fencing token its lease was acquired with): compare-and-set on the owner and
+/// the token. The rows of runs that were not renewed are read afterwards, which happens only
+/// when a lease was lost.
 pub(crate) fn renew(
     conn: &mut dyn LeaseWrites,
     owner: &str,

@@ -222,6 +222,8 @@ impl Gate {
 
 /// A model that answers from a script: its n-th response answers the n-th turn (the number of
 /// earlier responses in the conversation), so a call dispatched again gets the same answer.
+/// An agent whose `map_input` adds example `Message::Assistant` turns shifts the script by as
+/// many.
 #[derive(Clone)]
 pub struct ScriptedModel {
     inner: Arc<ModelInner>,

@@ -19,10 +19,7 @@ use serde_json::json;
 pub fn seed(path: &Path) {
     let script = || {
         let paid = |response: ModelResponse, input_tokens, output_tokens| ModelResponse {
-            usage: Some(Usage {
-                input_tokens,
-                output_tokens,
-            }),
+            usage: Some(Usage::new(input_tokens, output_tokens)),
             model: Some("scripted-1".into()),
             ..response
         };

@@ -6,6 +6,8 @@ mod agent;
 mod clock;
 mod error;
 mod model_policy;
+#[cfg(feature = "openai")]
+pub mod models;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;

@@ -6,7 +6,7 @@ mod agent;
 mod clock;
 mod error;
 mod model_policy;
-#[cfg(feature = "openai")]
+#[cfg(any(feature = "openai", feature = "anthropic"))]
 pub mod models;
 mod store;
 #[cfg(feature = "testkit")]

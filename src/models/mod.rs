@@ -20,5 +20,7 @@
 
 mod http;
 
+#[cfg(feature = "anthropic")]
+pub mod anthropic;
 #[cfg(feature = "openai")]
 pub mod openai;

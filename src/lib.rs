@@ -6,6 +6,8 @@ mod agent;
 mod clock;
 mod error;
 mod model_policy;
+#[cfg(any(feature = "openai", feature = "anthropic"))]
+pub mod models;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -21,7 +23,13 @@ mod upgrading_0_6_md {}
 #[cfg(all(doctest, feature = "testkit"))]
 #[doc = include_str!("../docs/testing.md")]
 mod testing_md {}
-#[cfg(all(doctest, feature = "testkit"))]
+// Its adapters' example needs both adapter features.
+#[cfg(all(
+    doctest,
+    feature = "testkit",
+    feature = "openai",
+    feature = "anthropic"
+))]
 #[doc = include_str!("../docs/models.md")]
 mod models_md {}
 

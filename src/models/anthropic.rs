@@ -1,0 +1,450 @@
+//! Anthropic's Messages API (`POST {base_url}/v1/messages`).
+
+use std::{fmt, time::Duration};
+
+use async_trait::async_trait;
+use reqwest::header::HeaderValue;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::http::{Api, LazyClient};
+use crate::agent::{Model, ModelError, ModelRequest};
+use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
+
+/// Where [`Anthropic`] sends its requests unless told otherwise.
+pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
+
+/// The `anthropic-version` header sent unless told otherwise.
+pub const DEFAULT_VERSION: &str = "2023-06-01";
+
+/// The `max_tokens` of a request unless told otherwise (the API requires one).
+pub const DEFAULT_MAX_TOKENS: u32 = 4096;
+
+/// A model behind Anthropic's Messages API.
+///
+/// ```no_run
+/// use agentrt::models::anthropic::Anthropic;
+///
+/// let model = Anthropic::new("claude-sonnet-4-5")
+///     .api_key(std::env::var("ANTHROPIC_API_KEY").unwrap())
+///     .max_tokens(2048);
+/// // Or whatever ANTHROPIC_API_KEY and ANTHROPIC_BASE_URL say.
+/// let configured = Anthropic::from_env("claude-sonnet-4-5");
+/// ```
+///
+/// Each [`complete`](Model::complete) makes one request: the agent's instructions as
+/// `system`, the rest of the conversation as `messages` (a tool call as a `tool_use` block,
+/// its result as a `tool_result` block, consecutive results in one user turn), and the agent's
+/// tools as `tools`. See `docs/models.md` for how answers are read and which failures are
+/// retried.
+#[derive(Clone)]
+pub struct Anthropic {
+    model: String,
+    base_url: String,
+    api_key: Option<String>,
+    version: String,
+    max_tokens: u32,
+    temperature: Option<f64>,
+    headers: Vec<(String, String)>,
+    body: Map<String, Value>,
+    http: LazyClient,
+}
+
+impl Anthropic {
+    /// The model named `model` on Anthropic's API, with no key (set one with
+    /// [`api_key`](Self::api_key), or use [`from_env`](Self::from_env)).
+    pub fn new(model: impl Into<String>) -> Self {
+        Anthropic {
+            model: model.into(),
+            base_url: DEFAULT_BASE_URL.to_owned(),
+            api_key: None,
+            version: DEFAULT_VERSION.to_owned(),
+            max_tokens: DEFAULT_MAX_TOKENS,
+            temperature: None,
+            headers: Vec::new(),
+            body: Map::new(),
+            http: LazyClient::new(),
+        }
+    }
+
+    /// The model named `model`, with the key `ANTHROPIC_API_KEY` (else none), at
+    /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]). An empty variable counts as unset.
+    pub fn from_env(model: impl Into<String>) -> Self {
+        let var = |name| {
+            std::env::var(name)
+                .ok()
+                .filter(|v: &String| !v.trim().is_empty())
+        };
+        let mut adapter = Anthropic::new(model);
+        if let Some(url) = var("ANTHROPIC_BASE_URL") {
+            adapter = adapter.base_url(url);
+        }
+        if let Some(key) = var("ANTHROPIC_API_KEY") {
+            adapter = adapter.api_key(key);
+        }
+        adapter
+    }
+
+    /// The API's root, without the version: `https://api.anthropic.com`. Requests go to
+    /// `{base_url}/v1/messages`.
+    pub fn base_url(mut self, url: impl Into<String>) -> Self {
+        self.base_url = url.into().trim_end_matches('/').to_owned();
+        self
+    }
+
+    /// Sent as `x-api-key`. Without one no such header is sent (a gateway that adds it).
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+
+    /// The `anthropic-version` header ([`DEFAULT_VERSION`] unless set).
+    pub fn version(mut self, version: impl Into<String>) -> Self {
+        self.version = version.into();
+        self
+    }
+
+    /// The most tokens an answer may have ([`DEFAULT_MAX_TOKENS`] unless set).
+    pub fn max_tokens(mut self, max_tokens: u32) -> Self {
+        self.max_tokens = max_tokens;
+        self
+    }
+
+    /// The sampling temperature (left to the server unless set).
+    pub fn temperature(mut self, temperature: f64) -> Self {
+        self.temperature = Some(temperature);
+        self
+    }
+
+    /// A header sent with every request, such as `anthropic-beta`.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// A field added to every request's body, such as `top_k` or `metadata`; it replaces a
+    /// field the adapter would have sent.
+    pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.body.insert(name.into(), value.into());
+        self
+    }
+
+    /// How long opening a connection may take (10 s by default). The whole attempt's
+    /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.http.set_connect_timeout(timeout);
+        self
+    }
+
+    /// The request body for `request`.
+    fn body(&self, request: &ModelRequest<'_>) -> Value {
+        let mut body = Map::new();
+        body.insert("model".into(), json!(self.model));
+        body.insert("max_tokens".into(), json!(self.max_tokens));
+        let system: Vec<&str> = request
+            .messages
+            .iter()
+            .filter_map(|m| match m {
+                Message::System { text } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        if !system.is_empty() {
+            body.insert("system".into(), json!(system.join("\n\n")));
+        }
+        body.insert("messages".into(), json!(turns(request.messages)));
+        if !request.tools.is_empty() {
+            body.insert("tools".into(), request.tools.iter().map(tool).collect());
+        }
+        if let Some(temperature) = self.temperature {
+            body.insert("temperature".into(), json!(temperature));
+        }
+        body.extend(self.body.clone());
+        Value::Object(body)
+    }
+}
+
+impl fmt::Debug for Anthropic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Anthropic")
+            .field("model", &self.model)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("version", &self.version)
+            .field("max_tokens", &self.max_tokens)
+            .field("temperature", &self.temperature)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait(?Send)]
+impl Model for Anthropic {
+    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+        let api = Api {
+            name: "the Anthropic API",
+            secret: self.api_key.as_deref(),
+        };
+        let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
+        let mut post = self
+            .http
+            .get()?
+            .post(format!("{}/v1/messages", self.base_url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header("anthropic-version", self.version.as_str())
+            .body(body);
+        if let Some(key) = &self.api_key {
+            let mut value = HeaderValue::from_str(key).map_err(|_| {
+                ModelError::fatal("the Anthropic API key is not a valid header value")
+            })?;
+            value.set_sensitive(true);
+            post = post.header("x-api-key", value);
+        }
+        for (name, value) in &self.headers {
+            post = post.header(name.as_str(), value.as_str());
+        }
+        let answer: Answer = api.send(post).await?;
+        Ok(answer.into_response())
+    }
+}
+
+fn tool(spec: &ToolSpec) -> Value {
+    let mut tool = json!({ "name": spec.name, "input_schema": spec.parameters });
+    if !spec.description.is_empty() {
+        tool["description"] = json!(spec.description);
+    }
+    tool
+}
+
+/// The conversation after its system messages, as the API's turns: a turn's content blocks in
+/// order, and consecutive messages of one role in one turn (the results of one answer's calls
+/// are one user turn).
+fn turns(messages: &[Message]) -> Vec<Value> {
+    let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
+    for message in messages {
+        let (role, blocks) = match message {
+            Message::System { .. } => continue,
+            Message::User { text } => ("user", text_block(text).into_iter().collect()),
+            Message::Assistant(response) => {
+                let text = response.text.as_deref().and_then(text_block);
+                let calls = response.tool_calls.iter().map(|call| {
+                    // The API takes an object only; a call whose arguments were not one was
+                    // refused, and the result that follows tells the model so.
+                    let input = match &call.args {
+                        Value::Object(_) => call.args.clone(),
+                        _ => json!({}),
+                    };
+                    json!({ "type": "tool_use", "id": call.id, "name": call.name, "input": input })
+                });
+                ("assistant", text.into_iter().chain(calls).collect())
+            }
+            Message::Tool {
+                call_id, result, ..
+            } => {
+                let mut block = json!({ "type": "tool_result", "tool_use_id": call_id });
+                match result {
+                    ToolResult::Ok(output) => block["content"] = json!(output.to_string()),
+                    ToolResult::Error(error) => {
+                        block["content"] = json!(error);
+                        block["is_error"] = json!(true);
+                    }
+                }
+                ("user", vec![block])
+            }
+        };
+        // The API refuses a turn with no content.
+        if blocks.is_empty() {
+            continue;
+        }
+        match turns.last_mut() {
+            Some((last, content)) if *last == role => content.extend(blocks),
+            _ => turns.push((role, blocks)),
+        }
+    }
+    turns
+        .into_iter()
+        .map(|(role, content)| json!({ "role": role, "content": content }))
+        .collect()
+}
+
+/// The API refuses an empty text block.
+fn text_block(text: &str) -> Option<Value> {
+    (!text.is_empty()).then(|| json!({ "type": "text", "text": text }))
+}
+
+/// A message, as much of it as is read.
+#[derive(Deserialize)]
+struct Answer {
+    #[serde(default)]
+    model: Option<String>,
+    content: Vec<Block>,
+    #[serde(default)]
+    usage: Option<AnswerUsage>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Block {
+    Text {
+        text: String,
+    },
+    ToolUse {
+        #[serde(default)]
+        id: String,
+        name: String,
+        #[serde(default)]
+        input: Value,
+    },
+    /// Thinking, server tools' blocks, and whatever comes next: not part of the answer.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Deserialize)]
+struct AnswerUsage {
+    #[serde(default)]
+    input_tokens: u64,
+    #[serde(default)]
+    output_tokens: u64,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+}
+
+impl Answer {
+    fn into_response(self) -> ModelResponse {
+        let mut text = String::new();
+        let mut tool_calls = Vec::new();
+        for block in self.content {
+            match block {
+                Block::Text { text: part } => text.push_str(&part),
+                Block::ToolUse { id, name, input } => {
+                    let args = if input.is_null() { json!({}) } else { input };
+                    tool_calls.push(ToolCall { id, name, args });
+                }
+                Block::Other => {}
+            }
+        }
+        // `input_tokens` leaves out the cached part of the prompt, which `Usage` counts.
+        let usage = self.usage.map(|usage| Usage {
+            input_tokens: usage.input_tokens
+                + usage.cache_creation_input_tokens.unwrap_or(0)
+                + usage.cache_read_input_tokens.unwrap_or(0),
+            output_tokens: usage.output_tokens,
+        });
+        ModelResponse {
+            text: (!text.is_empty()).then_some(text),
+            tool_calls,
+            usage,
+            model: self.model,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::RunId;
+
+    #[test]
+    fn the_request_has_a_system_prompt_turns_and_tools() {
+        let messages = vec![
+            Message::System {
+                text: "One.".into(),
+            },
+            Message::System {
+                text: "Two.".into(),
+            },
+            Message::User {
+                text: "Weather?".into(),
+            },
+            Message::Assistant(ModelResponse {
+                text: Some("Looking.".into()),
+                ..ModelResponse::calls(vec![
+                    ToolCall::new("c1", "weather", json!({"city": "Oslo"})),
+                    ToolCall::new("c2", "weather", Value::String("{".into())),
+                ])
+            }),
+            Message::Tool {
+                call_id: "c1".into(),
+                name: "weather".into(),
+                result: ToolResult::Ok(json!({"sky": "clear"})),
+            },
+            Message::Tool {
+                call_id: "c2".into(),
+                name: "weather".into(),
+                result: ToolResult::Error("not JSON".into()),
+            },
+        ];
+        let tools = vec![ToolSpec {
+            name: "weather".into(),
+            description: String::new(),
+            parameters: json!({"type": "object"}),
+        }];
+        let run_id = RunId::from("r");
+        let request = ModelRequest {
+            run_id: &run_id,
+            step: 3,
+            attempt: 1,
+            input: &Value::Null,
+            messages: &messages,
+            tools: &tools,
+        };
+        assert_eq!(
+            Anthropic::new("m").max_tokens(100).body(&request),
+            json!({
+                "model": "m",
+                "max_tokens": 100,
+                "system": "One.\n\nTwo.",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                    {"role": "assistant", "content": [
+                        {"type": "text", "text": "Looking."},
+                        {"type": "tool_use", "id": "c1", "name": "weather", "input": {"city": "Oslo"}},
+                        {"type": "tool_use", "id": "c2", "name": "weather", "input": {}},
+                    ]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "c1", "content": "{\"sky\":\"clear\"}"},
+                        {"type": "tool_result", "tool_use_id": "c2", "content": "not JSON", "is_error": true},
+                    ]},
+                ],
+                "tools": [{"name": "weather", "input_schema": {"type": "object"}}],
+            })
+        );
+    }
+
+    #[test]
+    fn an_answer_joins_its_text_and_keeps_its_calls_and_usage() {
+        let answer: Answer = serde_json::from_value(json!({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": [
+                {"type": "thinking", "thinking": "hm", "signature": "s"},
+                {"type": "text", "text": "Let me "},
+                {"type": "text", "text": "look."},
+                {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Oslo"}},
+                {"type": "tool_use", "id": "t2", "name": "clock"},
+            ],
+            "stop_reason": "tool_use",
+            "usage": {"input_tokens": 10, "output_tokens": 4,
+                      "cache_creation_input_tokens": 5, "cache_read_input_tokens": 100},
+        }))
+        .unwrap();
+        assert_eq!(
+            answer.into_response(),
+            ModelResponse {
+                text: Some("Let me look.".into()),
+                tool_calls: vec![
+                    ToolCall::new("t1", "weather", json!({"city": "Oslo"})),
+                    ToolCall::new("t2", "clock", json!({})),
+                ],
+                usage: Some(Usage {
+                    input_tokens: 115,
+                    output_tokens: 4
+                }),
+                model: Some("claude-test".into()),
+            }
+        );
+        let bare: Answer = serde_json::from_value(json!({"content": []})).unwrap();
+        assert_eq!(bare.into_response(), ModelResponse::default());
+    }
+}

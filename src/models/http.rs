@@ -1,0 +1,406 @@
+//! What the HTTP adapters share: the client, one request per attempt, and how an answer that
+//! is not a success becomes a [`ModelError`] the run's model policy acts on.
+//!
+//! The classification (`docs/models.md`, "Adapters"): a rate limit (429), a request timeout
+//! (408), a conflict (409), any 5xx (Anthropic's 529 "overloaded" included), a connection that
+//! could not be made, timed out, or closed before or during the answer, and a 2xx whose body is
+//! cut off or is not the API's JSON are retryable; every other status is fatal (a 400, 401,
+//! 403, 404, 422 will not change by asking again).
+
+use std::{
+    error::Error as StdError,
+    sync::OnceLock,
+    time::{Duration, SystemTime},
+};
+
+use reqwest::{
+    RequestBuilder, StatusCode,
+    header::{HeaderMap, LOCATION, RETRY_AFTER},
+};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::agent::ModelError;
+
+/// How long a connection may take to open, unless the adapter is told otherwise.
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most characters of a server's error message an error repeats.
+const MAX_SERVER_MESSAGE: usize = 500;
+
+/// An HTTP client built at the first request, with the settings the adapter has by then.
+///
+/// Built late so that a client that cannot be built (no TLS roots) fails the run with a
+/// message instead of a constructor panicking, and so that the adapter's setters need not
+/// rebuild it.
+#[derive(Debug, Clone)]
+pub(crate) struct LazyClient {
+    connect_timeout: Duration,
+    client: OnceLock<reqwest::Client>,
+}
+
+impl LazyClient {
+    pub(crate) fn new() -> Self {
+        LazyClient {
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            client: OnceLock::new(),
+        }
+    }
+
+    pub(crate) fn set_connect_timeout(&mut self, timeout: Duration) {
+        self.connect_timeout = timeout;
+        self.client = OnceLock::new();
+    }
+
+    pub(crate) fn get(&self) -> Result<&reqwest::Client, ModelError> {
+        if let Some(client) = self.client.get() {
+            return Ok(client);
+        }
+        let built = reqwest::Client::builder()
+            .user_agent(concat!("agentrt/", env!("CARGO_PKG_VERSION")))
+            .connect_timeout(self.connect_timeout)
+            // The run loop retries, each attempt in the log: the client must not resend on
+            // its own.
+            .retry(reqwest::retry::never())
+            // A redirected API call is a base URL to correct; following it would hide that.
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|err| {
+                ModelError::fatal(format!("the HTTP client cannot be built: {}", chain(&err)))
+            })?;
+        Ok(self.client.get_or_init(|| built))
+    }
+}
+
+/// Who is called, for error messages, and the secret no message may repeat.
+pub(crate) struct Api<'a> {
+    /// Names the server in messages: "the chat completions server", "the Anthropic API".
+    pub(crate) name: &'static str,
+    /// The API key, if any.
+    pub(crate) secret: Option<&'a str>,
+}
+
+impl Api<'_> {
+    /// Sends `request` once and reads a 2xx answer as `T`. Anything else is the error that the
+    /// model policy retries or fails the run with.
+    pub(crate) async fn send<T: DeserializeOwned>(
+        &self,
+        request: RequestBuilder,
+    ) -> Result<T, ModelError> {
+        let response = request.send().await.map_err(|err| self.transport(err))?;
+        let status = response.status();
+        if status.is_success() {
+            let body = response.bytes().await.map_err(|err| {
+                self.retryable(format!("the answer was cut off: {}", chain(&err)))
+            })?;
+            return serde_json::from_slice(&body).map_err(|err| self.malformed(&err, &body));
+        }
+        let retry_after = retry_after(response.headers(), SystemTime::now());
+        let location = response
+            .headers()
+            .get(LOCATION)
+            .and_then(|to| to.to_str().ok())
+            .map(str::to_owned);
+        // The body only adds the server's words: an error reading it changes nothing.
+        let body = response.bytes().await.unwrap_or_default();
+        Err(self.refused(status, &body, location, retry_after))
+    }
+
+    /// A 2xx whose body is not the API's answer. Retried: the server accepted the request, so
+    /// the body was damaged on the way (a proxy, a dropped connection) or by a server in
+    /// trouble, and asking again is the only remedy; the policy bounds how often.
+    pub(crate) fn malformed(&self, why: &dyn std::fmt::Display, body: &[u8]) -> ModelError {
+        let mut message = format!("the answer is not the API's JSON ({why})");
+        if let Some(said) = server_message(body) {
+            message.push_str("; the server said: ");
+            message.push_str(&said);
+        }
+        self.retryable(message)
+    }
+
+    fn retryable(&self, message: String) -> ModelError {
+        ModelError::retryable(self.redact(format!("{}: {message}", self.name)))
+    }
+
+    fn transport(&self, err: reqwest::Error) -> ModelError {
+        let text = chain(&err);
+        if err.is_builder() {
+            // A base URL or a header value that cannot be sent: no attempt will do better.
+            return ModelError::fatal(
+                self.redact(format!("{}: the request cannot be sent: {text}", self.name)),
+            );
+        }
+        let what = if err.is_timeout() {
+            "timed out"
+        } else if err.is_connect() {
+            "could not connect"
+        } else {
+            "the connection failed"
+        };
+        self.retryable(format!("{what}: {text}"))
+    }
+
+    fn refused(
+        &self,
+        status: StatusCode,
+        body: &[u8],
+        location: Option<String>,
+        retry_after: Option<Duration>,
+    ) -> ModelError {
+        let mut message = format!("{} answered {}", self.name, status_text(status));
+        if let Some(said) = server_message(body) {
+            message.push_str(": ");
+            message.push_str(&said);
+        } else if let (true, Some(to)) = (status.is_redirection(), location) {
+            message.push_str(&format!(", redirecting to {to}: set the base URL to that"));
+        }
+        let message = self.redact(message);
+        if !is_retryable(status, body) {
+            return ModelError::fatal(message);
+        }
+        let error = ModelError::retryable(message);
+        match retry_after {
+            Some(after) => error.retry_after(after),
+            None => error,
+        }
+    }
+
+    fn redact(&self, message: String) -> String {
+        match self.secret {
+            Some(secret) if !secret.is_empty() && message.contains(secret) => {
+                message.replace(secret, "[redacted]")
+            }
+            _ => message,
+        }
+    }
+}
+
+/// Whether an answer with `status` (not a success) is worth another attempt.
+pub(crate) fn is_retryable(status: StatusCode, body: &[u8]) -> bool {
+    match status.as_u16() {
+        // OpenAI's "out of credit" is a 429 that no wait mends.
+        429 => error_code(body).as_deref() != Some("insufficient_quota"),
+        408 | 409 => true,
+        // 529 is Anthropic's "overloaded".
+        500..=599 => true,
+        _ => false,
+    }
+}
+
+/// How long the server asked to wait: `retry-after-ms` (milliseconds, which OpenAI sends
+/// beside the coarser header), else `Retry-After` in seconds or as an HTTP date (a date
+/// already past asks for no wait).
+pub(crate) fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|value| value.to_str().ok())
+            .map(str::trim)
+    };
+    let seconds = |text: &str| {
+        text.parse::<f64>()
+            .ok()
+            .filter(|s| *s >= 0.0)
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+    };
+    if let Some(after) = header("retry-after-ms").and_then(seconds) {
+        return Some(after / 1000);
+    }
+    let value = header(RETRY_AFTER.as_str())?;
+    if let Some(after) = seconds(value) {
+        return Some(after);
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+/// The message of a JSON error body, in the shapes servers use: `{"error": {"message": ..}}`
+/// (OpenAI, Anthropic, llama.cpp), `{"error": ".."}` (Ollama), `{"message": ..}` (vLLM),
+/// `{"detail": ..}`.
+pub(crate) fn server_message(body: &[u8]) -> Option<String> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let said = value
+        .pointer("/error/message")
+        .or_else(|| value.get("error"))
+        .or_else(|| value.get("message"))
+        .or_else(|| value.get("detail"))?
+        .as_str()?
+        .trim();
+    if said.is_empty() {
+        return None;
+    }
+    Some(match said.char_indices().nth(MAX_SERVER_MESSAGE) {
+        Some((cut, _)) => format!("{}...", &said[..cut]),
+        None => said.to_owned(),
+    })
+}
+
+fn error_code(body: &[u8]) -> Option<String> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let error = value.get("error")?;
+    error
+        .get("code")
+        .or_else(|| error.get("type"))?
+        .as_str()
+        .map(str::to_owned)
+}
+
+fn status_text(status: StatusCode) -> String {
+    match status.canonical_reason() {
+        Some(reason) => format!("{} {reason}", status.as_u16()),
+        None => status.as_u16().to_string(),
+    }
+}
+
+/// An error with its causes, which name what went wrong ("connection refused") where the
+/// error itself says only "error sending request".
+fn chain(err: &(dyn StdError + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.insert(*name, HeaderValue::from_str(value).unwrap());
+        }
+        map
+    }
+
+    #[test]
+    fn statuses_are_retryable_or_fatal() {
+        for code in [408, 409, 429, 500, 502, 503, 504, 529] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(is_retryable(status, b""), "{code}");
+        }
+        for code in [301, 400, 401, 403, 404, 413, 422] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(!is_retryable(status, b""), "{code}");
+        }
+        let quota =
+            br#"{"error": {"message": "You exceeded your quota", "code": "insufficient_quota"}}"#;
+        assert!(!is_retryable(StatusCode::TOO_MANY_REQUESTS, quota));
+    }
+
+    #[test]
+    fn retry_after_is_read_in_seconds_milliseconds_or_as_a_date() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let read = |pairs: &[(&'static str, &str)]| retry_after(&headers(pairs), now);
+        assert_eq!(read(&[("retry-after", "7")]), Some(Duration::from_secs(7)));
+        assert_eq!(
+            read(&[("retry-after", " 1.5 ")]),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(
+            read(&[("retry-after", "3"), ("retry-after-ms", "250")]),
+            Some(Duration::from_millis(250))
+        );
+        let in_ten = httpdate::fmt_http_date(now + Duration::from_secs(10));
+        assert_eq!(
+            read(&[("retry-after", &in_ten)]),
+            Some(Duration::from_secs(10))
+        );
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(10));
+        assert_eq!(read(&[("retry-after", &past)]), Some(Duration::ZERO));
+        assert_eq!(read(&[("retry-after", "soon")]), None);
+        assert_eq!(read(&[("retry-after", "-3")]), None);
+        assert_eq!(read(&[("retry-after", "1e400")]), None);
+        assert_eq!(read(&[]), None);
+    }
+
+    #[test]
+    fn the_server_message_is_found_in_the_usual_shapes() {
+        let read = |body: &str| server_message(body.as_bytes());
+        assert_eq!(
+            read(r#"{"error": {"message": "Invalid key", "type": "auth"}}"#).as_deref(),
+            Some("Invalid key")
+        );
+        assert_eq!(
+            read(r#"{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}"#)
+                .as_deref(),
+            Some("Overloaded")
+        );
+        assert_eq!(
+            read(r#"{"error": "model not found"}"#).as_deref(),
+            Some("model not found")
+        );
+        assert_eq!(
+            read(r#"{"object": "error", "message": "bad"}"#).as_deref(),
+            Some("bad")
+        );
+        assert_eq!(
+            read(r#"{"detail": "Not Found"}"#).as_deref(),
+            Some("Not Found")
+        );
+        assert_eq!(read("<html>502</html>"), None);
+        assert_eq!(read(r#"{"error": {"code": 5}}"#), None);
+        let long = format!(r#"{{"error": "{}"}}"#, "é".repeat(600));
+        assert_eq!(read(&long).unwrap().chars().count(), MAX_SERVER_MESSAGE + 3);
+    }
+
+    #[test]
+    fn a_refusal_names_the_status_and_the_server_message_but_never_the_key() {
+        let api = Api {
+            name: "the test server",
+            secret: Some("sk-secret-1"),
+        };
+        let body = br#"{"error": {"message": "Incorrect API key provided: sk-secret-1"}}"#;
+        let error = api.refused(StatusCode::UNAUTHORIZED, body, None, None);
+        assert!(!error.is_retryable());
+        assert_eq!(
+            error.message(),
+            "the test server answered 401 Unauthorized: Incorrect API key provided: [redacted]"
+        );
+        let limited = api.refused(
+            StatusCode::TOO_MANY_REQUESTS,
+            b"",
+            None,
+            Some(Duration::from_secs(2)),
+        );
+        assert!(limited.is_retryable());
+        assert_eq!(limited.retry_after_hint(), Some(Duration::from_secs(2)));
+        let overloaded = api.refused(StatusCode::from_u16(529).unwrap(), b"", None, None);
+        assert!(overloaded.is_retryable());
+        assert_eq!(overloaded.message(), "the test server answered 529");
+        let moved = api.refused(
+            StatusCode::MOVED_PERMANENTLY,
+            b"",
+            Some("https://api.example.com/v1/chat/completions".into()),
+            None,
+        );
+        assert!(!moved.is_retryable());
+        assert!(
+            moved
+                .message()
+                .contains("redirecting to https://api.example.com/v1")
+        );
+    }
+
+    #[test]
+    fn a_malformed_answer_is_retryable_and_repeats_what_the_server_said() {
+        let api = Api {
+            name: "the test server",
+            secret: None,
+        };
+        let error = api.malformed(&"missing field `choices`", br#"{"error": "busy"}"#);
+        assert!(error.is_retryable());
+        assert_eq!(
+            error.message(),
+            "the test server: the answer is not the API's JSON (missing field `choices`); the server said: busy"
+        );
+    }
+}

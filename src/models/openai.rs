@@ -1,0 +1,507 @@
+//! The Chat Completions API (`POST {base_url}/chat/completions`): OpenAI's, and that of the
+//! servers that speak it (llama.cpp's `llama-server`, vLLM, Ollama, and the gateways that
+//! front them).
+
+use std::{fmt, time::Duration};
+
+use async_trait::async_trait;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+
+use super::http::{Api, LazyClient};
+use crate::agent::{Model, ModelError, ModelRequest};
+use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
+
+/// Where [`OpenAi`] sends its requests unless told otherwise.
+pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
+
+/// A model behind the Chat Completions API.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use agentrt::models::openai::OpenAi;
+///
+/// // OpenAI itself.
+/// let hosted = OpenAi::new("gpt-4o-mini").api_key(std::env::var("OPENAI_API_KEY").unwrap());
+/// // Ollama on this machine: no key.
+/// let local = OpenAi::new("llama3.1")
+///     .base_url("http://localhost:11434/v1")
+///     .temperature(0.2)
+///     .max_tokens(1024)
+///     .connect_timeout(Duration::from_secs(2));
+/// // Whatever OPENAI_BASE_URL and OPENAI_API_KEY say.
+/// let configured = OpenAi::from_env("gpt-4o-mini");
+/// ```
+///
+/// Each [`complete`](Model::complete) makes one request: the conversation as `messages`,
+/// and the agent's tools as `tools` (with `tool_choice: "auto"`) when it has any. See
+/// `docs/models.md` for how answers are read and which failures are retried.
+#[derive(Clone)]
+pub struct OpenAi {
+    model: String,
+    base_url: String,
+    api_key: Option<String>,
+    temperature: Option<f64>,
+    max_tokens: Option<u32>,
+    headers: Vec<(String, String)>,
+    body: Map<String, Value>,
+    http: LazyClient,
+}
+
+impl OpenAi {
+    /// The model named `model` on OpenAI's API, with no key (set one with
+    /// [`api_key`](Self::api_key), or use [`from_env`](Self::from_env)).
+    pub fn new(model: impl Into<String>) -> Self {
+        OpenAi {
+            model: model.into(),
+            base_url: DEFAULT_BASE_URL.to_owned(),
+            api_key: None,
+            temperature: None,
+            max_tokens: None,
+            headers: Vec::new(),
+            body: Map::new(),
+            http: LazyClient::new(),
+        }
+    }
+
+    /// The model named `model`, at `OPENAI_BASE_URL` (else [`DEFAULT_BASE_URL`]) with the key
+    /// `OPENAI_API_KEY` (else none). An empty variable counts as unset.
+    pub fn from_env(model: impl Into<String>) -> Self {
+        let mut adapter = OpenAi::new(model);
+        if let Some(url) = non_empty_var("OPENAI_BASE_URL") {
+            adapter = adapter.base_url(url);
+        }
+        if let Some(key) = non_empty_var("OPENAI_API_KEY") {
+            adapter = adapter.api_key(key);
+        }
+        adapter
+    }
+
+    /// The API's root, up to and including its version: `https://api.openai.com/v1`,
+    /// `http://localhost:11434/v1`. Requests go to `{base_url}/chat/completions`.
+    pub fn base_url(mut self, url: impl Into<String>) -> Self {
+        self.base_url = url.into().trim_end_matches('/').to_owned();
+        self
+    }
+
+    /// Sent as `Authorization: Bearer KEY`. Without one no such header is sent, as a local
+    /// server wants.
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+
+    /// The sampling temperature (left to the server unless set).
+    pub fn temperature(mut self, temperature: f64) -> Self {
+        self.temperature = Some(temperature);
+        self
+    }
+
+    /// The most tokens an answer may have, sent as `max_tokens` (left to the server unless
+    /// set). For OpenAI's reasoning models, which want `max_completion_tokens`, set that with
+    /// [`body_field`](Self::body_field) instead.
+    pub fn max_tokens(mut self, max_tokens: u32) -> Self {
+        self.max_tokens = Some(max_tokens);
+        self
+    }
+
+    /// A header sent with every request, such as `OpenAI-Organization` or a gateway's own.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// A field added to every request's body, such as `top_p`, `seed` or
+    /// `max_completion_tokens`; it replaces a field the adapter would have sent.
+    pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.body.insert(name.into(), value.into());
+        self
+    }
+
+    /// How long opening a connection may take (10 s by default). The whole attempt's
+    /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.http.set_connect_timeout(timeout);
+        self
+    }
+
+    /// The request body for `request`.
+    fn body(&self, request: &ModelRequest<'_>) -> Value {
+        let mut body = Map::new();
+        body.insert("model".into(), json!(self.model));
+        body.insert(
+            "messages".into(),
+            request.messages.iter().map(message).collect(),
+        );
+        if !request.tools.is_empty() {
+            body.insert("tools".into(), request.tools.iter().map(tool).collect());
+            body.insert("tool_choice".into(), json!("auto"));
+        }
+        if let Some(temperature) = self.temperature {
+            body.insert("temperature".into(), json!(temperature));
+        }
+        if let Some(max_tokens) = self.max_tokens {
+            body.insert("max_tokens".into(), json!(max_tokens));
+        }
+        body.extend(self.body.clone());
+        Value::Object(body)
+    }
+}
+
+impl fmt::Debug for OpenAi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenAi")
+            .field("model", &self.model)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("temperature", &self.temperature)
+            .field("max_tokens", &self.max_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait(?Send)]
+impl Model for OpenAi {
+    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+        let api = Api {
+            name: "the chat completions server",
+            secret: self.api_key.as_deref(),
+        };
+        let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
+        let mut post = self
+            .http
+            .get()?
+            .post(format!("{}/chat/completions", self.base_url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        if let Some(key) = &self.api_key {
+            post = post.bearer_auth(key);
+        }
+        for (name, value) in &self.headers {
+            post = post.header(name.as_str(), value.as_str());
+        }
+        let completion: Completion = api.send(post).await?;
+        completion
+            .into_response()
+            .map_err(|why| api.malformed(&why, b""))
+    }
+}
+
+fn non_empty_var(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .filter(|value| !value.trim().is_empty())
+}
+
+fn tool(spec: &ToolSpec) -> Value {
+    let mut function = json!({ "name": spec.name, "parameters": spec.parameters });
+    if !spec.description.is_empty() {
+        function["description"] = json!(spec.description);
+    }
+    json!({ "type": "function", "function": function })
+}
+
+fn message(message: &Message) -> Value {
+    match message {
+        Message::System { text } => json!({ "role": "system", "content": text }),
+        Message::User { text } => json!({ "role": "user", "content": text }),
+        Message::Assistant(response) => {
+            let mut turn = json!({ "role": "assistant", "content": response.text });
+            if response.tool_calls.is_empty() {
+                // Some servers refuse an assistant turn with neither content nor calls.
+                if response.text.is_none() {
+                    turn["content"] = json!("");
+                }
+            } else {
+                let calls: Vec<Value> = response.tool_calls.iter().map(call).collect();
+                turn["tool_calls"] = json!(calls);
+            }
+            turn
+        }
+        Message::Tool {
+            call_id, result, ..
+        } => json!({
+            "role": "tool",
+            "tool_call_id": call_id,
+            "content": tool_content(result),
+        }),
+    }
+}
+
+fn call(call: &ToolCall) -> Value {
+    // Arguments that were not JSON go back as the model wrote them, so that it sees its
+    // mistake beside the refusal that follows.
+    let arguments = match &call.args {
+        Value::String(raw) => raw.clone(),
+        args => args.to_string(),
+    };
+    json!({
+        "id": call.id,
+        "type": "function",
+        "function": { "name": call.name, "arguments": arguments },
+    })
+}
+
+/// A tool's output as JSON text; a failure as a sentence no output can be mistaken for (an
+/// output is JSON, and a JSON string is quoted).
+fn tool_content(result: &ToolResult) -> String {
+    match result {
+        ToolResult::Ok(output) => output.to_string(),
+        ToolResult::Error(error) => format!("Error: the tool call failed: {error}"),
+    }
+}
+
+/// A chat completion, as much of it as is read.
+#[derive(Deserialize)]
+struct Completion {
+    #[serde(default)]
+    model: Option<String>,
+    choices: Vec<Choice>,
+    #[serde(default)]
+    usage: Option<CompletionUsage>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    message: AssistantMessage,
+}
+
+#[derive(Deserialize)]
+struct AssistantMessage {
+    #[serde(default)]
+    content: Option<Content>,
+    #[serde(default)]
+    refusal: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<WireCall>>,
+}
+
+/// A string, or (some servers) a list of parts of which the text ones are kept.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(default)]
+    text: Option<String>,
+}
+
+/// A tool call as servers send it: `id` and `index` are not always there, and `arguments`
+/// is a JSON string, or with some servers the object itself.
+#[derive(Deserialize)]
+struct WireCall {
+    #[serde(default)]
+    id: Option<String>,
+    function: WireFunction,
+}
+
+#[derive(Deserialize)]
+struct WireFunction {
+    name: String,
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct CompletionUsage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+impl Completion {
+    fn into_response(self) -> Result<ModelResponse, &'static str> {
+        let choice = self.choices.into_iter().next().ok_or("no choices")?;
+        let message = choice.message;
+        let text = match message.content {
+            Some(Content::Text(text)) => Some(text),
+            Some(Content::Parts(parts)) => Some(parts.into_iter().filter_map(|p| p.text).collect()),
+            None => None,
+        }
+        .filter(|text| !text.is_empty())
+        .or(message.refusal);
+        let tool_calls = message
+            .tool_calls
+            .unwrap_or_default()
+            .into_iter()
+            .map(|call| ToolCall {
+                // An empty id is replaced by the run loop with one unique in the run.
+                id: call.id.unwrap_or_default(),
+                name: call.function.name,
+                args: arguments(call.function.arguments),
+            })
+            .collect();
+        let usage = self.usage.map(|usage| Usage {
+            input_tokens: usage.prompt_tokens.unwrap_or(0),
+            output_tokens: usage.completion_tokens.unwrap_or(0),
+        });
+        Ok(ModelResponse {
+            text,
+            tool_calls,
+            usage,
+            model: self.model,
+        })
+    }
+}
+
+/// A call's arguments as JSON. Text that is not JSON stays a `Value::String`, which the run
+/// loop refuses with a result the model sees; no arguments, or blank ones, are `{}`.
+fn arguments(arguments: Option<Value>) -> Value {
+    let raw = match arguments {
+        None | Some(Value::Null) => return json!({}),
+        Some(Value::String(raw)) => raw,
+        Some(args) => return args,
+    };
+    if raw.trim().is_empty() {
+        return json!({});
+    }
+    match serde_json::from_str::<Value>(&raw) {
+        // Arguments encoded twice: the object inside.
+        Ok(Value::String(inner)) => match serde_json::from_str::<Value>(&inner) {
+            Ok(object @ Value::Object(_)) => object,
+            _ => Value::String(raw),
+        },
+        Ok(args) => args,
+        Err(_) => Value::String(raw),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::RunId;
+
+    fn read(body: Value) -> ModelResponse {
+        serde_json::from_value::<Completion>(body)
+            .unwrap()
+            .into_response()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_request_carries_the_conversation_and_the_tools() {
+        let messages = vec![
+            Message::System {
+                text: "Be brief.".into(),
+            },
+            Message::User {
+                text: "Weather?".into(),
+            },
+            Message::Assistant(ModelResponse::calls(vec![
+                ToolCall::new("c1", "weather", json!({"city": "Oslo"})),
+                ToolCall::new("c2", "weather", Value::String("{city: Bergen".into())),
+            ])),
+            Message::Tool {
+                call_id: "c1".into(),
+                name: "weather".into(),
+                result: ToolResult::Ok(json!({"sky": "clear"})),
+            },
+            Message::Tool {
+                call_id: "c2".into(),
+                name: "weather".into(),
+                result: ToolResult::Error("the arguments are not JSON".into()),
+            },
+        ];
+        let tools = vec![ToolSpec {
+            name: "weather".into(),
+            description: "The weather in a city.".into(),
+            parameters: json!({"type": "object"}),
+        }];
+        let run_id = RunId::from("r");
+        let request = ModelRequest {
+            run_id: &run_id,
+            step: 3,
+            attempt: 1,
+            input: &Value::Null,
+            messages: &messages,
+            tools: &tools,
+        };
+        let body = OpenAi::new("m")
+            .temperature(0.5)
+            .body_field("seed", 7)
+            .body(&request);
+        assert_eq!(
+            body,
+            json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": null, "tool_calls": [
+                        {"id": "c1", "type": "function",
+                         "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
+                        {"id": "c2", "type": "function",
+                         "function": {"name": "weather", "arguments": "{city: Bergen"}},
+                    ]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "{\"sky\":\"clear\"}"},
+                    {"role": "tool", "tool_call_id": "c2",
+                     "content": "Error: the tool call failed: the arguments are not JSON"},
+                ],
+                "tools": [{"type": "function", "function": {
+                    "name": "weather", "description": "The weather in a city.",
+                    "parameters": {"type": "object"}}}],
+                "tool_choice": "auto",
+                "temperature": 0.5,
+                "seed": 7,
+            })
+        );
+    }
+
+    #[test]
+    fn an_answer_is_read_with_its_calls_usage_and_model() {
+        let response = read(json!({
+            "id": "x", "object": "chat.completion", "model": "gpt-test-1",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": "Looking.",
+                "tool_calls": [
+                    {"index": 0, "id": "a", "type": "function",
+                     "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+                    {"function": {"name": "g", "arguments": {"y": 2}}},
+                    {"id": "c", "function": {"name": "h", "arguments": "{\"z\": "}},
+                    {"id": "d", "function": {"name": "i", "arguments": ""}},
+                    {"id": "e", "function": {"name": "j", "arguments": "\"{\\\"w\\\": 3}\""}},
+                ]}}],
+            "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+        }));
+        assert_eq!(response.text.as_deref(), Some("Looking."));
+        assert_eq!(response.model.as_deref(), Some("gpt-test-1"));
+        assert_eq!(
+            response.usage,
+            Some(Usage {
+                input_tokens: 12,
+                output_tokens: 3
+            })
+        );
+        assert_eq!(
+            response.tool_calls,
+            vec![
+                ToolCall::new("a", "f", json!({"x": 1})),
+                ToolCall::new("", "g", json!({"y": 2})),
+                ToolCall::new("c", "h", Value::String("{\"z\": ".into())),
+                ToolCall::new("d", "i", json!({})),
+                ToolCall::new("e", "j", json!({"w": 3})),
+            ]
+        );
+    }
+
+    #[test]
+    fn variations_of_servers_are_tolerated() {
+        let bare = read(json!({"choices": [{"message": {"content": "hi"}}]}));
+        assert_eq!(bare, ModelResponse::answer("hi"));
+        let parts = read(json!({"choices": [{"message": {
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "tool_calls": null}}]}));
+        assert_eq!(parts.text.as_deref(), Some("ab"));
+        let refused = read(json!({"choices": [{"message": {"content": null, "refusal": "No."}}]}));
+        assert_eq!(refused.text.as_deref(), Some("No."));
+        let empty = read(json!({"choices": [{"message": {"content": ""}}], "usage": null}));
+        assert_eq!(empty, ModelResponse::default());
+        let none = serde_json::from_value::<Completion>(json!({"choices": []})).unwrap();
+        assert!(none.into_response().is_err());
+    }
+}

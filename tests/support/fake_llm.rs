@@ -261,10 +261,11 @@ fn reason(status: u16) -> &'static str {
     }
 }
 
-/// Short waits, so that the retries of a test take milliseconds; an attempt's timeout long
-/// enough that only a server that hangs reaches it.
+/// Four attempts and short waits, so that the retries of a test take milliseconds; an
+/// attempt's timeout long enough that only a server that hangs reaches it.
 pub fn fast_policy() -> ModelPolicy {
     ModelPolicy::default()
+        .max_attempts(4)
         .backoff(Duration::from_millis(5), Duration::from_millis(20))
         .timeout(Duration::from_secs(20))
 }

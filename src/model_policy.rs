@@ -15,8 +15,8 @@ use std::time::Duration;
 ///
 /// The backoff before attempt `n + 1` is exponential, `initial_backoff * 2^(n-1)` capped at
 /// `max_backoff`, less a random part of up to a half (so that runs that failed together do
-/// not retry together); a server's `Retry-After` is waited for in full, unless it asks for
-/// more than `max_retry_after`: the run then fails rather than wait.
+/// not retry together); a server's `Retry-After` is waited for in full when it is longer,
+/// unless it asks for more than `max_retry_after`: the run then fails rather than wait.
 ///
 /// The worst case before a run fails for want of an answer, with the defaults, is three
 /// attempts that each time out: about 30 minutes. A shorter timeout suits a fast hosted
@@ -135,15 +135,14 @@ impl ModelPolicy {
         if attempt >= self.max_attempts {
             return Err(None);
         }
-        if let Some(after) = retry_after {
-            if after > self.max_retry_after {
-                return Err(Some(format!(
-                    "the server asked to wait {} s, longer than the policy's {} s",
-                    after.as_secs_f64(),
-                    self.max_retry_after.as_secs_f64()
-                )));
-            }
-            return Ok(after);
+        if let Some(after) = retry_after
+            && after > self.max_retry_after
+        {
+            return Err(Some(format!(
+                "the server asked to wait {} s, longer than the policy's {} s",
+                after.as_secs_f64(),
+                self.max_retry_after.as_secs_f64()
+            )));
         }
         let doublings = attempt.saturating_sub(1).min(31);
         let full = self
@@ -151,7 +150,10 @@ impl ModelPolicy {
             .saturating_mul(1 << doublings)
             .min(self.max_backoff);
         // "Equal jitter": never less than half the backoff, never more than all of it.
-        Ok(full / 2 + full.mul_f64(unit.clamp(0.0, 1.0) / 2.0))
+        let backoff = full / 2 + full.mul_f64(unit.clamp(0.0, 1.0) / 2.0);
+        // The server's wait, but never less than the policy's own: a `Retry-After: 0` sent to
+        // many runs at once must not bring them all back at once.
+        Ok(retry_after.map_or(backoff, |after| after.max(backoff)))
     }
 }
 

@@ -35,7 +35,14 @@ for line in open(sys.argv[1]):
         continue
     path = paths.get(fd.group(1), '?')
     kind = 'log' if path.endswith('fresh.db-wal') else 'db' if path.endswith('fresh.db') else None
-    if kind is None or round_ is None:
+    if kind is None:
+        continue
+    if round_ is None:
+        # Before the first run (the store's open): only the log's size, which the open may
+        # have extended.
+        if call.startswith('pwrite') and kind == 'log':
+            pos = re.search(r'pos: (\d+)', args)
+            ends['log'] = max(ends.get('log', 0), (int(pos.group(1)) if pos else 0) + ret)
         continue
     s = rounds.setdefault(round_, dict(syncs={}, writes=0, extending=0, bytes=0, start=None))
     if call in ('fdatasync', 'fsync'):

@@ -19,7 +19,8 @@ use std::sync::{
 pub enum FaultKind {
     /// A write to the write-ahead log: a commit's frames (a commit sends them in one write,
     /// with its commit frame), or the log's header when it starts over after a checkpoint.
-    /// Fails with `SQLITE_IOERR_WRITE`, writing nothing.
+    /// Fails with `SQLITE_IOERR_WRITE`, writing nothing. Not the zeros that extend a short log
+    /// as it starts: their failure fails nothing.
     LogWrite,
     /// A sync of the write-ahead log by SQLite: in each commit at `FULL`, and before a
     /// checkpoint copies the log. The sync is done, then reported failed with
@@ -232,6 +233,30 @@ pub(crate) mod vfs {
         static FAIL_LOG_WRITE_AT: Cell<usize> = const { Cell::new(0) };
         /// A barrier on this thread found bytes still to write, or a failed write.
         static BARRIER_FOUND_BYTES: Cell<bool> = const { Cell::new(false) };
+        /// The extensions of a log from this thread: the file's size before, and after.
+        static EXTENSIONS: std::cell::RefCell<Vec<(i64, i64)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+        /// Makes this thread's extensions of a log fail.
+        static FAIL_EXTENSIONS: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Called before a log is extended from `from` bytes to `to`: notes it, and says whether
+    /// its writes are to fail.
+    pub(crate) fn before_extension(from: i64, to: i64) -> bool {
+        EXTENSIONS.with_borrow_mut(|done| done.push((from, to)));
+        FAIL_EXTENSIONS.get()
+    }
+
+    /// The extensions of a log from this thread since the last call: sizes before and after.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn take_extensions() -> Vec<(i64, i64)> {
+        EXTENSIONS.with_borrow_mut(std::mem::take)
+    }
+
+    /// Makes this thread's extensions of a log fail, or no longer.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub(crate) fn fail_extensions(fail: bool) {
+        FAIL_EXTENSIONS.set(fail);
     }
 
     /// Called before each write of gathered bytes to a log file: counts it, and says whether it

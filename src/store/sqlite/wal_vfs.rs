@@ -30,7 +30,10 @@
 //! other releases do not get the VFS at all.
 //!
 //! The bytes, their offsets and their order are SQLite's own, so the file is exactly what SQLite
-//! would have written. Files other than a log pass straight through, and so does a log whose
+//! would have written, but for one thing: a log that starts (or starts over) in a file shorter
+//! than [`PREALLOCATED_LOG`] is first extended to that size with zeros, written past the file's
+//! end, so that its frames rewrite the file in place instead of growing it (see
+//! [`preallocate`]). Files other than a log pass straight through, and so does a log whose
 //! database file was not opened through this VFS. It assumes the log's shared index lives in
 //! shared memory (not `locking_mode=EXCLUSIVE`, which agentrt never sets): that is where the
 //! barrier and the locks are passed.
@@ -51,6 +54,11 @@ const BUFFER_LIMIT: usize = 4 << 20;
 
 /// The most the unix VFS writes in one call (it masks a write's length to 17 bits).
 const WRITE_LIMIT: usize = 0x1f000;
+
+/// The size a log is extended to, with zeros, when it starts (or starts over) in a shorter
+/// file: about what one busy run's log reaches between two of the writer's checkpoints (8 MiB
+/// holds some 2,000 frames of 4 KiB pages). Larger logs keep their size, as SQLite leaves them.
+const PREALLOCATED_LOG: i64 = 8 << 20;
 
 /// A log frame's header: a commit frame's second field (the database's size in pages after the
 /// commit) is not zero.
@@ -162,6 +170,8 @@ struct LogBuffer {
     /// released: the log's writes, reads and syncs fail until it is released, and the barrier
     /// must not let a commit be published (SQLite ignores some errors, of a size query, say).
     failed: bool,
+    /// An extension of the file failed (see [`preallocate`]): not tried again on this file.
+    extension_failed: bool,
 }
 
 unsafe extern "C" fn open(
@@ -344,6 +354,12 @@ unsafe extern "C" fn write(
         let commit_header = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
         if offset == 0 {
             log.end = 0;
+            // The log's header: the log starts, or starts over.
+            let rc = write_out(file, log);
+            if rc != ffi::SQLITE_OK {
+                return rc;
+            }
+            preallocate(file, log);
         }
         let rewrites = offset < log.end;
         log.end = log.end.max(offset + bytes.len() as i64);
@@ -372,6 +388,79 @@ unsafe extern "C" fn write(
         log.commit_next = commit_header;
         rc
     }
+}
+
+/// Zeros, written past a log's end to extend it.
+static ZEROS: [u8; WRITE_LIMIT] = [0; WRITE_LIMIT];
+
+/// Extends the log `file` with zeros to [`PREALLOCATED_LOG`] bytes, if it is shorter, as SQLite
+/// is about to write its header: the log's frames then rewrite the file in place, and a commit's
+/// sync no longer also commits a change of the file's size (which costs about half as much
+/// again as the sync alone on ext4).
+///
+/// SQLite writes the header (at offset 0) only as the log starts or starts over, holding the
+/// write lock, when no reader needs a frame of the file; the buffer is empty here, so the
+/// file's end is past every frame written, and the zeros go past it only: no byte of the file
+/// is rewritten. A frame of zeros (page number 0, salts other than the header's) is where
+/// SQLite's recovery finds the log's end, as in a log started over on an older one's frames.
+/// SQLite syncs the header before it writes a frame (unless `synchronous = OFF`), and that
+/// sync carries the zeros.
+///
+/// A failed extension (a full disk) fails nothing: the file is cut back to its size (which
+/// frees what was written; failing that, zeros past the end are harmless), the commit goes
+/// on as it would have, and the file is not extended again. A write-back of the zeros that
+/// fails later fails the next sync of the log, as any lost write of the log does.
+unsafe fn preallocate(file: *mut ffi::sqlite3_file, log: &mut LogBuffer) {
+    if log.extension_failed {
+        return;
+    }
+    // SAFETY: the file is ours.
+    unsafe {
+        let (real, methods) = real(file);
+        let mut size = 0;
+        if (methods.xFileSize.expect("xFileSize"))(real, &mut size) != ffi::SQLITE_OK
+            || size >= PREALLOCATED_LOG
+        {
+            return;
+        }
+        let rc = write_zeros(real, methods, size, PREALLOCATED_LOG);
+        if rc != ffi::SQLITE_OK {
+            log.extension_failed = true;
+            let _ = (methods.xTruncate.expect("xTruncate"))(real, size);
+            tracing::warn!(
+                rc,
+                "the write-ahead log could not be extended ahead of its frames"
+            );
+        }
+    }
+}
+
+/// Writes zeros from `from` to `to` in the real file.
+unsafe fn write_zeros(
+    real: *mut ffi::sqlite3_file,
+    methods: &ffi::sqlite3_io_methods,
+    from: i64,
+    to: i64,
+) -> c_int {
+    #[cfg(any(test, feature = "testkit"))]
+    let fail = super::faults::vfs::before_extension(from, to);
+    let mut at = from;
+    while at < to {
+        #[cfg(any(test, feature = "testkit"))]
+        if fail && at >= from + (to - from) / 2 {
+            // As a full disk would: halfway.
+            return ffi::SQLITE_FULL;
+        }
+        let amount = (to - at).min(WRITE_LIMIT as i64) as c_int;
+        // SAFETY: the real file is open; ZEROS holds `amount` bytes.
+        let rc =
+            unsafe { (methods.xWrite.expect("xWrite"))(real, ZEROS.as_ptr().cast(), amount, at) };
+        if rc != ffi::SQLITE_OK {
+            return rc;
+        }
+        at += i64::from(amount);
+    }
+    ffi::SQLITE_OK
 }
 
 unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
@@ -973,5 +1062,155 @@ mod tests {
         assert_eq!(count(&writer), 200);
         let (_copy, recovered) = crash_image(&path);
         assert_eq!(count(&recovered), 200);
+    }
+
+    fn log_len(path: &std::path::Path) -> i64 {
+        std::fs::metadata(format!("{}-wal", path.display())).map_or(0, |m| m.len() as i64)
+    }
+
+    #[test]
+    fn the_log_is_extended_once_when_it_starts_and_never_below_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        vfs::take_extensions();
+        let writer = open(&path, "FULL");
+        // The log's first header: the new file is extended from nothing.
+        assert_eq!(vfs::take_extensions(), [(0, PREALLOCATED_LOG)]);
+        assert_eq!(log_len(&path), PREALLOCATED_LOG);
+        for round in 0..20 {
+            commit_rows(&writer, round * 100, 100).unwrap();
+        }
+        writer
+            .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+            .unwrap();
+        commit_rows(&writer, 0, 1).unwrap();
+        // Started over in a file long enough: nothing written past its end, nor a size change.
+        assert!(vfs::take_extensions().is_empty());
+        assert_eq!(log_len(&path), PREALLOCATED_LOG);
+        // Grown past the extension by commits, it keeps their size.
+        commit_rows(&writer, 0, 40_000).unwrap();
+        let grown = log_len(&path);
+        assert!(grown > PREALLOCATED_LOG, "{grown}");
+        writer
+            .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+            .unwrap();
+        commit_rows(&writer, 0, 1).unwrap();
+        assert!(vfs::take_extensions().is_empty());
+        assert_eq!(log_len(&path), grown);
+        // A log of another VFS's connection, shorter and holding frames: extended past its end
+        // only, when this VFS's connection starts it over.
+        writer
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        let other = Connection::open(&path).unwrap();
+        commit_rows(&other, 0, 100).unwrap();
+        other
+            .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+            .unwrap();
+        let before = log_len(&path);
+        assert!((1..PREALLOCATED_LOG).contains(&before), "{before}");
+        commit_rows(&writer, 100, 1).unwrap();
+        assert_eq!(vfs::take_extensions(), [(before, PREALLOCATED_LOG)]);
+        assert_eq!(log_len(&path), PREALLOCATED_LOG);
+        assert_eq!(count(&other), 40_000);
+    }
+
+    #[test]
+    fn a_crash_image_of_a_preallocated_log_recovers_every_commit() {
+        for synchronous in ["FULL", "NORMAL"] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db");
+            let writer = open(&path, synchronous);
+            let mut rows = 0;
+            for round in 0..24i64 {
+                // Within the extension, past it, and after the log started over on frames
+                // of an earlier pass.
+                let add = [1, 40, 400, 12_000][round as usize % 4];
+                commit_rows(&writer, rows, add).unwrap();
+                rows += add;
+                let (_copy, recovered) = crash_image(&path);
+                assert_eq!(count(&recovered), rows, "{synchronous}, round {round}");
+                if round == 11 {
+                    assert!(log_len(&path) > PREALLOCATED_LOG);
+                    writer
+                        .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+                        .unwrap();
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_extension_fails_nothing_and_leaves_the_log_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        vfs::fail_extensions(true);
+        vfs::take_extensions();
+        let writer = open(&path, "FULL");
+        commit_rows(&writer, 0, 100).unwrap();
+        writer
+            .query_row("PRAGMA wal_checkpoint(RESTART)", [], |_| Ok(()))
+            .unwrap();
+        commit_rows(&writer, 100, 100).unwrap();
+        vfs::fail_extensions(false);
+        // Tried once, at the log's first header, then no more on this file.
+        assert_eq!(vfs::take_extensions(), [(0, PREALLOCATED_LOG)]);
+        assert!(log_len(&path) < PREALLOCATED_LOG, "{}", log_len(&path));
+        assert_eq!(count(&writer), 200);
+        let (_copy, recovered) = crash_image(&path);
+        assert_eq!(count(&recovered), 200);
+    }
+
+    #[test]
+    fn a_read_only_store_on_a_preallocated_log_writes_nothing() {
+        use crate::store::Store;
+        // Each file's name and a digest of its bytes, sorted by name.
+        let files = |dir: &std::path::Path| {
+            use std::hash::{Hash, Hasher};
+            let mut files: Vec<(String, u64)> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|entry| {
+                    let entry = entry.unwrap();
+                    let mut digest = std::collections::hash_map::DefaultHasher::new();
+                    std::fs::read(entry.path()).unwrap().hash(&mut digest);
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    (name, digest.finish())
+                })
+                .collect();
+            files.sort();
+            files
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let store = crate::sqlite::Options::new().open(&path).unwrap();
+        assert_eq!(log_len(&path), PREALLOCATED_LOG);
+        // Beside the writing store (whose index a reader may take a read mark in, as every
+        // reader does: the database and its log are compared).
+        let before = files(dir.path());
+        let reader = Store::open_read_only(&path).unwrap();
+        assert!(reader.runs(None).unwrap().is_empty());
+        drop(reader);
+        let not_index = |files: Vec<(String, u64)>| {
+            files
+                .into_iter()
+                .filter(|(name, _)| !name.ends_with("-shm"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(not_index(files(dir.path())), not_index(before));
+        // As a crash would leave them (the log and its index), and the log alone (a copy).
+        for keep_index in [true, false] {
+            let copy = tempfile::tempdir().unwrap();
+            for name in ["db", "db-wal", "db-shm"] {
+                if keep_index || name != "db-shm" {
+                    std::fs::copy(dir.path().join(name), copy.path().join(name)).unwrap();
+                }
+            }
+            let copied = files(copy.path());
+            let reader = Store::open_read_only(copy.path().join("db")).unwrap();
+            assert!(reader.runs(None).unwrap().is_empty());
+            drop(reader);
+            assert_eq!(files(copy.path()), copied, "index kept: {keep_index}");
+        }
+        drop(store);
     }
 }

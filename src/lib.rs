@@ -36,8 +36,8 @@ mod models_md {}
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, RecordApproval, RegisterAgent, ResumeRun, StartRun,
-        Supervisor, SupervisorBuilder,
+        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, RecordApproval, RegisterAgent,
+        ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor, SupervisorBuilder,
     },
 };
 pub use agent::{

@@ -76,8 +76,14 @@ impl Handler<LeaseLost> for RunActor {
 
 /// What the call asks of the run.
 pub(crate) enum Job {
-    /// Insert the run, then execute it.
-    Start { agent: String, input: Value },
+    /// Insert the run, then execute it. `started`, when given, hears once the insert is
+    /// durable: the insert then commits alone and synced, where a call that waits for the
+    /// end commits it with the first model reservation.
+    Start {
+        agent: String,
+        input: Value,
+        started: Option<tokio::sync::oneshot::Sender<()>>,
+    },
     /// Continue a run that waits for approval, or whose executor died.
     Resume,
 }
@@ -279,7 +285,11 @@ impl RunLoop {
         // Where the loop goes after its first move, when it already made its second.
         let mut first_next = Ok(Next::Continue);
         let mut run = match job {
-            Job::Start { agent, input } => {
+            Job::Start {
+                agent,
+                input,
+                started,
+            } => {
                 let found = find(&agent)?;
                 let (id, name, value, grant) = (
                     run_id.clone(),
@@ -291,12 +301,22 @@ impl RunLoop {
                     Move::new(tx, now, &id).create_run(&name, &value, &grant)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
-                // The first model step's reservation commits with the insert.
-                let next = run.plan();
-                let (_, next) = run.commit_with(create, next, |_| true).await?;
+                match started {
+                    // Answered once durable: the loop plans its first model call after.
+                    // A failed insert drops `started`: the caller reads the error from the call.
+                    Some(started) => {
+                        run.env.store.apply(create, Durability::Durable).await?;
+                        let _ = started.send(());
+                    }
+                    None => {
+                        // The first model step's reservation commits with the insert.
+                        let next = run.plan();
+                        let (_, next) = run.commit_with(create, next, |_| true).await?;
+                        first_next = next;
+                    }
+                }
                 tracing::info!(agent = %agent, "run started");
                 run.hold();
-                first_next = next;
                 run
             }
             Job::Resume => {

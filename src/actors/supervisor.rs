@@ -9,8 +9,8 @@ use std::{
 };
 
 use actix::{
-    Actor, ActorFutureExt, Addr, Arbiter, Context, Handler, Message, ResponseActFuture,
-    ResponseFuture, WrapFuture,
+    Actor, ActorFutureExt, Addr, Arbiter, AsyncContext, Context, Handler, Message, Recipient,
+    ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use serde_json::Value;
 
@@ -29,7 +29,7 @@ use crate::{
         model::Holder,
         moves,
     },
-    types::{Approval, RunId, RunReply},
+    types::{Approval, Outcome, RunId, RunReply},
 };
 
 /// The lease TTL when [`Config::lease_ttl`] is not set: 30 s.
@@ -181,6 +181,8 @@ pub struct Supervisor {
     /// number of the call that executes it.
     executing: HashMap<RunId, (u64, Cancellation)>,
     calls: u64,
+    /// Told of every run this supervisor executed that came to rest.
+    settled_subscribers: Vec<Recipient<RunSettled>>,
 }
 
 /// Assembles a [`Supervisor`].
@@ -237,6 +239,7 @@ impl SupervisorBuilder {
             agents: Arc::new(self.agents),
             executing: HashMap::new(),
             calls: 0,
+            settled_subscribers: Vec::new(),
         }
         .start())
     }
@@ -305,9 +308,38 @@ impl Supervisor {
                     {
                         this.executing.remove(&run_id);
                     }
+                    this.tell_settled(&run_id, &result);
                     result
                 }),
         )
+    }
+}
+
+impl Supervisor {
+    /// Tells the subscribers how a call that executed `run_id` ended; not of a call refused
+    /// before it executed anything (an unknown agent, an id taken, a lease held elsewhere, a
+    /// finished run).
+    fn tell_settled(&mut self, run_id: &RunId, result: &Result<RunReply>) {
+        let result = match result {
+            Ok(reply) => Ok(reply.outcome.clone()),
+            Err(
+                Error::UnknownAgent(_)
+                | Error::RunExists(_)
+                | Error::RunLeased { .. }
+                | Error::RunState { .. }
+                | Error::RunNotFound(_),
+            ) => return,
+            Err(err) => Err(err.to_string()),
+        };
+        self.settled_subscribers.retain(|recipient| {
+            recipient
+                .try_send(RunSettled {
+                    run_id: run_id.clone(),
+                    result: result.clone(),
+                })
+                .is_ok()
+                || recipient.connected()
+        });
     }
 }
 
@@ -383,8 +415,114 @@ impl Handler<StartRun> for Supervisor {
             Job::Start {
                 agent: msg.agent,
                 input: msg.input,
+                started: None,
             },
         )
+    }
+}
+
+/// Starts a run of a registered agent and answers with its id as soon as the run is durable,
+/// while the supervisor drives it; [`SubscribeRuns`] and the store tell how it ends.
+///
+/// It answers with the same errors as [`StartRun`] when the run cannot be started (an unknown
+/// agent, an id that exists); once answered, the run's execution is the supervisor's, and its
+/// end (finished, waiting for an approval, cancelled, or stopped with an error such as a lost
+/// lease) reaches every [`RunSettled`] subscriber.
+///
+/// ```no_run
+/// # use agentrt::{SpawnRun, Supervisor};
+/// # async fn demo(supervisor: actix::Addr<Supervisor>) -> agentrt::Result<()> {
+/// let run_id = supervisor
+///     .send(SpawnRun::new("support", serde_json::json!({"ticket": 42})))
+///     .await
+///     .expect("supervisor is running")?;
+/// println!("started {run_id}");
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<RunId>")]
+pub struct SpawnRun {
+    /// The registered agent's name.
+    pub agent: String,
+    /// The run's input.
+    pub input: Value,
+    /// The run's id; a random one when `None`. An id that exists is refused.
+    pub run_id: Option<RunId>,
+}
+
+impl SpawnRun {
+    /// A run of `agent` with `input`.
+    pub fn new(agent: impl Into<String>, input: Value) -> Self {
+        SpawnRun {
+            agent: agent.into(),
+            input,
+            run_id: None,
+        }
+    }
+
+    /// Uses `run_id` as the run's id.
+    pub fn with_id(mut self, run_id: impl Into<RunId>) -> Self {
+        self.run_id = Some(run_id.into());
+        self
+    }
+}
+
+impl Handler<SpawnRun> for Supervisor {
+    type Result = ResponseFuture<Result<RunId>>;
+
+    fn handle(&mut self, msg: SpawnRun, ctx: &mut Context<Self>) -> Self::Result {
+        if !self.agents.contains_key(&msg.agent) {
+            return Box::pin(std::future::ready(Err(Error::UnknownAgent(msg.agent))));
+        }
+        let run_id = msg.run_id.unwrap_or_else(RunId::random);
+        let (started, on_start) = tokio::sync::oneshot::channel();
+        let (failed, on_failure) = tokio::sync::oneshot::channel();
+        let job = Job::Start {
+            agent: msg.agent,
+            input: msg.input,
+            started: Some(started),
+        };
+        let execution = self.execute(run_id.clone(), job);
+        ctx.spawn(execution.map(move |result, _, _| {
+            // Heard only when the run never started: the caller was answered otherwise.
+            if let Err(err) = result {
+                let _ = failed.send(err);
+            }
+        }));
+        Box::pin(async move {
+            match on_start.await {
+                Ok(()) => Ok(run_id),
+                Err(_) => Err(on_failure.await.unwrap_or(Error::StoreUnavailable)),
+            }
+        })
+    }
+}
+
+/// A run that a supervisor executed came to rest: the call that executed it returned. Sent to
+/// the recipients of [`SubscribeRuns`], for every call (a [`StartRun`], a [`SpawnRun`], a
+/// [`ResumeRun`]) that executed something.
+#[derive(Debug, Clone, PartialEq, Message)]
+#[rtype(result = "()")]
+pub struct RunSettled {
+    /// The run.
+    pub run_id: RunId,
+    /// How the call ended: the run finished, paused for an approval or was cancelled
+    /// (`Ok`), or its execution stopped with an error (`Err`, the error's message: a lost
+    /// lease, a store that failed), after which a resume takes it on.
+    pub result: std::result::Result<Outcome, String>,
+}
+
+/// Subscribes a recipient to every [`RunSettled`] of a supervisor. A recipient whose actor
+/// has stopped is dropped.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct SubscribeRuns(pub Recipient<RunSettled>);
+
+impl Handler<SubscribeRuns> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: SubscribeRuns, _: &mut Context<Self>) {
+        self.settled_subscribers.push(msg.0);
     }
 }
 
@@ -493,6 +631,35 @@ impl Handler<RecordApproval> for Supervisor {
         });
         let record = self.store_actor.apply(record, Durability::Durable);
         Box::pin(record.into_actor(self))
+    }
+}
+
+/// Records an operator's approval or denial of a waiting tool call, then resumes the run, as
+/// [`RecordApproval`] then [`ResumeRun`] would: answers when the resumed call returns. The
+/// decision stays recorded when the resume is refused (another process resumed the run
+/// first, say).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<RunReply>")]
+pub struct DecideAndResume(pub Approval);
+
+impl Handler<DecideAndResume> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
+
+    fn handle(&mut self, msg: DecideAndResume, _: &mut Context<Self>) -> Self::Result {
+        let approval = msg.0;
+        let run_id = approval.run_id.clone();
+        let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
+            Move::new(tx, now, &approval.run_id).record_approval(&approval)
+        });
+        let record = self.store_actor.apply(record, Durability::Durable);
+        Box::pin(
+            record.into_actor(self).then(
+                move |recorded, this: &mut Supervisor, _| match recorded {
+                    Ok(()) => this.execute(run_id, Job::Resume),
+                    Err(err) => Box::pin(actix::fut::ready(Err(err))),
+                },
+            ),
+        )
     }
 }
 

@@ -361,10 +361,9 @@ fn a_local_servers_variations_are_tolerated() {
     assert_eq!(calls[0]["id"], json!(id));
     assert_eq!(calls[0]["function"]["arguments"], "{\"id\":7}");
     assert_eq!(calls[1]["id"], "x1");
-    assert_eq!(
-        calls[1]["function"]["arguments"], "{\"id\": 7",
-        "sent back as the model wrote them"
-    );
+    // Not what the model wrote: servers that parse the history's arguments refuse text that
+    // is not JSON. The refusal below tells the model.
+    assert_eq!(calls[1]["function"]["arguments"], "{}");
     assert_eq!(messages[2]["tool_call_id"], json!(id));
     assert_eq!(messages[3]["tool_call_id"], "x1");
     let refusal = messages[3]["content"].as_str().unwrap();

@@ -229,11 +229,13 @@ fn message(message: &Message) -> Value {
 }
 
 fn call(call: &ToolCall) -> Value {
-    // Arguments that were not JSON go back as the model wrote them, so that it sees its
-    // mistake beside the refusal that follows.
+    // Arguments that were not a JSON object go back as `{}`: servers such as vLLM and SGLang
+    // parse every argument of the history (and their chat templates read it as an object),
+    // answering a 500 to one that is not. The run loop refused such a call, and the result
+    // that follows shows the model what it wrote.
     let arguments = match &call.args {
-        Value::String(raw) => raw.clone(),
-        args => args.to_string(),
+        Value::Object(_) => call.args.to_string(),
+        _ => "{}".to_owned(),
     };
     json!({
         "id": call.id,
@@ -436,7 +438,7 @@ mod tests {
                         {"id": "c1", "type": "function",
                          "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
                         {"id": "c2", "type": "function",
-                         "function": {"name": "weather", "arguments": "{city: Bergen"}},
+                         "function": {"name": "weather", "arguments": "{}"}},
                     ]},
                     {"role": "tool", "tool_call_id": "c1", "content": "{\"sky\":\"clear\"}"},
                     {"role": "tool", "tool_call_id": "c2",

@@ -376,3 +376,31 @@ fn a_local_servers_variations_are_tolerated() {
     assert!(finished.get("usage").is_none(), "{finished}");
     assert!(finished.get("model").is_none(), "{finished}");
 }
+
+/// An answer that stopped at the token limit fails the run: its call's arguments may be cut
+/// off, and it never runs.
+#[test]
+fn an_answer_cut_off_at_the_token_limit_fails_the_run_and_its_call_never_runs() {
+    let server = FakeLlm::start(vec![Reply::ok(json!({
+        "choices": [{"index": 0, "finish_reason": "length", "message": {
+            "role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_a", "type": "function",
+                 "function": {"name": "weather", "arguments": "{\"city\": \"Os"}}]}}],
+    }))]);
+    let weather = weather();
+    let agent = Agent::new(model(&server).max_tokens(32))
+        .tool(weather.clone())
+        .model_policy(fast_policy());
+    let ran = Ran::of(agent, json!("Weather in Oslo?"));
+
+    let Outcome::Failed { error } = &ran.reply.outcome else {
+        panic!("{:?}", ran.reply.outcome)
+    };
+    assert!(
+        error.contains("the answer was cut off at the token limit (max_tokens 32)"),
+        "{error}"
+    );
+    assert!(weather.calls().is_empty());
+    assert_eq!(server.requests().len(), 1);
+    assert_eq!(ran.model_attempts(1), [(EventKind::ModelStarted, 1)]);
+}

@@ -7,7 +7,7 @@ use reqwest::header::HeaderValue;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient};
+use super::http::{Api, LazyClient, cut_off, excerpt};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -162,6 +162,14 @@ impl Anthropic {
         body.extend(self.body.clone());
         Value::Object(body)
     }
+
+    /// The `max_tokens` sent: a body field replaces [`max_tokens`](Self::max_tokens).
+    fn token_limit(&self) -> u64 {
+        self.body
+            .get("max_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(u64::from(self.max_tokens))
+    }
 }
 
 impl fmt::Debug for Anthropic {
@@ -203,7 +211,9 @@ impl Model for Anthropic {
             post = post.header(name.as_str(), value.as_str());
         }
         let answer: Answer = api.send(post).await?;
-        Ok(answer.into_response())
+        answer
+            .into_response(self.token_limit())
+            .map_err(|why| api.unusable(&why))
     }
 }
 
@@ -278,6 +288,8 @@ struct Answer {
     model: Option<String>,
     content: Vec<Block>,
     #[serde(default)]
+    stop_reason: Option<String>,
+    #[serde(default)]
     usage: Option<AnswerUsage>,
 }
 
@@ -312,7 +324,10 @@ struct AnswerUsage {
 }
 
 impl Answer {
-    fn into_response(self) -> ModelResponse {
+    /// The answer, or why the model gave none to use (a fatal error: the same request stops
+    /// the same way). `limit` is the `max_tokens` sent, which a message about a cut-off answer
+    /// names.
+    fn into_response(self, limit: u64) -> Result<ModelResponse, String> {
         let mut text = String::new();
         let mut tool_calls = Vec::new();
         for block in self.content {
@@ -325,6 +340,41 @@ impl Answer {
                 Block::Other => {}
             }
         }
+        // Other reasons ("end_turn", "tool_use", "stop_sequence", any new one) end a usable
+        // answer.
+        match self.stop_reason.as_deref() {
+            // A cut-off `tool_use` input must never run: no call is returned.
+            Some("max_tokens") => {
+                return Err(cut_off(Some(("max_tokens", limit)), tool_calls.len()));
+            }
+            Some("model_context_window_exceeded") => {
+                return Err(format!(
+                    "the answer was cut off where the conversation filled the model's context \
+                     window, so it is incomplete{}",
+                    if tool_calls.is_empty() {
+                        ""
+                    } else {
+                        "; its tool calls were not run"
+                    }
+                ));
+            }
+            Some("refusal") => {
+                let mut why = "the model refused to answer (stop_reason refusal)".to_owned();
+                if !text.is_empty() {
+                    why.push_str(": ");
+                    why.push_str(&excerpt(&text));
+                }
+                return Err(why);
+            }
+            Some("pause_turn") => {
+                return Err(
+                    "the API paused the turn (stop_reason pause_turn), which it does \
+                            for server tools; server tools are not supported"
+                        .into(),
+                );
+            }
+            _ => {}
+        }
         // `input_tokens` leaves out the cached part of the prompt, which `Usage` counts.
         let usage = self.usage.map(|usage| Usage {
             input_tokens: usage.input_tokens
@@ -332,12 +382,12 @@ impl Answer {
                 + usage.cache_read_input_tokens.unwrap_or(0),
             output_tokens: usage.output_tokens,
         });
-        ModelResponse {
+        Ok(ModelResponse {
             text: (!text.is_empty()).then_some(text),
             tool_calls,
             usage,
             model: self.model,
-        }
+        })
     }
 }
 
@@ -430,7 +480,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            answer.into_response(),
+            answer.into_response(100).unwrap(),
             ModelResponse {
                 text: Some("Let me look.".into()),
                 tool_calls: vec![
@@ -445,6 +495,44 @@ mod tests {
             }
         );
         let bare: Answer = serde_json::from_value(json!({"content": []})).unwrap();
-        assert_eq!(bare.into_response(), ModelResponse::default());
+        assert_eq!(bare.into_response(100).unwrap(), ModelResponse::default());
+    }
+
+    fn stopped(stop_reason: &str, content: Value) -> String {
+        let answer: Answer =
+            serde_json::from_value(json!({"content": content, "stop_reason": stop_reason}))
+                .unwrap();
+        answer.into_response(256).unwrap_err()
+    }
+
+    #[test]
+    fn an_answer_that_stopped_without_an_answer_to_use_is_an_error() {
+        let cut = json!([
+            {"type": "text", "text": "Let me"},
+            {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Os"}},
+        ]);
+        assert_eq!(
+            stopped("max_tokens", cut),
+            "the answer was cut off at the token limit (max_tokens 256), so it is incomplete; \
+             its tool call was not run: raise the limit, or ask for a shorter answer"
+        );
+        assert_eq!(
+            stopped("refusal", json!([{"type": "text", "text": "I won't."}])),
+            "the model refused to answer (stop_reason refusal): I won't."
+        );
+        assert!(
+            stopped("pause_turn", json!([])).contains("server tools are not supported"),
+            "pause_turn"
+        );
+        let unknown: Answer = serde_json::from_value(json!({
+            "content": [{"type": "text", "text": "hi"}], "stop_reason": "something_new"}))
+        .unwrap();
+        assert_eq!(
+            unknown.into_response(256).unwrap(),
+            ModelResponse::answer("hi")
+        );
+        let limit = |adapter: Anthropic| adapter.token_limit();
+        assert_eq!(limit(Anthropic::new("m")), u64::from(DEFAULT_MAX_TOKENS));
+        assert_eq!(limit(Anthropic::new("m").body_field("max_tokens", 9)), 9);
     }
 }

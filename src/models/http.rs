@@ -118,6 +118,12 @@ impl Api<'_> {
         self.retryable(message)
     }
 
+    /// A fatal error about an answer the API gave but that cannot be used (cut off at the
+    /// token limit, refused, filtered).
+    pub(crate) fn unusable(&self, message: &str) -> ModelError {
+        ModelError::fatal(self.redact(format!("{}: {message}", self.name)))
+    }
+
     fn retryable(&self, message: String) -> ModelError {
         ModelError::retryable(self.redact(format!("{}: {message}", self.name)))
     }
@@ -229,10 +235,34 @@ pub(crate) fn server_message(body: &[u8]) -> Option<String> {
     if said.is_empty() {
         return None;
     }
-    Some(match said.char_indices().nth(MAX_SERVER_MESSAGE) {
-        Some((cut, _)) => format!("{}...", &said[..cut]),
-        None => said.to_owned(),
-    })
+    Some(excerpt(said))
+}
+
+/// Why an answer that stopped at the token limit is an error: its text is incomplete, and a
+/// tool call in it may have lost the end of its arguments, which must never run. `limit` is
+/// the setting sent (its name and value), when one was.
+pub(crate) fn cut_off(limit: Option<(&str, u64)>, calls: usize) -> String {
+    let mut message = match limit {
+        Some((name, limit)) => format!(
+            "the answer was cut off at the token limit ({name} {limit}), so it is incomplete"
+        ),
+        None => "the answer was cut off at the server's token limit, so it is incomplete".into(),
+    };
+    match calls {
+        0 => {}
+        1 => message.push_str("; its tool call was not run"),
+        n => message.push_str(&format!("; its {n} tool calls were not run")),
+    }
+    message.push_str(": raise the limit, or ask for a shorter answer");
+    message
+}
+
+/// `text` cut to [`MAX_SERVER_MESSAGE`] characters, for an error that repeats it.
+pub(crate) fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(MAX_SERVER_MESSAGE) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.to_owned(),
+    }
 }
 
 fn error_code(body: &[u8]) -> Option<String> {

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient};
+use super::http::{Api, LazyClient, cut_off, excerpt};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -146,6 +146,17 @@ impl OpenAi {
         body.extend(self.body.clone());
         Value::Object(body)
     }
+
+    /// The token limit sent, by the name it was sent under: a body field replaces
+    /// [`max_tokens`](Self::max_tokens).
+    fn token_limit(&self) -> Option<(&'static str, u64)> {
+        ["max_completion_tokens", "max_tokens"]
+            .into_iter()
+            .find_map(|name| Some((name, self.body.get(name)?.as_u64()?)))
+            .or(self
+                .max_tokens
+                .map(|limit| ("max_tokens", u64::from(limit))))
+    }
 }
 
 impl fmt::Debug for OpenAi {
@@ -182,8 +193,11 @@ impl Model for OpenAi {
         }
         let completion: Completion = api.send(post).await?;
         completion
-            .into_response()
-            .map_err(|why| api.malformed(&why, b""))
+            .into_response(self.token_limit())
+            .map_err(|unusable| match unusable {
+                Unusable::Malformed(why) => api.malformed(&why, b""),
+                Unusable::Stopped(why) => api.unusable(&why),
+            })
     }
 }
 
@@ -266,6 +280,9 @@ struct Completion {
 #[derive(Deserialize)]
 struct Choice {
     message: AssistantMessage,
+    /// Missing with some local servers, read as a normal stop.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -316,18 +333,34 @@ struct CompletionUsage {
     completion_tokens: Option<u64>,
 }
 
+/// Why a completion gives no answer.
+#[derive(Debug, PartialEq)]
+enum Unusable {
+    /// It is not the API's answer (retryable, like a body that is not JSON).
+    Malformed(&'static str),
+    /// The model stopped without an answer to use: cut off, refused, filtered (fatal: the same
+    /// request stops the same way).
+    Stopped(String),
+}
+
 impl Completion {
-    fn into_response(self) -> Result<ModelResponse, &'static str> {
-        let choice = self.choices.into_iter().next().ok_or("no choices")?;
+    /// The answer; `limit` is the token limit sent, which a message about a cut-off answer
+    /// names.
+    fn into_response(self, limit: Option<(&str, u64)>) -> Result<ModelResponse, Unusable> {
+        let choice = self
+            .choices
+            .into_iter()
+            .next()
+            .ok_or(Unusable::Malformed("no choices"))?;
         let message = choice.message;
         let text = match message.content {
             Some(Content::Text(text)) => Some(text),
             Some(Content::Parts(parts)) => Some(parts.into_iter().filter_map(|p| p.text).collect()),
             None => None,
         }
-        .filter(|text| !text.is_empty())
-        .or(message.refusal);
-        let tool_calls = message
+        .filter(|text| !text.is_empty());
+        let refusal = message.refusal.filter(|refusal| !refusal.trim().is_empty());
+        let tool_calls: Vec<ToolCall> = message
             .tool_calls
             .unwrap_or_default()
             .into_iter()
@@ -338,6 +371,28 @@ impl Completion {
                 args: arguments(call.function.arguments),
             })
             .collect();
+        // Other reasons ("stop", "tool_calls", a server's own) end a usable answer.
+        match choice.finish_reason.as_deref() {
+            // The calls' arguments may be cut off too: none is returned, so none runs.
+            Some("length") => return Err(Unusable::Stopped(cut_off(limit, tool_calls.len()))),
+            Some("content_filter") => {
+                let mut why = "the server's content filter withheld the answer \
+                               (finish_reason content_filter)"
+                    .to_owned();
+                if let Some(said) = refusal.as_deref().or(text.as_deref()) {
+                    why.push_str(": ");
+                    why.push_str(&excerpt(said));
+                }
+                return Err(Unusable::Stopped(why));
+            }
+            _ => {}
+        }
+        if let (None, true, Some(refusal)) = (&text, tool_calls.is_empty(), &refusal) {
+            return Err(Unusable::Stopped(format!(
+                "the model refused to answer: {}",
+                excerpt(refusal)
+            )));
+        }
         let usage = self.usage.map(|usage| Usage {
             input_tokens: usage.prompt_tokens.unwrap_or(0),
             output_tokens: usage.completion_tokens.unwrap_or(0),
@@ -379,10 +434,20 @@ mod tests {
     use crate::types::RunId;
 
     fn read(body: Value) -> ModelResponse {
+        try_read(body, None).unwrap()
+    }
+
+    fn try_read(body: Value, limit: Option<(&str, u64)>) -> Result<ModelResponse, Unusable> {
         serde_json::from_value::<Completion>(body)
             .unwrap()
-            .into_response()
-            .unwrap()
+            .into_response(limit)
+    }
+
+    fn stopped(body: Value, limit: Option<(&str, u64)>) -> String {
+        match try_read(body, limit) {
+            Err(Unusable::Stopped(why)) => why,
+            other => panic!("{:?}", other.map(|_| "an answer")),
+        }
     }
 
     #[test]
@@ -499,11 +564,66 @@ mod tests {
             "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             "tool_calls": null}}]}));
         assert_eq!(parts.text.as_deref(), Some("ab"));
-        let refused = read(json!({"choices": [{"message": {"content": null, "refusal": "No."}}]}));
-        assert_eq!(refused.text.as_deref(), Some("No."));
         let empty = read(json!({"choices": [{"message": {"content": ""}}], "usage": null}));
         assert_eq!(empty, ModelResponse::default());
-        let none = serde_json::from_value::<Completion>(json!({"choices": []})).unwrap();
-        assert!(none.into_response().is_err());
+        let unknown = read(json!({"choices": [{"message": {"content": "hi"},
+                                               "finish_reason": "eos_token"}]}));
+        assert_eq!(unknown, ModelResponse::answer("hi"));
+        assert_eq!(
+            try_read(json!({"choices": []}), None),
+            Err(Unusable::Malformed("no choices"))
+        );
+    }
+
+    #[test]
+    fn an_answer_cut_off_at_the_token_limit_is_an_error_and_its_calls_are_dropped() {
+        let cut = json!({"choices": [{"finish_reason": "length", "message": {
+        "content": "Let me", "tool_calls": [
+            {"id": "a", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+            {"id": "b", "function": {"name": "f", "arguments": "{\"x\": "}},
+        ]}}]});
+        assert_eq!(
+            stopped(cut.clone(), Some(("max_tokens", 64))),
+            "the answer was cut off at the token limit (max_tokens 64), so it is incomplete; \
+             its 2 tool calls were not run: raise the limit, or ask for a shorter answer"
+        );
+        assert_eq!(
+            stopped(cut, None),
+            "the answer was cut off at the server's token limit, so it is incomplete; \
+             its 2 tool calls were not run: raise the limit, or ask for a shorter answer"
+        );
+        let limit = |adapter: OpenAi| adapter.token_limit();
+        assert_eq!(limit(OpenAi::new("m")), None);
+        assert_eq!(
+            limit(OpenAi::new("m").max_tokens(10)),
+            Some(("max_tokens", 10))
+        );
+        assert_eq!(
+            limit(
+                OpenAi::new("m")
+                    .max_tokens(10)
+                    .body_field("max_completion_tokens", 99)
+            ),
+            Some(("max_completion_tokens", 99))
+        );
+    }
+
+    #[test]
+    fn a_refusal_or_a_filtered_answer_is_an_error_that_says_so() {
+        let refused = json!({"choices": [{"finish_reason": "stop",
+            "message": {"content": null, "refusal": "I can't help with that."}}]});
+        assert_eq!(
+            stopped(refused, None),
+            "the model refused to answer: I can't help with that."
+        );
+        let filtered = json!({"choices": [{"finish_reason": "content_filter",
+            "message": {"content": null}}]});
+        assert_eq!(
+            stopped(filtered, None),
+            "the server's content filter withheld the answer (finish_reason content_filter)"
+        );
+        // A refusal beside an answer leaves the answer.
+        let both = read(json!({"choices": [{"message": {"content": "Partly.", "refusal": "no"}}]}));
+        assert_eq!(both.text.as_deref(), Some("Partly."));
     }
 }

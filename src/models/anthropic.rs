@@ -87,8 +87,12 @@ impl Anthropic {
 
     /// The API's root, without the version: `https://api.anthropic.com`. Requests go to
     /// `{base_url}/v1/messages`.
+    ///
+    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
+    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
     pub fn base_url(mut self, url: impl Into<String>) -> Self {
         self.base_url = url.into().trim_end_matches('/').to_owned();
+        self.http.set_base_url(&self.base_url);
         self
     }
 
@@ -126,6 +130,14 @@ impl Anthropic {
     /// field the adapter would have sent.
     pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.body.insert(name.into(), value.into());
+        self
+    }
+
+    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
+    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
+    /// URL.
+    pub fn no_proxy(mut self) -> Self {
+        self.http.set_no_proxy();
         self
     }
 

@@ -9,6 +9,7 @@
 
 use std::{
     error::Error as StdError,
+    net::IpAddr,
     sync::OnceLock,
     time::{Duration, SystemTime},
 };
@@ -36,6 +37,14 @@ const MAX_SERVER_MESSAGE: usize = 500;
 #[derive(Debug, Clone)]
 pub(crate) struct LazyClient {
     connect_timeout: Duration,
+    /// The adapter was told to use no proxy.
+    no_proxy: bool,
+    /// The base URL's host is this machine: no proxy either, whatever the environment says.
+    loopback: bool,
+    /// Stands in for a proxy the environment names, which the tests cannot set without
+    /// touching every test's environment.
+    #[cfg(test)]
+    proxy: Option<String>,
     client: OnceLock<reqwest::Client>,
 }
 
@@ -43,6 +52,10 @@ impl LazyClient {
     pub(crate) fn new() -> Self {
         LazyClient {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            no_proxy: false,
+            loopback: false,
+            #[cfg(test)]
+            proxy: None,
             client: OnceLock::new(),
         }
     }
@@ -52,23 +65,71 @@ impl LazyClient {
         self.client = OnceLock::new();
     }
 
+    /// Tells the client where it sends: a loopback host goes without a proxy.
+    pub(crate) fn set_base_url(&mut self, url: &str) {
+        self.loopback = is_loopback(url);
+        self.client = OnceLock::new();
+    }
+
+    pub(crate) fn set_no_proxy(&mut self) {
+        self.no_proxy = true;
+        self.client = OnceLock::new();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_test_proxy(&mut self, url: &str) {
+        self.proxy = Some(url.to_owned());
+        self.client = OnceLock::new();
+    }
+
     pub(crate) fn get(&self) -> Result<&reqwest::Client, ModelError> {
         if let Some(client) = self.client.get() {
             return Ok(client);
         }
-        let built = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .user_agent(concat!("agentrt/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(self.connect_timeout)
             // The run loop retries, each attempt in the log: the client must not resend on
             // its own.
             .retry(reqwest::retry::never())
             // A redirected API call is a base URL to correct; following it would hide that.
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|err| {
-                ModelError::fatal(format!("the HTTP client cannot be built: {}", chain(&err)))
-            })?;
+            .redirect(reqwest::redirect::Policy::none());
+        #[cfg(test)]
+        if let Some(proxy) = &self.proxy {
+            builder = builder.proxy(reqwest::Proxy::all(proxy).expect("a proxy URL"));
+        }
+        // reqwest takes HTTP_PROXY, HTTPS_PROXY and ALL_PROXY for every host, loopback
+        // included (only NO_PROXY exempts one): a local server would be asked through a proxy
+        // that cannot reach it.
+        if self.no_proxy || self.loopback {
+            builder = builder.no_proxy();
+        }
+        let built = builder.build().map_err(|err| {
+            ModelError::fatal(format!("the HTTP client cannot be built: {}", chain(&err)))
+        })?;
         Ok(self.client.get_or_init(|| built))
+    }
+}
+
+/// Whether `url`'s host is this machine: `localhost`, or a loopback address.
+fn is_loopback(url: &str) -> bool {
+    let Some(host) = reqwest::Url::parse(url)
+        .ok()
+        .and_then(|url| url.host_str().map(str::to_owned))
+    else {
+        return false;
+    };
+    // An IPv6 host keeps its brackets.
+    match host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        Ok(IpAddr::V4(ip)) => ip.is_loopback(),
+        Ok(IpAddr::V6(ip)) => {
+            ip.is_loopback() || ip.to_ipv4_mapped().is_some_and(|ip| ip.is_loopback())
+        }
+        Err(_) => host.trim_end_matches('.').eq_ignore_ascii_case("localhost"),
     }
 }
 
@@ -302,6 +363,12 @@ fn chain(err: &(dyn StdError + 'static)) -> String {
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+    use serde_json::json;
+    use std::{
+        io::{Read, Write},
+        net::TcpListener,
+        sync::{Arc, Mutex},
+    };
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut map = HeaderMap::new();
@@ -309,6 +376,100 @@ mod tests {
             map.insert(*name, HeaderValue::from_str(value).unwrap());
         }
         map
+    }
+
+    /// A server on 127.0.0.1 that answers every request with `reply` and records its request
+    /// line; its URL and the lines.
+    fn listener(reply: &'static str) -> (String, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let seen = lines.clone();
+        // Left blocked in its accept when the test ends.
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let mut head = Vec::new();
+                let mut byte = [0];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head);
+                seen.lock()
+                    .unwrap()
+                    .push(head.lines().next().unwrap_or("").to_owned());
+                let _ = stream.write_all(reply.as_bytes());
+            }
+        });
+        (url, lines)
+    }
+
+    const OK: &str = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+    const BAD_GATEWAY: &str =
+        "HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
+    /// Sends one request to `url` with `client` (the GET carries no body: the fake servers
+    /// read none).
+    fn call(client: &LazyClient, url: &str) -> Result<Value, ModelError> {
+        let api = Api {
+            name: "the test server",
+            secret: None,
+        };
+        actix_rt::System::new().block_on(async {
+            let request = client.get()?.get(url);
+            api.send::<Value>(request).await
+        })
+    }
+
+    #[test]
+    fn a_loopback_server_is_called_directly_whatever_proxy_is_configured() {
+        let (server, to_server) = listener(OK);
+        let (proxy, to_proxy) = listener(BAD_GATEWAY);
+        let mut client = LazyClient::new();
+        client.set_test_proxy(&proxy);
+        client.set_base_url(&server);
+        assert_eq!(call(&client, &format!("{server}/v1/x")), Ok(json!({})));
+        assert_eq!(to_server.lock().unwrap().len(), 1);
+        assert!(to_proxy.lock().unwrap().is_empty());
+
+        // Another host goes through the proxy, unless told not to (192.0.2.1 is reserved for
+        // examples: nothing answers there).
+        let mut remote = LazyClient::new();
+        remote.set_test_proxy(&proxy);
+        remote.set_connect_timeout(Duration::from_millis(200));
+        remote.set_base_url("http://192.0.2.1:9");
+        let through = call(&remote, "http://192.0.2.1:9/v1/x").unwrap_err();
+        assert!(through.message().contains("502"), "{}", through.message());
+        assert_eq!(
+            to_proxy.lock().unwrap().as_slice(),
+            ["GET http://192.0.2.1:9/v1/x HTTP/1.1"]
+        );
+        remote.set_no_proxy();
+        assert!(call(&remote, "http://192.0.2.1:9/v1/x").is_err());
+        assert_eq!(to_proxy.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn loopback_hosts_are_recognised() {
+        for url in [
+            "http://localhost:11434/v1",
+            "http://LOCALHOST./v1",
+            "http://127.0.0.1:8080/v1",
+            "http://127.1.2.3",
+            "http://[::1]:8000/v1",
+            "https://user:pw@localhost/v1",
+        ] {
+            assert!(is_loopback(url), "{url}");
+        }
+        for url in [
+            "https://api.openai.com/v1",
+            "http://10.0.0.5:8000",
+            "http://localhost.example.com",
+            "http://[::2]",
+            "not a url",
+        ] {
+            assert!(!is_loopback(url), "{url}");
+        }
     }
 
     #[test]

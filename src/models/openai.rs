@@ -79,8 +79,12 @@ impl OpenAi {
 
     /// The API's root, up to and including its version: `https://api.openai.com/v1`,
     /// `http://localhost:11434/v1`. Requests go to `{base_url}/chat/completions`.
+    ///
+    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
+    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
     pub fn base_url(mut self, url: impl Into<String>) -> Self {
         self.base_url = url.into().trim_end_matches('/').to_owned();
+        self.http.set_base_url(&self.base_url);
         self
     }
 
@@ -115,6 +119,14 @@ impl OpenAi {
     /// `max_completion_tokens`; it replaces a field the adapter would have sent.
     pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
         self.body.insert(name.into(), value.into());
+        self
+    }
+
+    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
+    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
+    /// URL.
+    pub fn no_proxy(mut self) -> Self {
+        self.http.set_no_proxy();
         self
     }
 

@@ -404,3 +404,33 @@ fn an_answer_cut_off_at_the_token_limit_fails_the_run_and_its_call_never_runs() 
     assert_eq!(server.requests().len(), 1);
     assert_eq!(ran.model_attempts(1), [(EventKind::ModelStarted, 1)]);
 }
+
+/// A failed connection's message names the server's scheme and host, never the key, the base
+/// URL's password, or the rest of the URL.
+#[test]
+fn an_error_names_the_host_but_no_secret_of_the_url() {
+    // A port that was free a moment ago: nothing listens on it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let model = OpenAi::new("gpt-test")
+        .base_url(format!(
+            "http://bob:pw-77aa@127.0.0.1:{port}/v1?token=tok-91bb"
+        ))
+        .api_key(KEY);
+    let agent = Agent::new(model).model_policy(fast_policy().max_attempts(1));
+    let ran = Ran::of(agent, json!("hi"));
+
+    let Outcome::Failed { error } = &ran.reply.outcome else {
+        panic!("{:?}", ran.reply.outcome)
+    };
+    assert!(
+        error.contains(&format!("could not connect (http://127.0.0.1:{port})")),
+        "{error}"
+    );
+    for secret in [KEY, "bob", "pw-77aa", "tok-91bb", "/v1"] {
+        assert!(!error.contains(secret), "{secret} in {error}");
+    }
+}

@@ -7,7 +7,7 @@ use reqwest::header::HeaderValue;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient, cut_off, excerpt};
+use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -68,12 +68,15 @@ impl Anthropic {
     }
 
     /// The model named `model`, with the key `ANTHROPIC_API_KEY` (else none), at
-    /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]). An empty variable counts as unset.
+    /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]), each without surrounding blanks. An
+    /// empty variable counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
+        // Without the blanks around it: a key pasted with its newline.
         let var = |name| {
             std::env::var(name)
                 .ok()
-                .filter(|v: &String| !v.trim().is_empty())
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
         };
         let mut adapter = Anthropic::new(model);
         if let Some(url) = var("ANTHROPIC_BASE_URL") {
@@ -188,8 +191,17 @@ impl fmt::Debug for Anthropic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Anthropic")
             .field("model", &self.model)
-            .field("base_url", &self.base_url)
+            .field("base_url", &shown_url(&self.base_url))
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            // Names only: a header's value may be a token.
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>(),
+            )
             .field("version", &self.version)
             .field("max_tokens", &self.max_tokens)
             .field("temperature", &self.temperature)
@@ -203,6 +215,7 @@ impl Model for Anthropic {
         let api = Api {
             name: "the Anthropic API",
             secret: self.api_key.as_deref(),
+            base_url: &self.base_url,
         };
         let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
         let mut post = self
@@ -220,7 +233,8 @@ impl Model for Anthropic {
             post = post.header("x-api-key", value);
         }
         for (name, value) in &self.headers {
-            post = post.header(name.as_str(), value.as_str());
+            let (name, value) = header(name, value)?;
+            post = post.header(name, value);
         }
         let answer: Answer = api.send(post).await?;
         answer
@@ -508,6 +522,19 @@ mod tests {
         );
         let bare: Answer = serde_json::from_value(json!({"content": []})).unwrap();
         assert_eq!(bare.into_response(100).unwrap(), ModelResponse::default());
+    }
+
+    #[test]
+    fn debug_shows_no_key_header_value_or_password() {
+        let adapter = Anthropic::new("m")
+            .base_url("https://bob:pw-9d2e@gateway.example.com")
+            .api_key("sk-ant-key-5a7b")
+            .header("X-Gateway-Token", "tok-3c8f");
+        let shown = format!("{adapter:?}");
+        for secret in ["sk-ant-key-5a7b", "tok-3c8f", "pw-9d2e", "bob"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("X-Gateway-Token"), "{shown}");
     }
 
     fn stopped(stop_reason: &str, content: Value) -> String {

@@ -16,7 +16,7 @@ use std::{
 
 use reqwest::{
     RequestBuilder, StatusCode,
-    header::{HeaderMap, LOCATION, RETRY_AFTER},
+    header::{HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER},
 };
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -111,6 +111,52 @@ impl LazyClient {
     }
 }
 
+/// `url`'s scheme, host and port, for a message: none of its user, password, path or query.
+fn origin(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(url) if url.has_host() => url.origin().ascii_serialization(),
+        _ => "the base URL is not a URL".to_owned(),
+    }
+}
+
+/// `url` for a `Debug`: its user and password, and its query, as `[redacted]`.
+pub(crate) fn shown_url(url: &str) -> String {
+    let Ok(mut parsed) = reqwest::Url::parse(url) else {
+        return url.to_owned();
+    };
+    let hidden = !parsed.username().is_empty() || parsed.password().is_some();
+    let query = parsed.query().is_some();
+    if !hidden && !query {
+        return url.to_owned();
+    }
+    let _ = parsed.set_username("");
+    let _ = parsed.set_password(None);
+    parsed.set_query(None);
+    let mut shown = parsed.to_string();
+    if hidden {
+        let after_scheme = parsed.scheme().len() + "://".len();
+        shown.insert_str(after_scheme, "[redacted]@");
+    }
+    if query {
+        shown.push_str("?[redacted]");
+    }
+    shown
+}
+
+/// A header from the adapter's settings, its value marked sensitive (a `Debug` of the request
+/// shows no value). An invalid one fails the run, naming only the header.
+pub(crate) fn header(name: &str, value: &str) -> Result<(HeaderName, HeaderValue), ModelError> {
+    let header = HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| ModelError::fatal(format!("{name:?} is not a valid header name")))?;
+    let mut value = HeaderValue::from_str(value).map_err(|_| {
+        ModelError::fatal(format!(
+            "the value of the header {header} is not a valid header value"
+        ))
+    })?;
+    value.set_sensitive(true);
+    Ok((header, value))
+}
+
 /// Whether `url`'s host is this machine: `localhost`, or a loopback address.
 fn is_loopback(url: &str) -> bool {
     let Some(host) = reqwest::Url::parse(url)
@@ -139,6 +185,9 @@ pub(crate) struct Api<'a> {
     pub(crate) name: &'static str,
     /// The API key, if any.
     pub(crate) secret: Option<&'a str>,
+    /// The base URL, of which a message names the scheme and host only: a URL may hold a
+    /// password or a token.
+    pub(crate) base_url: &'a str,
 }
 
 impl Api<'_> {
@@ -152,6 +201,7 @@ impl Api<'_> {
         let status = response.status();
         if status.is_success() {
             let body = response.bytes().await.map_err(|err| {
+                let err = err.without_url();
                 self.retryable(format!("the answer was cut off: {}", chain(&err)))
             })?;
             return serde_json::from_slice(&body).map_err(|err| self.malformed(&err, &body));
@@ -190,12 +240,16 @@ impl Api<'_> {
     }
 
     fn transport(&self, err: reqwest::Error) -> ModelError {
+        // reqwest's message ends with the whole URL, query included.
+        let err = err.without_url();
         let text = chain(&err);
+        let origin = origin(self.base_url);
         if err.is_builder() {
             // A base URL or a header value that cannot be sent: no attempt will do better.
-            return ModelError::fatal(
-                self.redact(format!("{}: the request cannot be sent: {text}", self.name)),
-            );
+            return ModelError::fatal(self.redact(format!(
+                "{}: the request cannot be sent ({origin}): {text}",
+                self.name
+            )));
         }
         let what = if err.is_timeout() {
             "timed out"
@@ -204,7 +258,7 @@ impl Api<'_> {
         } else {
             "the connection failed"
         };
-        self.retryable(format!("{what}: {text}"))
+        self.retryable(format!("{what} ({origin}): {text}"))
     }
 
     fn refused(
@@ -233,12 +287,17 @@ impl Api<'_> {
     }
 
     fn redact(&self, message: String) -> String {
-        match self.secret {
-            Some(secret) if !secret.is_empty() && message.contains(secret) => {
-                message.replace(secret, "[redacted]")
+        // A base URL's password is a secret too (sent as basic authentication).
+        let password = reqwest::Url::parse(self.base_url)
+            .ok()
+            .and_then(|url| url.password().map(str::to_owned));
+        let mut message = message;
+        for secret in [self.secret, password.as_deref()].into_iter().flatten() {
+            if !secret.is_empty() && message.contains(secret) {
+                message = message.replace(secret, "[redacted]");
             }
-            _ => message,
         }
+        message
     }
 }
 
@@ -362,7 +421,6 @@ fn chain(err: &(dyn StdError + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reqwest::header::HeaderValue;
     use serde_json::json;
     use std::{
         io::{Read, Write},
@@ -414,6 +472,7 @@ mod tests {
         let api = Api {
             name: "the test server",
             secret: None,
+            base_url: "http://127.0.0.1",
         };
         actix_rt::System::new().block_on(async {
             let request = client.get()?.get(url);
@@ -447,6 +506,34 @@ mod tests {
         remote.set_no_proxy();
         assert!(call(&remote, "http://192.0.2.1:9/v1/x").is_err());
         assert_eq!(to_proxy.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_url_is_shown_without_its_user_password_or_query() {
+        assert_eq!(
+            shown_url("https://u:p@gw.example.com:8443/v1"),
+            "https://[redacted]@gw.example.com:8443/v1"
+        );
+        assert_eq!(
+            shown_url("https://gw.example.com/v1?key=k"),
+            "https://gw.example.com/v1?[redacted]"
+        );
+        assert_eq!(
+            shown_url("http://127.0.0.1:8080/v1"),
+            "http://127.0.0.1:8080/v1"
+        );
+        assert_eq!(
+            origin("https://u:p@gw.example.com:8443/v1?key=k"),
+            "https://gw.example.com:8443"
+        );
+        let invalid = header("X-Token", "tok-1\n").unwrap_err();
+        assert_eq!(
+            invalid.message(),
+            "the value of the header x-token is not a valid header value"
+        );
+        let (_, value) = header("X-Token", "tok-1").unwrap();
+        assert!(value.is_sensitive());
+        assert!(!format!("{value:?}").contains("tok-1"));
     }
 
     #[test]
@@ -548,6 +635,7 @@ mod tests {
         let api = Api {
             name: "the test server",
             secret: Some("sk-secret-1"),
+            base_url: "http://127.0.0.1",
         };
         let body = br#"{"error": {"message": "Incorrect API key provided: sk-secret-1"}}"#;
         let error = api.refused(StatusCode::UNAUTHORIZED, body, None, None);
@@ -586,6 +674,7 @@ mod tests {
         let api = Api {
             name: "the test server",
             secret: None,
+            base_url: "http://127.0.0.1",
         };
         let error = api.malformed(&"missing field `choices`", br#"{"error": "busy"}"#);
         assert!(error.is_retryable());

@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient, cut_off, excerpt};
+use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -65,7 +65,8 @@ impl OpenAi {
     }
 
     /// The model named `model`, at `OPENAI_BASE_URL` (else [`DEFAULT_BASE_URL`]) with the key
-    /// `OPENAI_API_KEY` (else none). An empty variable counts as unset.
+    /// `OPENAI_API_KEY` (else none), each without surrounding blanks. An empty variable
+    /// counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
         let mut adapter = OpenAi::new(model);
         if let Some(url) = non_empty_var("OPENAI_BASE_URL") {
@@ -175,8 +176,17 @@ impl fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OpenAi")
             .field("model", &self.model)
-            .field("base_url", &self.base_url)
+            .field("base_url", &shown_url(&self.base_url))
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            // Names only: a header's value may be a token.
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>(),
+            )
             .field("temperature", &self.temperature)
             .field("max_tokens", &self.max_tokens)
             .finish_non_exhaustive()
@@ -189,6 +199,7 @@ impl Model for OpenAi {
         let api = Api {
             name: "the chat completions server",
             secret: self.api_key.as_deref(),
+            base_url: &self.base_url,
         };
         let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
         let mut post = self
@@ -201,7 +212,8 @@ impl Model for OpenAi {
             post = post.bearer_auth(key);
         }
         for (name, value) in &self.headers {
-            post = post.header(name.as_str(), value.as_str());
+            let (name, value) = header(name, value)?;
+            post = post.header(name, value);
         }
         let completion: Completion = api.send(post).await?;
         completion
@@ -213,10 +225,12 @@ impl Model for OpenAi {
     }
 }
 
+/// A variable's value without the blanks around it (a key pasted with its newline), if any.
 fn non_empty_var(name: &str) -> Option<String> {
     std::env::var(name)
         .ok()
-        .filter(|value| !value.trim().is_empty())
+        .map(|value| value.trim().to_owned())
+        .filter(|value| !value.is_empty())
 }
 
 fn tool(spec: &ToolSpec) -> Value {
@@ -618,6 +632,23 @@ mod tests {
             ),
             Some(("max_completion_tokens", 99))
         );
+    }
+
+    #[test]
+    fn debug_shows_no_key_header_value_or_password() {
+        let adapter = OpenAi::new("m")
+            .base_url("https://bob:pw-9d2e@gateway.example.com/v1")
+            .api_key("sk-key-5a7b")
+            .header("X-Gateway-Token", "tok-3c8f");
+        let shown = format!("{adapter:?}");
+        for secret in ["sk-key-5a7b", "tok-3c8f", "pw-9d2e", "bob"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("https://[redacted]@gateway.example.com/v1"),
+            "{shown}"
+        );
+        assert!(shown.contains("X-Gateway-Token"), "{shown}");
     }
 
     #[test]

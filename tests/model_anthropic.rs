@@ -276,3 +276,21 @@ fn an_answer_cut_off_at_max_tokens_fails_the_run_and_its_call_never_runs() {
     assert!(weather.calls().is_empty());
     assert_eq!(server.requests().len(), 1);
 }
+
+/// The API wants a user turn first: a run whose input gives none fails before any request.
+#[test]
+fn a_run_whose_input_gives_no_user_turn_fails_before_sending() {
+    let server = FakeLlm::start(vec![]);
+    let ran = Ran::of(agent(&server, fast_policy()), Value::Null);
+
+    let Outcome::Failed { error } = &ran.reply.outcome else {
+        panic!("{:?}", ran.reply.outcome)
+    };
+    assert!(
+        error.contains("needs the conversation to open with a user turn"),
+        "{error}"
+    );
+    assert!(error.contains("Agent::map_input"), "{error}");
+    assert!(server.requests().is_empty());
+    assert_eq!(ran.model_attempts(1), [(EventKind::ModelStarted, 1)]);
+}

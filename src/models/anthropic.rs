@@ -217,7 +217,9 @@ impl Model for Anthropic {
             secret: self.api_key.as_deref(),
             base_url: &self.base_url,
         };
-        let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
+        let body = self.body(&request);
+        opens_with_user(&body["messages"])?;
+        let body = serde_json::to_vec(&body).expect("a request body serializes");
         let mut post = self
             .http
             .get()?
@@ -241,6 +243,20 @@ impl Model for Anthropic {
             .into_response(self.token_limit())
             .map_err(|why| api.unusable(&why))
     }
+}
+
+/// The API refuses a conversation that does not open with a user turn (with a 400 that does
+/// not say why in terms of the run): fail before sending, saying where the turn comes from.
+fn opens_with_user(turns: &Value) -> Result<(), ModelError> {
+    let why = match turns.get(0).map(|turn| &turn["role"]) {
+        Some(role) if role == "user" => return Ok(()),
+        Some(_) => "the run's input opens it with an answer",
+        None => "the run's input gave none",
+    };
+    Err(ModelError::fatal(format!(
+        "the Anthropic Messages API needs the conversation to open with a user turn; {why} \
+         (a null or empty input gives none) — see Agent::map_input"
+    )))
 }
 
 fn tool(spec: &ToolSpec) -> Value {
@@ -280,6 +296,12 @@ fn turns(messages: &[Message]) -> Vec<Value> {
                 match result {
                     ToolResult::Ok(output) => block["content"] = json!(output.to_string()),
                     ToolResult::Error(error) => {
+                        // The API refuses an empty text; a failure is still worth a word.
+                        let error = if error.trim().is_empty() {
+                            "error"
+                        } else {
+                            error
+                        };
                         block["content"] = json!(error);
                         block["is_error"] = json!(true);
                     }
@@ -522,6 +544,60 @@ mod tests {
         );
         let bare: Answer = serde_json::from_value(json!({"content": []})).unwrap();
         assert_eq!(bare.into_response(100).unwrap(), ModelResponse::default());
+    }
+
+    #[test]
+    fn a_conversation_must_open_with_a_user_turn() {
+        let opening = |messages: Vec<Message>| {
+            let run_id = RunId::from("r");
+            let request = ModelRequest {
+                run_id: &run_id,
+                step: 1,
+                attempt: 1,
+                input: &Value::Null,
+                messages: &messages,
+                tools: &[],
+            };
+            opens_with_user(&Anthropic::new("m").body(&request)["messages"])
+        };
+        let system = || Message::System {
+            text: "Be brief.".into(),
+        };
+        let none = opening(vec![system()]).unwrap_err();
+        assert!(!none.is_retryable());
+        assert!(
+            none.message().starts_with(
+                "the Anthropic Messages API needs the conversation to open with a user turn; \
+                 the run's input gave none"
+            ),
+            "{}",
+            none.message()
+        );
+        // An empty user text is left out: no turn either.
+        let empty = Message::User { text: "".into() };
+        assert!(opening(vec![system(), empty]).is_err());
+        let answer = Message::Assistant(ModelResponse::answer("Hi."));
+        assert!(
+            opening(vec![answer])
+                .unwrap_err()
+                .message()
+                .contains("opens it with an answer")
+        );
+        let user = Message::User { text: "Hi".into() };
+        assert_eq!(opening(vec![system(), user]), Ok(()));
+    }
+
+    #[test]
+    fn an_empty_failure_is_sent_as_a_word() {
+        let turns = turns(&[Message::Tool {
+            call_id: "c1".into(),
+            name: "f".into(),
+            result: ToolResult::Error(String::new()),
+        }]);
+        assert_eq!(
+            turns[0]["content"][0],
+            json!({"type": "tool_result", "tool_use_id": "c1", "content": "error", "is_error": true})
+        );
     }
 
     #[test]

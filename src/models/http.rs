@@ -26,6 +26,13 @@ use crate::agent::ModelError;
 /// How long a connection may take to open, unless the adapter is told otherwise.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The largest answer read: a model's JSON answer is a few kilobytes; more is a server
+/// gone wrong, which must not fill the memory.
+const MAX_ANSWER_BYTES: usize = 32 << 20;
+
+/// How much of an error's body is read: enough for its message.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+
 /// The most characters of a server's error message an error repeats.
 const MAX_SERVER_MESSAGE: usize = 500;
 
@@ -109,6 +116,43 @@ impl LazyClient {
         })?;
         Ok(self.client.get_or_init(|| built))
     }
+}
+
+/// The body of `response`, read by chunks, or `None` once it is larger than `cap` bytes (by
+/// its `Content-Length`, before reading, or as it comes).
+async fn read_capped(
+    response: &mut reqwest::Response,
+    cap: usize,
+) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    if response
+        .content_length()
+        .is_some_and(|length| length > cap as u64)
+    {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > cap {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
+}
+
+/// The first `cap` bytes of `response`'s body at most, or what came before an error.
+async fn read_start(response: &mut reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut body = Vec::new();
+    while body.len() < cap {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                let room = cap - body.len();
+                body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+            _ => break,
+        }
+    }
+    body
 }
 
 /// `url`'s scheme, host and port, for a message: none of its user, password, path or query.
@@ -197,13 +241,23 @@ impl Api<'_> {
         &self,
         request: RequestBuilder,
     ) -> Result<T, ModelError> {
-        let response = request.send().await.map_err(|err| self.transport(err))?;
+        let mut response = request.send().await.map_err(|err| self.transport(err))?;
         let status = response.status();
         if status.is_success() {
-            let body = response.bytes().await.map_err(|err| {
-                let err = err.without_url();
-                self.retryable(format!("the answer was cut off: {}", chain(&err)))
-            })?;
+            let body = match read_capped(&mut response, MAX_ANSWER_BYTES).await {
+                Ok(Some(body)) => body,
+                // Not a model's answer, and asking again brings the same.
+                Ok(None) => {
+                    return Err(self.unusable(&format!(
+                        "the answer is larger than {} MiB",
+                        MAX_ANSWER_BYTES >> 20
+                    )));
+                }
+                Err(err) => {
+                    let err = err.without_url();
+                    return Err(self.retryable(format!("the answer was cut off: {}", chain(&err))));
+                }
+            };
             return serde_json::from_slice(&body).map_err(|err| self.malformed(&err, &body));
         }
         let retry_after = retry_after(response.headers(), SystemTime::now());
@@ -212,8 +266,9 @@ impl Api<'_> {
             .get(LOCATION)
             .and_then(|to| to.to_str().ok())
             .map(str::to_owned);
-        // The body only adds the server's words: an error reading it changes nothing.
-        let body = response.bytes().await.unwrap_or_default();
+        // The body only adds the server's words: an error reading it changes nothing, and
+        // its start is all a message needs.
+        let body = read_start(&mut response, MAX_ERROR_BYTES).await;
         Err(self.refused(status, &body, location, retry_after))
     }
 
@@ -438,7 +493,8 @@ mod tests {
 
     /// A server on 127.0.0.1 that answers every request with `reply` and records its request
     /// line; its URL and the lines.
-    fn listener(reply: &'static str) -> (String, Arc<Mutex<Vec<String>>>) {
+    fn listener(reply: impl Into<String>) -> (String, Arc<Mutex<Vec<String>>>) {
+        let reply: String = reply.into();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let lines = Arc::new(Mutex::new(Vec::new()));
@@ -534,6 +590,65 @@ mod tests {
         let (_, value) = header("X-Token", "tok-1").unwrap();
         assert!(value.is_sensitive());
         assert!(!format!("{value:?}").contains("tok-1"));
+    }
+
+    #[test]
+    fn an_answer_larger_than_the_cap_is_fatal_and_an_error_body_is_cut() {
+        // Only the length is sent: the answer is refused before its body is read.
+        let (big, _) = listener("HTTP/1.1 200 OK\r\nContent-Length: 40000000\r\n\r\n{");
+        let error = call(&LazyClient::new(), &big).unwrap_err();
+        assert!(!error.is_retryable());
+        assert_eq!(
+            error.message(),
+            "the test server: the answer is larger than 32 MiB"
+        );
+
+        // A chunked body, with no length to go by, stops where it passes the cap.
+        let chunk = "x".repeat(1000);
+        let mut chunked = String::from(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        );
+        for _ in 0..5 {
+            chunked.push_str(&format!("{:x}\r\n{chunk}\r\n", chunk.len()));
+        }
+        chunked.push_str("0\r\n\r\n");
+        let (url, _) = listener(chunked.clone());
+        let read = |cap: usize| {
+            let url = url.clone();
+            actix_rt::System::new().block_on(async move {
+                let mut response = LazyClient::new()
+                    .get()
+                    .unwrap()
+                    .get(&url)
+                    .send()
+                    .await
+                    .unwrap();
+                read_capped(&mut response, cap).await.unwrap()
+            })
+        };
+        assert_eq!(read(4999), None);
+        assert_eq!(read(5000).map(|body| body.len()), Some(5000));
+
+        let long = format!(
+            r#"{{"error": {{"message": "slow down"}}, "pad": "{}"}}"#,
+            "p".repeat(100_000)
+        );
+        let (limited, _) = listener(format!(
+            "HTTP/1.1 500 Internal Server Error\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{long}",
+            long.len()
+        ));
+        let body = actix_rt::System::new().block_on(async {
+            let mut response = LazyClient::new()
+                .get()
+                .unwrap()
+                .get(&limited)
+                .send()
+                .await
+                .unwrap();
+            read_start(&mut response, MAX_ERROR_BYTES).await
+        });
+        assert_eq!(body.len(), MAX_ERROR_BYTES);
+        assert!(body.starts_with(br#"{"error": {"message": "slow down"}"#));
     }
 
     #[test]

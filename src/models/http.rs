@@ -306,6 +306,9 @@ impl Api<'_> {
                 self.name
             )));
         }
+        // A certificate that does not verify, or a host name that does not resolve, fails
+        // every attempt alike, but reqwest tells them from passing failures (a handshake cut
+        // off, a resolver timing out) only by their text: they are retried, within the policy.
         let what = if err.is_timeout() {
             "timed out"
         } else if err.is_connect() {
@@ -324,11 +327,22 @@ impl Api<'_> {
         retry_after: Option<Duration>,
     ) -> ModelError {
         let mut message = format!("{} answered {}", self.name, status_text(status));
-        if let Some(said) = server_message(body) {
+        let said = server_message(body);
+        if status.is_redirection() {
+            // The fix is in the adapter's settings, whatever the server's page says.
+            match location {
+                Some(to) => message.push_str(&format!(
+                    ", redirecting to {}: set the base URL to that",
+                    shown_url(&to)
+                )),
+                None => message.push_str(": a redirect, which is not followed: check the base URL"),
+            }
+            if let Some(said) = said {
+                message.push_str(&format!(" (the server said: {said})"));
+            }
+        } else if let Some(said) = said {
             message.push_str(": ");
             message.push_str(&said);
-        } else if let (true, Some(to)) = (status.is_redirection(), location) {
-            message.push_str(&format!(", redirecting to {to}: set the base URL to that"));
         }
         let message = self.redact(message);
         if !is_retryable(status, body) {
@@ -443,8 +457,10 @@ pub(crate) fn excerpt(text: &str) -> String {
 fn error_code(body: &[u8]) -> Option<String> {
     let value: Value = serde_json::from_slice(body).ok()?;
     let error = value.get("error")?;
+    // Some servers send `"code": null` beside the `type` that says it.
     error
         .get("code")
+        .filter(|code| code.is_string())
         .or_else(|| error.get("type"))?
         .as_str()
         .map(str::to_owned)
@@ -687,6 +703,8 @@ mod tests {
         let quota =
             br#"{"error": {"message": "You exceeded your quota", "code": "insufficient_quota"}}"#;
         assert!(!is_retryable(StatusCode::TOO_MANY_REQUESTS, quota));
+        let typed = br#"{"error": {"message": "out of credit", "type": "insufficient_quota", "code": null}}"#;
+        assert!(!is_retryable(StatusCode::TOO_MANY_REQUESTS, typed));
     }
 
     #[test]
@@ -781,6 +799,25 @@ mod tests {
             moved
                 .message()
                 .contains("redirecting to https://api.example.com/v1")
+        );
+        // The hint stays when the server has words of its own, and without a Location.
+        let found = api.refused(
+            StatusCode::FOUND,
+            br#"{"message": "Moved"}"#,
+            Some("https://api.example.com/v1/chat/completions?sig=s".into()),
+            None,
+        );
+        assert_eq!(
+            found.message(),
+            "the test server answered 302 Found, redirecting to \
+             https://api.example.com/v1/chat/completions?[redacted]: set the base URL to that \
+             (the server said: Moved)"
+        );
+        let nowhere = api.refused(StatusCode::TEMPORARY_REDIRECT, b"", None, None);
+        assert!(
+            nowhere.message().ends_with("check the base URL"),
+            "{}",
+            nowhere.message()
         );
     }
 

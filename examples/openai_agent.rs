@@ -153,7 +153,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await??;
     let run_id = reply.run_id.clone();
     while let Outcome::WaitingForApproval { pending } = &reply.outcome {
-        let approved = decide(pending)?;
+        // Waiting for a person blocks: off the arbiter, so that the system keeps running.
+        let asked = pending.clone();
+        let approved = actix_rt::task::spawn_blocking(move || decide(&asked)).await??;
         let approval = if approved {
             Approval::approve(run_id.clone(), pending.call_id.clone(), "terminal")
         } else {

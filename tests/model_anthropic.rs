@@ -251,3 +251,46 @@ fn an_invalid_key_fails_the_run_at_once() {
     let finished = &ran.payloads(EventKind::RunFinished)[0];
     assert_eq!(finished["model_attempts"], 1);
 }
+
+/// An answer that stopped at `max_tokens` fails the run: its `tool_use` input may be cut off,
+/// and it never runs.
+#[test]
+fn an_answer_cut_off_at_max_tokens_fails_the_run_and_its_call_never_runs() {
+    let server = FakeLlm::start(vec![Reply::ok(message(
+        json!([{"type": "tool_use", "id": "toolu_a", "name": "weather", "input": {"city": "Os"}}]),
+        "max_tokens",
+    ))]);
+    let weather = weather();
+    let agent = agent(&server, fast_policy()).tool(weather.clone());
+    let ran = Ran::of(agent, json!("Weather in Oslo?"));
+
+    let Outcome::Failed { error } = &ran.reply.outcome else {
+        panic!("{:?}", ran.reply.outcome)
+    };
+    assert!(
+        error.contains(
+            "the Anthropic API: the answer was cut off at the token limit (max_tokens 4096)"
+        ),
+        "{error}"
+    );
+    assert!(weather.calls().is_empty());
+    assert_eq!(server.requests().len(), 1);
+}
+
+/// The API wants a user turn first: a run whose input gives none fails before any request.
+#[test]
+fn a_run_whose_input_gives_no_user_turn_fails_before_sending() {
+    let server = FakeLlm::start(vec![]);
+    let ran = Ran::of(agent(&server, fast_policy()), Value::Null);
+
+    let Outcome::Failed { error } = &ran.reply.outcome else {
+        panic!("{:?}", ran.reply.outcome)
+    };
+    assert!(
+        error.contains("needs the conversation to open with a user turn"),
+        "{error}"
+    );
+    assert!(error.contains("Agent::map_input"), "{error}");
+    assert!(server.requests().is_empty());
+    assert_eq!(ran.model_attempts(1), [(EventKind::ModelStarted, 1)]);
+}

@@ -7,7 +7,7 @@ use reqwest::header::HeaderValue;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient};
+use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -68,12 +68,15 @@ impl Anthropic {
     }
 
     /// The model named `model`, with the key `ANTHROPIC_API_KEY` (else none), at
-    /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]). An empty variable counts as unset.
+    /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]), each without surrounding blanks. An
+    /// empty variable counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
+        // Without the blanks around it: a key pasted with its newline.
         let var = |name| {
             std::env::var(name)
                 .ok()
-                .filter(|v: &String| !v.trim().is_empty())
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
         };
         let mut adapter = Anthropic::new(model);
         if let Some(url) = var("ANTHROPIC_BASE_URL") {
@@ -87,8 +90,12 @@ impl Anthropic {
 
     /// The API's root, without the version: `https://api.anthropic.com`. Requests go to
     /// `{base_url}/v1/messages`.
+    ///
+    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
+    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
     pub fn base_url(mut self, url: impl Into<String>) -> Self {
         self.base_url = url.into().trim_end_matches('/').to_owned();
+        self.http.set_base_url(&self.base_url);
         self
     }
 
@@ -129,6 +136,14 @@ impl Anthropic {
         self
     }
 
+    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
+    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
+    /// URL.
+    pub fn no_proxy(mut self) -> Self {
+        self.http.set_no_proxy();
+        self
+    }
+
     /// How long opening a connection may take (10 s by default). The whole attempt's
     /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
@@ -162,14 +177,31 @@ impl Anthropic {
         body.extend(self.body.clone());
         Value::Object(body)
     }
+
+    /// The `max_tokens` sent: a body field replaces [`max_tokens`](Self::max_tokens).
+    fn token_limit(&self) -> u64 {
+        self.body
+            .get("max_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(u64::from(self.max_tokens))
+    }
 }
 
 impl fmt::Debug for Anthropic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Anthropic")
             .field("model", &self.model)
-            .field("base_url", &self.base_url)
+            .field("base_url", &shown_url(&self.base_url))
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            // Names only: a header's value may be a token.
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>(),
+            )
             .field("version", &self.version)
             .field("max_tokens", &self.max_tokens)
             .field("temperature", &self.temperature)
@@ -183,8 +215,11 @@ impl Model for Anthropic {
         let api = Api {
             name: "the Anthropic API",
             secret: self.api_key.as_deref(),
+            base_url: &self.base_url,
         };
-        let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
+        let body = self.body(&request);
+        opens_with_user(&body["messages"])?;
+        let body = serde_json::to_vec(&body).expect("a request body serializes");
         let mut post = self
             .http
             .get()?
@@ -200,11 +235,28 @@ impl Model for Anthropic {
             post = post.header("x-api-key", value);
         }
         for (name, value) in &self.headers {
-            post = post.header(name.as_str(), value.as_str());
+            let (name, value) = header(name, value)?;
+            post = post.header(name, value);
         }
         let answer: Answer = api.send(post).await?;
-        Ok(answer.into_response())
+        answer
+            .into_response(self.token_limit())
+            .map_err(|why| api.unusable(&why))
     }
+}
+
+/// The API refuses a conversation that does not open with a user turn (with a 400 that does
+/// not say why in terms of the run): fail before sending, saying where the turn comes from.
+fn opens_with_user(turns: &Value) -> Result<(), ModelError> {
+    let why = match turns.get(0).map(|turn| &turn["role"]) {
+        Some(role) if role == "user" => return Ok(()),
+        Some(_) => "the run's input opens it with an answer",
+        None => "the run's input gave none",
+    };
+    Err(ModelError::fatal(format!(
+        "the Anthropic Messages API needs the conversation to open with a user turn; {why} \
+         (a null or empty input gives none) — see Agent::map_input"
+    )))
 }
 
 fn tool(spec: &ToolSpec) -> Value {
@@ -244,6 +296,12 @@ fn turns(messages: &[Message]) -> Vec<Value> {
                 match result {
                     ToolResult::Ok(output) => block["content"] = json!(output.to_string()),
                     ToolResult::Error(error) => {
+                        // The API refuses an empty text; a failure is still worth a word.
+                        let error = if error.trim().is_empty() {
+                            "error"
+                        } else {
+                            error
+                        };
                         block["content"] = json!(error);
                         block["is_error"] = json!(true);
                     }
@@ -277,6 +335,8 @@ struct Answer {
     #[serde(default)]
     model: Option<String>,
     content: Vec<Block>,
+    #[serde(default)]
+    stop_reason: Option<String>,
     #[serde(default)]
     usage: Option<AnswerUsage>,
 }
@@ -312,7 +372,10 @@ struct AnswerUsage {
 }
 
 impl Answer {
-    fn into_response(self) -> ModelResponse {
+    /// The answer, or why the model gave none to use (a fatal error: the same request stops
+    /// the same way). `limit` is the `max_tokens` sent, which a message about a cut-off answer
+    /// names.
+    fn into_response(self, limit: u64) -> Result<ModelResponse, String> {
         let mut text = String::new();
         let mut tool_calls = Vec::new();
         for block in self.content {
@@ -325,6 +388,41 @@ impl Answer {
                 Block::Other => {}
             }
         }
+        // Other reasons ("end_turn", "tool_use", "stop_sequence", any new one) end a usable
+        // answer.
+        match self.stop_reason.as_deref() {
+            // A cut-off `tool_use` input must never run: no call is returned.
+            Some("max_tokens") => {
+                return Err(cut_off(Some(("max_tokens", limit)), tool_calls.len()));
+            }
+            Some("model_context_window_exceeded") => {
+                return Err(format!(
+                    "the answer was cut off where the conversation filled the model's context \
+                     window, so it is incomplete{}",
+                    if tool_calls.is_empty() {
+                        ""
+                    } else {
+                        "; its tool calls were not run"
+                    }
+                ));
+            }
+            Some("refusal") => {
+                let mut why = "the model refused to answer (stop_reason refusal)".to_owned();
+                if !text.is_empty() {
+                    why.push_str(": ");
+                    why.push_str(&excerpt(&text));
+                }
+                return Err(why);
+            }
+            Some("pause_turn") => {
+                return Err(
+                    "the API paused the turn (stop_reason pause_turn), which it does \
+                            for server tools; server tools are not supported"
+                        .into(),
+                );
+            }
+            _ => {}
+        }
         // `input_tokens` leaves out the cached part of the prompt, which `Usage` counts.
         let usage = self.usage.map(|usage| Usage {
             input_tokens: usage.input_tokens
@@ -332,12 +430,12 @@ impl Answer {
                 + usage.cache_read_input_tokens.unwrap_or(0),
             output_tokens: usage.output_tokens,
         });
-        ModelResponse {
+        Ok(ModelResponse {
             text: (!text.is_empty()).then_some(text),
             tool_calls,
             usage,
             model: self.model,
-        }
+        })
     }
 }
 
@@ -430,7 +528,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            answer.into_response(),
+            answer.into_response(100).unwrap(),
             ModelResponse {
                 text: Some("Let me look.".into()),
                 tool_calls: vec![
@@ -445,6 +543,111 @@ mod tests {
             }
         );
         let bare: Answer = serde_json::from_value(json!({"content": []})).unwrap();
-        assert_eq!(bare.into_response(), ModelResponse::default());
+        assert_eq!(bare.into_response(100).unwrap(), ModelResponse::default());
+    }
+
+    #[test]
+    fn a_conversation_must_open_with_a_user_turn() {
+        let opening = |messages: Vec<Message>| {
+            let run_id = RunId::from("r");
+            let request = ModelRequest {
+                run_id: &run_id,
+                step: 1,
+                attempt: 1,
+                input: &Value::Null,
+                messages: &messages,
+                tools: &[],
+            };
+            opens_with_user(&Anthropic::new("m").body(&request)["messages"])
+        };
+        let system = || Message::System {
+            text: "Be brief.".into(),
+        };
+        let none = opening(vec![system()]).unwrap_err();
+        assert!(!none.is_retryable());
+        assert!(
+            none.message().starts_with(
+                "the Anthropic Messages API needs the conversation to open with a user turn; \
+                 the run's input gave none"
+            ),
+            "{}",
+            none.message()
+        );
+        // An empty user text is left out: no turn either.
+        let empty = Message::User { text: "".into() };
+        assert!(opening(vec![system(), empty]).is_err());
+        let answer = Message::Assistant(ModelResponse::answer("Hi."));
+        assert!(
+            opening(vec![answer])
+                .unwrap_err()
+                .message()
+                .contains("opens it with an answer")
+        );
+        let user = Message::User { text: "Hi".into() };
+        assert_eq!(opening(vec![system(), user]), Ok(()));
+    }
+
+    #[test]
+    fn an_empty_failure_is_sent_as_a_word() {
+        let turns = turns(&[Message::Tool {
+            call_id: "c1".into(),
+            name: "f".into(),
+            result: ToolResult::Error(String::new()),
+        }]);
+        assert_eq!(
+            turns[0]["content"][0],
+            json!({"type": "tool_result", "tool_use_id": "c1", "content": "error", "is_error": true})
+        );
+    }
+
+    #[test]
+    fn debug_shows_no_key_header_value_or_password() {
+        let adapter = Anthropic::new("m")
+            .base_url("https://bob:pw-9d2e@gateway.example.com")
+            .api_key("sk-ant-key-5a7b")
+            .header("X-Gateway-Token", "tok-3c8f");
+        let shown = format!("{adapter:?}");
+        for secret in ["sk-ant-key-5a7b", "tok-3c8f", "pw-9d2e", "bob"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("X-Gateway-Token"), "{shown}");
+    }
+
+    fn stopped(stop_reason: &str, content: Value) -> String {
+        let answer: Answer =
+            serde_json::from_value(json!({"content": content, "stop_reason": stop_reason}))
+                .unwrap();
+        answer.into_response(256).unwrap_err()
+    }
+
+    #[test]
+    fn an_answer_that_stopped_without_an_answer_to_use_is_an_error() {
+        let cut = json!([
+            {"type": "text", "text": "Let me"},
+            {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Os"}},
+        ]);
+        assert_eq!(
+            stopped("max_tokens", cut),
+            "the answer was cut off at the token limit (max_tokens 256), so it is incomplete; \
+             its tool call was not run: raise the limit, or ask for a shorter answer"
+        );
+        assert_eq!(
+            stopped("refusal", json!([{"type": "text", "text": "I won't."}])),
+            "the model refused to answer (stop_reason refusal): I won't."
+        );
+        assert!(
+            stopped("pause_turn", json!([])).contains("server tools are not supported"),
+            "pause_turn"
+        );
+        let unknown: Answer = serde_json::from_value(json!({
+            "content": [{"type": "text", "text": "hi"}], "stop_reason": "something_new"}))
+        .unwrap();
+        assert_eq!(
+            unknown.into_response(256).unwrap(),
+            ModelResponse::answer("hi")
+        );
+        let limit = |adapter: Anthropic| adapter.token_limit();
+        assert_eq!(limit(Anthropic::new("m")), u64::from(DEFAULT_MAX_TOKENS));
+        assert_eq!(limit(Anthropic::new("m").body_field("max_tokens", 9)), 9);
     }
 }

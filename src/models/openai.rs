@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient};
+use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -65,7 +65,8 @@ impl OpenAi {
     }
 
     /// The model named `model`, at `OPENAI_BASE_URL` (else [`DEFAULT_BASE_URL`]) with the key
-    /// `OPENAI_API_KEY` (else none). An empty variable counts as unset.
+    /// `OPENAI_API_KEY` (else none), each without surrounding blanks. An empty variable
+    /// counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
         let mut adapter = OpenAi::new(model);
         if let Some(url) = non_empty_var("OPENAI_BASE_URL") {
@@ -79,8 +80,12 @@ impl OpenAi {
 
     /// The API's root, up to and including its version: `https://api.openai.com/v1`,
     /// `http://localhost:11434/v1`. Requests go to `{base_url}/chat/completions`.
+    ///
+    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
+    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
     pub fn base_url(mut self, url: impl Into<String>) -> Self {
         self.base_url = url.into().trim_end_matches('/').to_owned();
+        self.http.set_base_url(&self.base_url);
         self
     }
 
@@ -118,6 +123,14 @@ impl OpenAi {
         self
     }
 
+    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
+    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
+    /// URL.
+    pub fn no_proxy(mut self) -> Self {
+        self.http.set_no_proxy();
+        self
+    }
+
     /// How long opening a connection may take (10 s by default). The whole attempt's
     /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
@@ -146,14 +159,34 @@ impl OpenAi {
         body.extend(self.body.clone());
         Value::Object(body)
     }
+
+    /// The token limit sent, by the name it was sent under: a body field replaces
+    /// [`max_tokens`](Self::max_tokens).
+    fn token_limit(&self) -> Option<(&'static str, u64)> {
+        ["max_completion_tokens", "max_tokens"]
+            .into_iter()
+            .find_map(|name| Some((name, self.body.get(name)?.as_u64()?)))
+            .or(self
+                .max_tokens
+                .map(|limit| ("max_tokens", u64::from(limit))))
+    }
 }
 
 impl fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OpenAi")
             .field("model", &self.model)
-            .field("base_url", &self.base_url)
+            .field("base_url", &shown_url(&self.base_url))
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            // Names only: a header's value may be a token.
+            .field(
+                "headers",
+                &self
+                    .headers
+                    .iter()
+                    .map(|(name, _)| name)
+                    .collect::<Vec<_>>(),
+            )
             .field("temperature", &self.temperature)
             .field("max_tokens", &self.max_tokens)
             .finish_non_exhaustive()
@@ -166,6 +199,7 @@ impl Model for OpenAi {
         let api = Api {
             name: "the chat completions server",
             secret: self.api_key.as_deref(),
+            base_url: &self.base_url,
         };
         let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
         let mut post = self
@@ -178,19 +212,25 @@ impl Model for OpenAi {
             post = post.bearer_auth(key);
         }
         for (name, value) in &self.headers {
-            post = post.header(name.as_str(), value.as_str());
+            let (name, value) = header(name, value)?;
+            post = post.header(name, value);
         }
         let completion: Completion = api.send(post).await?;
         completion
-            .into_response()
-            .map_err(|why| api.malformed(&why, b""))
+            .into_response(self.token_limit())
+            .map_err(|unusable| match unusable {
+                Unusable::Malformed(why) => api.malformed(&why, b""),
+                Unusable::Stopped(why) => api.unusable(&why),
+            })
     }
 }
 
+/// A variable's value without the blanks around it (a key pasted with its newline), if any.
 fn non_empty_var(name: &str) -> Option<String> {
     std::env::var(name)
         .ok()
-        .filter(|value| !value.trim().is_empty())
+        .map(|value| value.trim().to_owned())
+        .filter(|value| !value.is_empty())
 }
 
 fn tool(spec: &ToolSpec) -> Value {
@@ -229,11 +269,13 @@ fn message(message: &Message) -> Value {
 }
 
 fn call(call: &ToolCall) -> Value {
-    // Arguments that were not JSON go back as the model wrote them, so that it sees its
-    // mistake beside the refusal that follows.
+    // Arguments that were not a JSON object go back as `{}`: servers such as vLLM and SGLang
+    // parse every argument of the history (and their chat templates read it as an object),
+    // answering a 500 to one that is not. The run loop refused such a call, and the result
+    // that follows shows the model what it wrote.
     let arguments = match &call.args {
-        Value::String(raw) => raw.clone(),
-        args => args.to_string(),
+        Value::Object(_) => call.args.to_string(),
+        _ => "{}".to_owned(),
     };
     json!({
         "id": call.id,
@@ -264,6 +306,9 @@ struct Completion {
 #[derive(Deserialize)]
 struct Choice {
     message: AssistantMessage,
+    /// Missing with some local servers, read as a normal stop.
+    #[serde(default)]
+    finish_reason: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -314,18 +359,34 @@ struct CompletionUsage {
     completion_tokens: Option<u64>,
 }
 
+/// Why a completion gives no answer.
+#[derive(Debug, PartialEq)]
+enum Unusable {
+    /// It is not the API's answer (retryable, like a body that is not JSON).
+    Malformed(&'static str),
+    /// The model stopped without an answer to use: cut off, refused, filtered (fatal: the same
+    /// request stops the same way).
+    Stopped(String),
+}
+
 impl Completion {
-    fn into_response(self) -> Result<ModelResponse, &'static str> {
-        let choice = self.choices.into_iter().next().ok_or("no choices")?;
+    /// The answer; `limit` is the token limit sent, which a message about a cut-off answer
+    /// names.
+    fn into_response(self, limit: Option<(&str, u64)>) -> Result<ModelResponse, Unusable> {
+        let choice = self
+            .choices
+            .into_iter()
+            .next()
+            .ok_or(Unusable::Malformed("no choices"))?;
         let message = choice.message;
         let text = match message.content {
             Some(Content::Text(text)) => Some(text),
             Some(Content::Parts(parts)) => Some(parts.into_iter().filter_map(|p| p.text).collect()),
             None => None,
         }
-        .filter(|text| !text.is_empty())
-        .or(message.refusal);
-        let tool_calls = message
+        .filter(|text| !text.is_empty());
+        let refusal = message.refusal.filter(|refusal| !refusal.trim().is_empty());
+        let tool_calls: Vec<ToolCall> = message
             .tool_calls
             .unwrap_or_default()
             .into_iter()
@@ -336,6 +397,28 @@ impl Completion {
                 args: arguments(call.function.arguments),
             })
             .collect();
+        // Other reasons ("stop", "tool_calls", a server's own) end a usable answer.
+        match choice.finish_reason.as_deref() {
+            // The calls' arguments may be cut off too: none is returned, so none runs.
+            Some("length") => return Err(Unusable::Stopped(cut_off(limit, tool_calls.len()))),
+            Some("content_filter") => {
+                let mut why = "the server's content filter withheld the answer \
+                               (finish_reason content_filter)"
+                    .to_owned();
+                if let Some(said) = refusal.as_deref().or(text.as_deref()) {
+                    why.push_str(": ");
+                    why.push_str(&excerpt(said));
+                }
+                return Err(Unusable::Stopped(why));
+            }
+            _ => {}
+        }
+        if let (None, true, Some(refusal)) = (&text, tool_calls.is_empty(), &refusal) {
+            return Err(Unusable::Stopped(format!(
+                "the model refused to answer: {}",
+                excerpt(refusal)
+            )));
+        }
         let usage = self.usage.map(|usage| Usage {
             input_tokens: usage.prompt_tokens.unwrap_or(0),
             output_tokens: usage.completion_tokens.unwrap_or(0),
@@ -377,10 +460,20 @@ mod tests {
     use crate::types::RunId;
 
     fn read(body: Value) -> ModelResponse {
+        try_read(body, None).unwrap()
+    }
+
+    fn try_read(body: Value, limit: Option<(&str, u64)>) -> Result<ModelResponse, Unusable> {
         serde_json::from_value::<Completion>(body)
             .unwrap()
-            .into_response()
-            .unwrap()
+            .into_response(limit)
+    }
+
+    fn stopped(body: Value, limit: Option<(&str, u64)>) -> String {
+        match try_read(body, limit) {
+            Err(Unusable::Stopped(why)) => why,
+            other => panic!("{:?}", other.map(|_| "an answer")),
+        }
     }
 
     #[test]
@@ -436,7 +529,7 @@ mod tests {
                         {"id": "c1", "type": "function",
                          "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
                         {"id": "c2", "type": "function",
-                         "function": {"name": "weather", "arguments": "{city: Bergen"}},
+                         "function": {"name": "weather", "arguments": "{}"}},
                     ]},
                     {"role": "tool", "tool_call_id": "c1", "content": "{\"sky\":\"clear\"}"},
                     {"role": "tool", "tool_call_id": "c2",
@@ -497,11 +590,83 @@ mod tests {
             "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             "tool_calls": null}}]}));
         assert_eq!(parts.text.as_deref(), Some("ab"));
-        let refused = read(json!({"choices": [{"message": {"content": null, "refusal": "No."}}]}));
-        assert_eq!(refused.text.as_deref(), Some("No."));
         let empty = read(json!({"choices": [{"message": {"content": ""}}], "usage": null}));
         assert_eq!(empty, ModelResponse::default());
-        let none = serde_json::from_value::<Completion>(json!({"choices": []})).unwrap();
-        assert!(none.into_response().is_err());
+        let unknown = read(json!({"choices": [{"message": {"content": "hi"},
+                                               "finish_reason": "eos_token"}]}));
+        assert_eq!(unknown, ModelResponse::answer("hi"));
+        assert_eq!(
+            try_read(json!({"choices": []}), None),
+            Err(Unusable::Malformed("no choices"))
+        );
+    }
+
+    #[test]
+    fn an_answer_cut_off_at_the_token_limit_is_an_error_and_its_calls_are_dropped() {
+        let cut = json!({"choices": [{"finish_reason": "length", "message": {
+        "content": "Let me", "tool_calls": [
+            {"id": "a", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+            {"id": "b", "function": {"name": "f", "arguments": "{\"x\": "}},
+        ]}}]});
+        assert_eq!(
+            stopped(cut.clone(), Some(("max_tokens", 64))),
+            "the answer was cut off at the token limit (max_tokens 64), so it is incomplete; \
+             its 2 tool calls were not run: raise the limit, or ask for a shorter answer"
+        );
+        assert_eq!(
+            stopped(cut, None),
+            "the answer was cut off at the server's token limit, so it is incomplete; \
+             its 2 tool calls were not run: raise the limit, or ask for a shorter answer"
+        );
+        let limit = |adapter: OpenAi| adapter.token_limit();
+        assert_eq!(limit(OpenAi::new("m")), None);
+        assert_eq!(
+            limit(OpenAi::new("m").max_tokens(10)),
+            Some(("max_tokens", 10))
+        );
+        assert_eq!(
+            limit(
+                OpenAi::new("m")
+                    .max_tokens(10)
+                    .body_field("max_completion_tokens", 99)
+            ),
+            Some(("max_completion_tokens", 99))
+        );
+    }
+
+    #[test]
+    fn debug_shows_no_key_header_value_or_password() {
+        let adapter = OpenAi::new("m")
+            .base_url("https://bob:pw-9d2e@gateway.example.com/v1")
+            .api_key("sk-key-5a7b")
+            .header("X-Gateway-Token", "tok-3c8f");
+        let shown = format!("{adapter:?}");
+        for secret in ["sk-key-5a7b", "tok-3c8f", "pw-9d2e", "bob"] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(
+            shown.contains("https://[redacted]@gateway.example.com/v1"),
+            "{shown}"
+        );
+        assert!(shown.contains("X-Gateway-Token"), "{shown}");
+    }
+
+    #[test]
+    fn a_refusal_or_a_filtered_answer_is_an_error_that_says_so() {
+        let refused = json!({"choices": [{"finish_reason": "stop",
+            "message": {"content": null, "refusal": "I can't help with that."}}]});
+        assert_eq!(
+            stopped(refused, None),
+            "the model refused to answer: I can't help with that."
+        );
+        let filtered = json!({"choices": [{"finish_reason": "content_filter",
+            "message": {"content": null}}]});
+        assert_eq!(
+            stopped(filtered, None),
+            "the server's content filter withheld the answer (finish_reason content_filter)"
+        );
+        // A refusal beside an answer leaves the answer.
+        let both = read(json!({"choices": [{"message": {"content": "Partly.", "refusal": "no"}}]}));
+        assert_eq!(both.text.as_deref(), Some("Partly."));
     }
 }

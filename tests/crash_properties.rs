@@ -142,7 +142,10 @@ proptest! {
         let k = 1 + ((case.at * moves as f64) as usize).min(moves - 1);
         let crash = if case.after_commit { CrashPoint::AfterCommit(k) } else { CrashPoint::BeforeApply(k) };
         let report = explorer.run_case(crash);
-        prop_assert!(report.crashed, "{:?}", report);
         prop_assert!(report.violations.is_empty(), "{:?} with {:?}", report, case);
+        // The uncrashed run's count of moves includes any a loaded machine added (a lease
+        // lost to a late renewal, then taken over): a case whose run took fewer moves never
+        // reaches its crash point, and proves nothing about crashes.
+        prop_assume!(report.crashed);
     }
 }

@@ -20,7 +20,7 @@ pub enum FaultKind {
     /// A write to the write-ahead log: a commit's frames (a commit sends them in one write,
     /// with its commit frame), or the log's header when it starts over after a checkpoint.
     /// Fails with `SQLITE_IOERR_WRITE`, writing nothing. Not the zeros that extend a short log
-    /// as it starts: their failure fails nothing.
+    /// as it starts: a write of them that fails fails nothing (the log is cut back).
     LogWrite,
     /// A sync of the write-ahead log by SQLite: in each commit at `FULL`, and before a
     /// checkpoint copies the log. The sync is done, then reported failed with

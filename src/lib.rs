@@ -18,6 +18,9 @@ mod types;
 #[doc = include_str!("../docs/lease.md")]
 mod lease_md {}
 #[cfg(doctest)]
+#[doc = include_str!("../docs/runs.md")]
+mod runs_md {}
+#[cfg(doctest)]
 #[doc = include_str!("../docs/upgrading-0.6.md")]
 mod upgrading_0_6_md {}
 #[cfg(all(doctest, feature = "testkit"))]

@@ -331,15 +331,15 @@ impl Supervisor {
             ) => return,
             Err(err) => Err(err.to_string()),
         };
-        self.settled_subscribers.retain(|recipient| {
-            recipient
-                .try_send(RunSettled {
-                    run_id: run_id.clone(),
-                    result: result.clone(),
-                })
-                .is_ok()
-                || recipient.connected()
-        });
+        // `do_send` ignores the mailbox's capacity: a slow subscriber delays nothing and
+        // misses nothing.
+        self.settled_subscribers.retain(Recipient::connected);
+        for recipient in &self.settled_subscribers {
+            recipient.do_send(RunSettled {
+                run_id: run_id.clone(),
+                result: result.clone(),
+            });
+        }
     }
 }
 

@@ -167,6 +167,25 @@ fn a_rate_limit_is_retried_no_earlier_than_its_retry_after() {
 }
 
 #[test]
+fn a_server_error_is_retried() {
+    let server = FakeLlm::start(vec![
+        Reply::status(
+            500,
+            json!({"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}),
+        ),
+        answer("done"),
+    ]);
+    let ran = Ran::of(agent(&server, fast_policy()), json!("hi"));
+
+    assert!(matches!(ran.reply.outcome, Outcome::Succeeded { .. }));
+    assert_eq!(server.requests().len(), 2);
+    assert_eq!(
+        ran.attempt_errors(),
+        ["the Anthropic API answered 500 Internal Server Error: Internal server error"]
+    );
+}
+
+#[test]
 fn an_overloaded_api_is_retried() {
     let server = FakeLlm::start(vec![
         Reply::status(

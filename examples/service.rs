@@ -18,8 +18,8 @@ mod service_app;
 
 use actix::Actor;
 use actix_web::{App, HttpServer, web};
-use agentrt::{Config, Store, SubscribeLeaseLost, Supervisor};
-use service_app::{AppState, LeaseLostLogger, recover_running_runs, routes};
+use agentrt::{Config, Recovery, Store, SubscribeLeaseLost, Supervisor};
+use service_app::{AppState, LeaseLostLogger, routes};
 
 #[actix_web::main]
 async fn main() -> std::io::Result<()> {
@@ -31,14 +31,16 @@ async fn main() -> std::io::Result<()> {
     let path = std::env::var("AGENTRT_DB").unwrap_or_else(|_| "agentrt-service.db".into());
     let addr = std::env::var("AGENTRT_ADDR").unwrap_or_else(|_| "127.0.0.1:8080".into());
     let store = Store::open(&path).map_err(std::io::Error::other)?;
-    let config = Config::default().lease_owner(format!("service@{addr}"));
+    // Recovery takes over, at start and then every 10 s, the runs a dead process left RUNNING.
+    let config = Config::default()
+        .lease_owner(format!("service@{addr}"))
+        .recovery(Recovery::default());
     let supervisor = Supervisor::builder(store.clone())
         .config(config)
         .agent("support", quickstart_agent::agent())
         .start()
         .map_err(std::io::Error::other)?;
     supervisor.do_send(SubscribeLeaseLost(LeaseLostLogger.start().recipient()));
-    actix_rt::spawn(recover_running_runs(supervisor.clone(), store.clone()));
 
     tracing::info!(%addr, db = %path, "agentrt service listening");
     let state = web::Data::new(AppState { supervisor, store });

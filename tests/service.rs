@@ -11,16 +11,20 @@ use std::time::{Duration, SystemTime};
 
 use actix::Actor;
 use agentrt::{
-    Agent, Config, ModelResponse, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, Recovery, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
-use service_app::{AppState, LeaseLostLogger, recover_running_runs, routes};
+use service_app::{AppState, LeaseLostLogger, routes};
 
 /// Starts the service on 127.0.0.1 at a free port, as `examples/service.rs` does; returns its
 /// base URL.
 fn serve(store: agentrt::Store) -> String {
-    serve_agent(store, quickstart_agent::agent(), Config::default())
+    serve_agent(
+        store,
+        quickstart_agent::agent(),
+        Config::default().recovery(Recovery::default()),
+    )
 }
 
 fn serve_agent(store: agentrt::Store, agent: Agent, config: Config) -> String {
@@ -30,7 +34,6 @@ fn serve_agent(store: agentrt::Store, agent: Agent, config: Config) -> String {
         .start()
         .unwrap();
     supervisor.do_send(SubscribeLeaseLost(LeaseLostLogger.start().recipient()));
-    actix_rt::spawn(recover_running_runs(supervisor.clone(), store.clone()));
     let state = web::Data::new(AppState { supervisor, store });
     let server = HttpServer::new(move || App::new().app_data(state.clone()).configure(routes))
         .workers(1)
@@ -260,6 +263,7 @@ fn at_start_up_the_service_resumes_runs_a_dead_process_left_running() {
     deploy.set_behaviour(Behaviour::Succeed);
 
     let (store, recovering) = (db.open(), agent());
+    let config = config.recovery(Recovery::default().every(Duration::from_millis(100)));
     let state = with_system(|| async move {
         let url = serve_agent(store, recovering, config);
         let client = awc::Client::default();

@@ -1,7 +1,7 @@
 //! The HTTP face of an agentrt supervisor, for `examples/service.rs` and its test: routes,
-//! JSON bodies, the server-sent event stream, and the start-up recovery of runs left RUNNING.
+//! JSON bodies, and the server-sent event stream.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use actix::{Actor, Addr, Context, Handler};
 use actix_web::{HttpResponse, ResponseError, http::StatusCode, web};
@@ -279,49 +279,5 @@ impl Handler<LeaseLost> for LeaseLostLogger {
 
     fn handle(&mut self, lost: LeaseLost, _: &mut Context<Self>) {
         tracing::warn!(run_id = %lost.run_id, owner = %lost.owner, reason = %lost.reason, "lease lost: this process stopped executing the run");
-    }
-}
-
-/// Resumes every run a dead process left RUNNING. A run still leased is not a failure: it is
-/// being executed elsewhere, or its executor died less than a TTL ago; retry after the lease's
-/// expiry, when a live owner will have renewed it (and we hear so again).
-pub async fn recover_running_runs(supervisor: Addr<Supervisor>, store: Store) {
-    let running = match web::block(move || store.runs(Some(RunState::Running))).await {
-        Ok(Ok(runs)) => runs,
-        other => {
-            tracing::error!(?other, "could not list the runs to recover");
-            return;
-        }
-    };
-    for run in running {
-        let supervisor = supervisor.clone();
-        actix_rt::spawn(async move {
-            loop {
-                match supervisor.send(ResumeRun::new(run.id.clone())).await {
-                    Ok(Err(Error::RunLeased {
-                        owner, expires_at, ..
-                    })) => {
-                        tracing::info!(run_id = %run.id, %owner, "run leased elsewhere; retrying after its expiry");
-                        let wait = expires_at
-                            .duration_since(SystemTime::now())
-                            .unwrap_or_default();
-                        actix_rt::time::sleep(wait + Duration::from_millis(10)).await;
-                    }
-                    Ok(Ok(reply)) => {
-                        let outcome = serde_json::to_string(&reply.outcome).unwrap_or_default();
-                        tracing::info!(run_id = %run.id, %outcome, "recovered");
-                        return;
-                    }
-                    Ok(Err(err)) => {
-                        tracing::error!(run_id = %run.id, %err, "could not recover the run");
-                        return;
-                    }
-                    Err(err) => {
-                        tracing::error!(run_id = %run.id, %err, "the supervisor is gone");
-                        return;
-                    }
-                }
-            }
-        });
     }
 }

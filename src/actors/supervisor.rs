@@ -1,6 +1,10 @@
 //! `Supervisor`: the front door. Holds the agent registry and the runs this process executes,
 //! and spawns one `RunActor` per run.
 
+mod recovery;
+
+pub use recovery::Recovery;
+
 use crate::store::moves::Move;
 use std::{
     collections::{BTreeMap, HashMap},
@@ -55,6 +59,7 @@ pub struct Config {
     lease_ttl: Duration,
     start_margin: Option<Duration>,
     observer: Option<Arc<dyn MoveObserver>>,
+    recovery: Option<Recovery>,
 }
 
 impl Default for Config {
@@ -65,6 +70,7 @@ impl Default for Config {
             lease_ttl: DEFAULT_LEASE_TTL,
             start_margin: None,
             observer: None,
+            recovery: None,
         }
     }
 }
@@ -111,6 +117,15 @@ impl Config {
         self
     }
 
+    /// Recovers the runs a dead process left: at start and then periodically, the supervisor
+    /// takes over the `RUNNING` runs of its agents whose lease expired or that nobody holds
+    /// (see [`Recovery`]). Off by default: without it, a run is taken over only by a
+    /// [`ResumeRun`].
+    pub fn recovery(mut self, recovery: Recovery) -> Self {
+        self.recovery = Some(recovery);
+        self
+    }
+
     /// Tells `observer` of every move the supervisor's store actor applies, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
@@ -151,6 +166,7 @@ impl std::fmt::Debug for Config {
             .field("lease_ttl", &self.lease_ttl)
             .field("start_margin", &self.start_margin)
             .field("observer", &self.observer.is_some())
+            .field("recovery", &self.recovery)
             .finish_non_exhaustive()
     }
 }
@@ -183,6 +199,8 @@ pub struct Supervisor {
     calls: u64,
     /// Told of every run this supervisor executed that came to rest.
     settled_subscribers: Vec<Recipient<RunSettled>>,
+    recovery: Option<Recovery>,
+    recovering: recovery::Recovering,
 }
 
 /// Assembles a [`Supervisor`].
@@ -240,6 +258,8 @@ impl SupervisorBuilder {
             executing: HashMap::new(),
             calls: 0,
             settled_subscribers: Vec::new(),
+            recovery: self.config.recovery.clone(),
+            recovering: Default::default(),
         }
         .start())
     }
@@ -353,10 +373,11 @@ impl Drop for Supervisor {
 impl Actor for Supervisor {
     type Context = Context<Self>;
 
-    fn started(&mut self, _: &mut Context<Self>) {
+    fn started(&mut self, ctx: &mut Context<Self>) {
         // The mailbox keeps actix's default capacity: past it, callers' `send`s wait, which is
         // the back-pressure a burst of StartRun should meet.
         tracing::debug!(store = ?self.store, "supervisor started");
+        self.start_recovery(ctx);
     }
 }
 

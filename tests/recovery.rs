@@ -1,0 +1,204 @@
+//! Recovery built into a supervisor: the runs a dead process left `RUNNING` are taken over by
+//! a supervisor configured with `Config::recovery`, once their lease has expired, without a
+//! `ResumeRun` from the application; runs of agents it does not know are left alone; two
+//! recovering supervisors execute each run once.
+
+use std::time::Duration;
+
+use actix::{Actor, Context, Handler};
+use agentrt::{
+    Agent, Config, EventKind, ModelResponse, Outcome, Reconciliation, Recovery, RunId, RunSettled,
+    RunState, SpawnRun, Store, SubscribeRuns, Supervisor, ToolCall,
+    testkit::{Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, with_system},
+};
+use serde_json::json;
+use tokio::sync::watch;
+
+/// Keeps every `RunSettled` it is sent.
+struct Settled(watch::Sender<Vec<RunSettled>>);
+
+impl Actor for Settled {
+    type Context = Context<Self>;
+}
+
+impl Handler<RunSettled> for Settled {
+    type Result = ();
+
+    fn handle(&mut self, msg: RunSettled, _: &mut Context<Self>) {
+        self.0.send_modify(|seen| seen.push(msg));
+    }
+}
+
+fn pay_then_answer() -> ScriptedModel {
+    ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
+        ModelResponse::answer("paid"),
+    ])
+}
+
+/// Recovery passes that come often; leases that a loaded machine renews on time.
+fn config() -> Config {
+    Config::default()
+        .lease_ttl(Duration::from_secs(2))
+        .recovery(
+            Recovery::default()
+                .every(Duration::from_millis(100))
+                .jitter(Duration::from_millis(20)),
+        )
+}
+
+/// Spawns `runs` runs of each agent and tears the system down once every `pay` is in flight:
+/// the runs are left RUNNING under a lease nobody renews.
+fn leave_runs_in_flight(db: &TempStore, agents: &[(&str, usize)]) -> Vec<RunId> {
+    let blocked = RecordingTool::new("pay").behaviour(Behaviour::Block);
+    let store = db.open();
+    let mut builder =
+        Supervisor::builder(store).config(Config::default().lease_ttl(Duration::from_millis(600)));
+    for (name, _) in agents {
+        builder = builder.agent(*name, Agent::new(pay_then_answer()).tool(blocked.clone()));
+    }
+    let agents: Vec<(String, usize)> = agents.iter().map(|(n, k)| (n.to_string(), *k)).collect();
+    with_system(|| async move {
+        let supervisor = builder.start().unwrap();
+        let mut ids = Vec::new();
+        for (name, runs) in &agents {
+            for _ in 0..*runs {
+                let id = supervisor
+                    .send(SpawnRun::new(name.clone(), json!({})))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                ids.push(id);
+            }
+        }
+        blocked.wait_executions(ids.len()).await;
+        ids
+    })
+}
+
+/// A tool that took effect before the crash: its hook says so.
+fn applied_pay() -> RecordingTool {
+    RecordingTool::new("pay").reconcile_hook(ReconcileHook::Answer(Reconciliation::Applied(
+        json!({"charged": true}),
+    )))
+}
+
+/// Runs recovering supervisors, one per entry of `supervisors` (the agents it registers),
+/// until `done` holds of the settlements they heard together.
+fn recover_until(
+    db: &TempStore,
+    supervisors: Vec<Vec<&'static str>>,
+    pay: &RecordingTool,
+    done: impl Fn(&[RunSettled]) -> bool + 'static,
+) -> Vec<RunSettled> {
+    let stores: Vec<Store> = supervisors.iter().map(|_| db.open()).collect();
+    let pay = pay.clone();
+    with_system(|| async move {
+        let (tx, mut rx) = watch::channel(Vec::new());
+        let inbox = Settled(tx).start();
+        let mut running = Vec::new();
+        for (store, names) in stores.into_iter().zip(supervisors) {
+            let mut builder = Supervisor::builder(store).config(config());
+            for name in names {
+                builder = builder.agent(name, Agent::new(pay_then_answer()).tool(pay.clone()));
+            }
+            let supervisor = builder.start().unwrap();
+            supervisor
+                .send(SubscribeRuns(inbox.clone().recipient()))
+                .await
+                .unwrap();
+            running.push(supervisor);
+        }
+        rx.wait_for(|seen| done(seen)).await.unwrap().clone()
+    })
+}
+
+#[test]
+fn a_recovering_supervisor_takes_over_the_runs_a_dead_process_left() {
+    let db = TempStore::new();
+    let ids = leave_runs_in_flight(&db, &[("billing", 3)]);
+    let pay = applied_pay();
+
+    let settled = recover_until(&db, vec![vec!["billing"]], &pay, |seen| seen.len() >= 3);
+
+    assert_eq!(settled.len(), 3, "{settled:?}");
+    for s in &settled {
+        assert_eq!(
+            s.result,
+            Ok(Outcome::Succeeded {
+                output: "paid".into()
+            })
+        );
+    }
+    assert!(
+        pay.executions().is_empty(),
+        "reconciled as applied, never run again"
+    );
+    let store = db.open();
+    for id in &ids {
+        assert_eq!(store.run(id).unwrap().state, RunState::Succeeded);
+    }
+    agentrt::testkit::assert_no_run_leased(&store);
+}
+
+#[test]
+fn recovery_leaves_the_runs_of_agents_it_does_not_know() {
+    let db = TempStore::new();
+    let ids = leave_runs_in_flight(&db, &[("billing", 1), ("shipping", 1)]);
+    let pay = applied_pay();
+
+    // The billing run's end proves that passes ran after the leases expired.
+    let settled = recover_until(&db, vec![vec!["billing"]], &pay, |seen| !seen.is_empty());
+
+    assert_eq!(settled.len(), 1);
+    assert_eq!(settled[0].run_id, ids[0]);
+    let store = db.open();
+    let shipping = &ids[1];
+    assert_eq!(store.run(shipping).unwrap().state, RunState::Running);
+    let kinds: Vec<EventKind> = store
+        .events(shipping)
+        .unwrap()
+        .iter()
+        .map(|e| e.kind)
+        .collect();
+    assert!(
+        !kinds.contains(&EventKind::RunResumed),
+        "nobody took the shipping run over: {kinds:?}"
+    );
+}
+
+#[test]
+fn two_recovering_supervisors_execute_each_run_once() {
+    let db = TempStore::new();
+    let ids = leave_runs_in_flight(&db, &[("billing", 6)]);
+    // Not applied: each interrupted call is run again, once, by whichever supervisor won it.
+    let pay =
+        RecordingTool::new("pay").reconcile_hook(ReconcileHook::Answer(Reconciliation::NotApplied));
+
+    let settled = recover_until(&db, vec![vec!["billing"], vec!["billing"]], &pay, |seen| {
+        seen.len() >= 6
+    });
+
+    assert_eq!(settled.len(), 6, "each run settled once: {settled:?}");
+    let mut keys: Vec<String> = pay
+        .executions()
+        .iter()
+        .map(|e| e.idempotency_key.clone())
+        .collect();
+    keys.sort();
+    let before = keys.len();
+    keys.dedup();
+    assert_eq!(before, keys.len(), "a call ran twice: {keys:?}");
+    assert_eq!(keys.len(), 6);
+    let store = db.open();
+    for id in &ids {
+        assert_eq!(store.run(id).unwrap().state, RunState::Succeeded);
+        let takeovers = store
+            .events(id)
+            .unwrap()
+            .iter()
+            .filter(|e| e.kind == EventKind::LeaseTakenOver)
+            .count();
+        assert_eq!(takeovers, 1, "run {id} was taken over once");
+    }
+}

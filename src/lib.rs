@@ -36,8 +36,9 @@ mod models_md {}
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, RecordApproval, RegisterAgent,
-        ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor, SupervisorBuilder,
+        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, ForkRun, RecordApproval,
+        RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor,
+        SupervisorBuilder,
     },
 };
 pub use agent::{

@@ -206,14 +206,25 @@ fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
         .args(["fork", "done", "--at", "1"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let id = String::from_utf8(out.stdout).unwrap();
     let run_id = RunId::from(id.trim_end());
     assert_eq!(id.lines().count(), 1, "the id alone: {id}");
     let store = db.open();
     let run = store.run(&run_id).unwrap();
-    assert_eq!((run.state, run.agent.as_str()), (RunState::Running, "plain"));
-    assert_eq!(store.lease(&run_id).unwrap(), None, "nobody executes it yet");
+    assert_eq!(
+        (run.state, run.agent.as_str()),
+        (RunState::Running, "plain")
+    );
+    assert_eq!(
+        store.lease(&run_id).unwrap(),
+        None,
+        "nobody executes it yet"
+    );
     let events = store.events(&run_id).unwrap();
     assert_eq!(
         events.iter().map(|e| e.kind).collect::<Vec<_>>(),
@@ -239,8 +250,14 @@ fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
     let runs = store.runs(None).unwrap().len();
     for (args, expected) in [
         (&["fork", "done", "--at", "2"][..], "is a tool call"),
-        (&["fork", "done", "--at", "1", "--id", "wait"][..], "already exists"),
-        (&["fork", "nope", "--at", "1"][..], "no run with id \"nope\""),
+        (
+            &["fork", "done", "--at", "1", "--id", "wait"][..],
+            "already exists",
+        ),
+        (
+            &["fork", "nope", "--at", "1"][..],
+            "no run with id \"nope\"",
+        ),
     ] {
         agentrt(&db.path()).args(args).assert().failure().stderr(
             predicate::str::contains(expected)

@@ -65,7 +65,9 @@ fn rows(db: &TempStore, run_id: &str) -> Vec<String> {
         ("approvals", "run_id"),
     ] {
         let mut statement = conn
-            .prepare(&format!("SELECT * FROM {table} WHERE {key} = ?1 ORDER BY 1, 2"))
+            .prepare(&format!(
+                "SELECT * FROM {table} WHERE {key} = ?1 ORDER BY 1, 2"
+            ))
             .unwrap();
         let columns = statement.column_count();
         let found = statement
@@ -108,9 +110,7 @@ fn a_failed_run_forked_at_its_failed_step_succeeds_and_its_tool_does_not_run_aga
     let store = db.open();
     let origin_events = store.events(&origin).unwrap();
 
-    let forked = store
-        .fork(&origin, 3, Some(RunId::from("retry")))
-        .unwrap();
+    let forked = store.fork(&origin, 3, Some(RunId::from("retry"))).unwrap();
     assert_eq!(forked, RunId::from("retry"));
     assert_eq!(store.run(&forked).unwrap().state, RunState::Running);
     assert_eq!(store.lease(&forked).unwrap(), None, "written, not executed");
@@ -229,7 +229,10 @@ fn a_succeeded_run_forked_at_an_earlier_model_step_shows_the_model_the_copied_hi
     );
     let store = db.open();
     let run = store.run(&RunId::from("what-if")).unwrap();
-    assert_eq!((run.agent.as_str(), &run.input), ("ops", &json!({"ticket": 7})));
+    assert_eq!(
+        (run.agent.as_str(), &run.input),
+        ("ops", &json!({"ticket": 7}))
+    );
     assert_eq!(
         store.run(&RunId::from("origin")).unwrap().output.as_deref(),
         Some("first answer")
@@ -270,22 +273,35 @@ fn refused_forks_write_nothing() {
     };
 
     let err = store.fork(&RunId::from("nope"), 1, None).unwrap_err();
-    assert!(matches!(&err, Error::RunNotFound(id) if id.as_str() == "nope"), "{err}");
+    assert!(
+        matches!(&err, Error::RunNotFound(id) if id.as_str() == "nope"),
+        "{err}"
+    );
     let err = store.fork(&RunId::from("origin"), 0, None).unwrap_err();
     assert!(invalid(&err, "numbered from 1"), "{err}");
     let err = store.fork(&RunId::from("origin"), 2, None).unwrap_err();
-    assert!(invalid(&err, "step 2 of run origin is a tool call"), "{err}");
+    assert!(
+        invalid(&err, "step 2 of run origin is a tool call"),
+        "{err}"
+    );
     let err = store.fork(&RunId::from("origin"), 7, None).unwrap_err();
     assert!(invalid(&err, "run origin has 5 steps"), "{err}");
     let existing = Some(RunId::from("busy"));
     let err = store.fork(&RunId::from("origin"), 1, existing).unwrap_err();
-    assert!(matches!(&err, Error::RunExists(id) if id.as_str() == "busy"), "{err}");
+    assert!(
+        matches!(&err, Error::RunExists(id) if id.as_str() == "busy"),
+        "{err}"
+    );
     let err = store.fork(&RunId::from("busy"), 3, None).unwrap_err();
     assert!(err.is_run_state(), "{err}");
     assert!(err.to_string().contains("step 2 is in_flight"), "{err}");
     // Through a supervisor: the same refusals, and an agent it does not have.
-    let err = call(&db, Agent::new(ScriptedModel::new(vec![])), ForkRun::new("origin", 2))
-        .unwrap_err();
+    let err = call(
+        &db,
+        Agent::new(ScriptedModel::new(vec![])),
+        ForkRun::new("origin", 2),
+    )
+    .unwrap_err();
     assert!(invalid(&err, "tool call"), "{err}");
     let stranger = Supervisor::builder(db.open());
     let unknown = with_system(|| async move {
@@ -299,7 +315,10 @@ fn refused_forks_write_nothing() {
             .unwrap()
     })
     .unwrap_err();
-    assert!(matches!(&unknown, Error::UnknownAgent(name) if name == "ops"), "{unknown}");
+    assert!(
+        matches!(&unknown, Error::UnknownAgent(name) if name == "ops"),
+        "{unknown}"
+    );
 
     assert_eq!(store.runs(None).unwrap().len(), 2, "no run was added");
     assert_eq!(["origin", "busy"].map(|id| rows(&db, id)), before);
@@ -395,7 +414,11 @@ fn a_fork_crashed_mid_tool_is_reconciled_on_resume_as_any_run() {
     );
     assert_eq!(charge.executions().len(), 1, "the charge ran once");
     assert_eq!(charge.reconciles().len(), 1);
-    assert_eq!(tool.executions().len(), 2, "the copied lookup never ran again");
+    assert_eq!(
+        tool.executions().len(),
+        2,
+        "the copied lookup never ran again"
+    );
     let events = store.events(&fork).unwrap();
     let count = |kind| events.iter().filter(|e| e.kind == kind).count();
     assert_eq!(count(EventKind::StepInterrupted), 1);
@@ -417,7 +440,10 @@ fn a_fork_crashed_mid_tool_is_reconciled_on_resume_as_any_run() {
         .collect();
     assert_eq!(tokens, [&json!(1), &json!(2)]);
     assert!(
-        events.iter().enumerate().all(|(i, e)| e.seq == i as u64 + 1),
+        events
+            .iter()
+            .enumerate()
+            .all(|(i, e)| e.seq == i as u64 + 1),
         "gapless"
     );
     assert_no_run_leased(&store);

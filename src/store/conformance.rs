@@ -1143,7 +1143,14 @@ fn succeeded(store: &Store, run_id: &RunId) {
 }
 
 /// Everything stored of a run: its row, lease, steps and events.
-fn everything(store: &Store, run_id: &RunId) -> impl PartialEq + std::fmt::Debug {
+type Stored = (
+    crate::Run,
+    Option<super::model::LeaseRow>,
+    Vec<super::model::StepRow>,
+    Vec<crate::Event>,
+);
+
+fn everything(store: &Store, run_id: &RunId) -> Stored {
     let run = store.run(run_id).unwrap();
     let lease = store.read(|reads| reads.lease_row(run_id)).unwrap();
     let steps = store.read(|reads| reads.steps(run_id)).unwrap();
@@ -1162,7 +1169,10 @@ pub(crate) fn a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_
     assert_eq!(store.fork(&run("r"), 3, Some(run("f"))).unwrap(), run("f"));
     let forked = store.run(&run("f")).unwrap();
     assert_eq!(forked.state, RunState::Running);
-    assert_eq!((forked.agent.as_str(), &forked.input), ("agent", &json!({"n": 1})));
+    assert_eq!(
+        (forked.agent.as_str(), &forked.input),
+        ("agent", &json!({"n": 1}))
+    );
     assert_eq!(store.lease(&run("f")).unwrap(), None, "nobody holds it");
     assert_eq!(stored_token(&store, &run("f")), 0);
     let steps = store.read(|reads| reads.steps(&run("f"))).unwrap();
@@ -1191,7 +1201,11 @@ pub(crate) fn a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_
     );
     for (copy, original) in events[2..].iter().zip(&origin_events[1..6]) {
         let mut payload = copy.payload.clone();
-        let from = payload.as_object_mut().unwrap().remove("copied_from").unwrap();
+        let from = payload
+            .as_object_mut()
+            .unwrap()
+            .remove("copied_from")
+            .unwrap();
         assert_eq!(from, json!({"run_id": "r", "seq": original.seq}));
         assert_eq!(
             (copy.kind, copy.step, payload),
@@ -1213,13 +1227,25 @@ pub(crate) fn a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_
         kinds(&store, &run("none")),
         [EventKind::RunStarted, EventKind::RunForked]
     );
-    assert!(store.read(|reads| reads.steps(&run("none"))).unwrap().is_empty());
+    assert!(
+        store
+            .read(|reads| reads.steps(&run("none")))
+            .unwrap()
+            .is_empty()
+    );
     // A fork of a fork copies its copies, each saying which event of its own origin it is.
-    store.fork(&run("f"), 4, Some(run("ff"))).unwrap();
+    store.fork(&run("f"), 3, Some(run("ff"))).unwrap();
     let again = store.events(&run("ff")).unwrap();
-    assert_eq!(again[2].payload["copied_from"], json!({"run_id": "f", "seq": 3}));
+    assert_eq!(
+        again[2].payload["copied_from"],
+        json!({"run_id": "f", "seq": 3})
+    );
 
-    assert_eq!(everything(&store, &run("r")), before, "the origin is unchanged");
+    assert_eq!(
+        everything(&store, &run("r")),
+        before,
+        "the origin is unchanged"
+    );
 }
 
 pub(crate) fn a_fork_is_refused_unchanged_where_it_cannot_start(f: &dyn Fixture) {
@@ -1234,12 +1260,21 @@ pub(crate) fn a_fork_is_refused_unchanged_where_it_cannot_start(f: &dyn Fixture)
     let invalid = |err: &Error| matches!(err, Error::InvalidInput(_));
     for (at, what) in [(0, "numbered from 1"), (2, "tool call"), (5, "has 3 steps")] {
         let err = store.fork(&run("r"), at, Some(run("x"))).unwrap_err();
-        assert!(invalid(&err) && err.to_string().contains(what), "{at}: {err}");
+        assert!(
+            invalid(&err) && err.to_string().contains(what),
+            "{at}: {err}"
+        );
     }
     let err = store.fork(&run("nope"), 1, Some(run("x"))).unwrap_err();
-    assert!(matches!(&err, Error::RunNotFound(id) if *id == run("nope")), "{err}");
+    assert!(
+        matches!(&err, Error::RunNotFound(id) if *id == run("nope")),
+        "{err}"
+    );
     let err = store.fork(&run("r"), 1, Some(run("busy"))).unwrap_err();
-    assert!(matches!(&err, Error::RunExists(id) if *id == run("busy")), "{err}");
+    assert!(
+        matches!(&err, Error::RunExists(id) if *id == run("busy")),
+        "{err}"
+    );
     // Step 2 of `busy` is in flight: a fork after it is refused, naming it; one before it is
     // not.
     let err = store.fork(&run("busy"), 3, Some(run("x"))).unwrap_err();
@@ -1272,7 +1307,10 @@ pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_it
     let grant = me();
     let (interrupted, _) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
     assert!(interrupted.is_empty());
-    assert_eq!((grant.token(), stored_token(&store, &id)), (FIRST_TOKEN, FIRST_TOKEN));
+    assert_eq!(
+        (grant.token(), stored_token(&store, &id)),
+        (FIRST_TOKEN, FIRST_TOKEN)
+    );
     let kinds = kinds(&store, &id);
     assert_eq!(kinds.last(), Some(&EventKind::RunResumed), "nobody held it");
     assert_eq!(

@@ -868,7 +868,7 @@ impl<'a, 'c> Move<'a, 'c> {
         // The run-level events (resumes, takeovers, the end) were the origin's own: only what
         // its copied steps did is the fork's history.
         for event in self.tx.events_after(origin, 0)? {
-            if !event.step.is_some_and(|step| step < at) {
+            if event.step.is_none_or(|step| step >= at) {
                 continue;
             }
             let mut payload = event.payload;
@@ -887,7 +887,6 @@ impl<'a, 'c> Move<'a, 'c> {
         Ok(at - 1)
     }
 }
-
 
 /// A run's failure for want of a model answer, as `run.finished` and the outcome say it.
 pub(crate) fn model_failure(error: &str, attempts: u32) -> String {
@@ -937,7 +936,10 @@ pub(crate) fn usage(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunUsage> {
     let mut usage = RunUsage::default();
     // A fork's copies were its origin's calls, counted there.
     let events = reads.events_after(run_id, 0)?;
-    for event in events.iter().filter(|e| e.payload.get("copied_from").is_none()) {
+    for event in events
+        .iter()
+        .filter(|e| e.payload.get("copied_from").is_none())
+    {
         match event.kind {
             EventKind::ModelStarted => usage.attempts += 1,
             EventKind::ModelFinished if event.payload.get("error").is_none() => {

@@ -263,7 +263,11 @@ impl Tx for Sql<'_> {
                 run.at,
                 run.lease.map(|(owner, _)| owner),
                 run.lease.map(|(_, expires_at)| expires_at),
-                if run.lease.is_some() { FIRST_TOKEN as i64 } else { 0 },
+                if run.lease.is_some() {
+                    FIRST_TOKEN as i64
+                } else {
+                    0
+                },
             ])
             .db()?;
         Ok(())

@@ -838,8 +838,8 @@ impl<'a, 'c> Move<'a, 'c> {
                 run_id: origin.clone(),
                 state: source.state,
                 reason: format!(
-                    "its step {} is {}: a fork copies finished steps only; fork at step {} or \
-                     earlier, or once it has finished",
+                    "its step {} is {}: a fork copies finished steps only; fork at a model \
+                     step no later than {}, or once it has finished",
                     step.step,
                     step.state.as_str(),
                     step.step

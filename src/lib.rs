@@ -39,7 +39,7 @@ mod models_md {}
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, RecordApproval, Recovery,
+        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, ForkRun, RecordApproval, Recovery,
         RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor,
         SupervisorBuilder,
     },

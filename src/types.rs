@@ -158,6 +158,8 @@ pub struct Run {
 pub enum EventKind {
     /// `run.started`
     RunStarted,
+    /// `run.forked`: the run is a fork of another's history before a step; the copies follow.
+    RunForked,
     /// `step.model_started`: a model call is reserved, before it is dispatched.
     ModelStarted,
     /// `step.model_finished`
@@ -188,8 +190,9 @@ pub enum EventKind {
 
 impl EventKind {
     /// Every kind, in the order of `docs/events.md`.
-    pub const ALL: [EventKind; 14] = [
+    pub const ALL: [EventKind; 15] = [
         EventKind::RunStarted,
+        EventKind::RunForked,
         EventKind::ModelStarted,
         EventKind::ModelAttemptFailed,
         EventKind::ModelFinished,
@@ -209,6 +212,7 @@ impl EventKind {
     pub fn as_str(self) -> &'static str {
         match self {
             EventKind::RunStarted => "run.started",
+            EventKind::RunForked => "run.forked",
             EventKind::ModelStarted => "step.model_started",
             EventKind::ModelFinished => "step.model_finished",
             EventKind::ModelAttemptFailed => "step.model_attempt_failed",
@@ -356,7 +360,8 @@ impl std::ops::AddAssign for Usage {
     }
 }
 
-/// What a run's model calls used, summed over its log (`Store::usage`).
+/// What a run's model calls used, summed over its log (`Store::usage`). A fork's copies of
+/// its origin's events are not counted: those calls were the origin's.
 ///
 /// JSON: `{"input_tokens": 1200, "output_tokens": 90, "answers": 3, "attempts": 4,
 /// "models": ["gpt-4o-mini-2024-07-18"]}`.

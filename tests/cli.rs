@@ -200,6 +200,74 @@ fn cancel_approve_and_deny_write_what_they_say() {
 }
 
 #[test]
+fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
+    let db = fixture();
+    let out = agentrt(&db.path())
+        .args(["fork", "done", "--at", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8(out.stdout).unwrap();
+    let run_id = RunId::from(id.trim_end());
+    assert_eq!(id.lines().count(), 1, "the id alone: {id}");
+    let store = db.open();
+    let run = store.run(&run_id).unwrap();
+    assert_eq!(
+        (run.state, run.agent.as_str()),
+        (RunState::Running, "plain")
+    );
+    assert_eq!(
+        store.lease(&run_id).unwrap(),
+        None,
+        "nobody executes it yet"
+    );
+    let events = store.events(&run_id).unwrap();
+    assert_eq!(
+        events.iter().map(|e| e.kind).collect::<Vec<_>>(),
+        [EventKind::RunStarted, EventKind::RunForked]
+    );
+    assert_eq!(
+        events[1].payload,
+        json!({"origin": "done", "at": 1, "steps_copied": 0})
+    );
+
+    let out = agentrt(&db.path())
+        .args(["--json", "fork", "done", "--at", "3", "--id", "again"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert_eq!(
+        json_of(&out.stdout),
+        json!({"run_id": "again", "origin": "done", "at": 3})
+    );
+    assert_eq!(store.events(&RunId::from("again")).unwrap().len(), 2 + 5);
+
+    // A refusal is one line, and writes nothing.
+    let runs = store.runs(None).unwrap().len();
+    for (args, expected) in [
+        (&["fork", "done", "--at", "2"][..], "is a tool call"),
+        (
+            &["fork", "done", "--at", "1", "--id", "wait"][..],
+            "already exists",
+        ),
+        (
+            &["fork", "nope", "--at", "1"][..],
+            "no run with id \"nope\"",
+        ),
+    ] {
+        agentrt(&db.path()).args(args).assert().failure().stderr(
+            predicate::str::contains(expected)
+                .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
+        );
+    }
+    assert_eq!(store.runs(None).unwrap().len(), runs);
+}
+
+#[test]
 fn deny_records_a_denial() {
     let db = fixture();
     agentrt(&db.path())

@@ -282,6 +282,7 @@ const WRITES: &[&[&str]] = &[
     &["cancel", "wait", "--reason", "duplicate"],
     &["approve", "wait", "pay-1", "--by", "alice"],
     &["deny", "wait", "pay-1", "--by", "bob"],
+    &["fork", "done", "--at", "1", "--id", "again"],
 ];
 
 /// Each write command fails with one line saying `expected`, and changes nothing in `dir`.

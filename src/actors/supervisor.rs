@@ -588,6 +588,78 @@ impl Handler<ResumeRun> for Supervisor {
     }
 }
 
+/// Forks a run at a step and executes the fork, answering when the call returns, like
+/// [`ResumeRun`]: the new run (id `new_id`, or a random one) has the origin's agent and input
+/// and copies of its steps before `at` (completed tool calls are not run again), and its
+/// model is asked again at step `at`. How a failed or cancelled run is retried, or another
+/// answer at step `at` explored. The origin is only read, in any state.
+///
+/// The fork is one move, written before anything executes ([`Store::fork`] writes the same
+/// without executing it); this supervisor then takes the new run over as a resume does. Its
+/// refusals write nothing: an origin whose agent is not registered here is
+/// [`Error::UnknownAgent`]; `at` 0, a tool step or a step past the one after the origin's
+/// last is [`Error::InvalidInput`]; a step before `at` that has not finished is a state error;
+/// an existing `new_id` is [`Error::RunExists`]. See `docs/runs.md` ("Forking a run").
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<RunReply>")]
+pub struct ForkRun {
+    /// The run forked.
+    pub run_id: RunId,
+    /// The step the fork asks the model again at: a model step of the origin, or the step after
+    /// its last.
+    pub at: u32,
+    /// The new run's id; a random one when `None`.
+    pub new_id: Option<RunId>,
+}
+
+impl ForkRun {
+    /// Fork `run_id` at step `at`, into a run with a random id.
+    pub fn new(run_id: impl Into<RunId>, at: u32) -> Self {
+        ForkRun {
+            run_id: run_id.into(),
+            at,
+            new_id: None,
+        }
+    }
+
+    /// Uses `new_id` as the new run's id.
+    pub fn with_id(mut self, new_id: impl Into<RunId>) -> Self {
+        self.new_id = Some(new_id.into());
+        self
+    }
+}
+
+impl Handler<ForkRun> for Supervisor {
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
+
+    fn handle(&mut self, msg: ForkRun, _: &mut Context<Self>) -> Self::Result {
+        let ForkRun { run_id, at, new_id } = msg;
+        let new_id = new_id.unwrap_or_else(RunId::random);
+        let (id, agents) = (new_id.clone(), self.agents.clone());
+        let fork = ApplyMove::new(MoveKind::ForkRun, &new_id, move |tx, now| {
+            // Refused before anything is written: a fork this supervisor cannot execute would
+            // be left for another to resume.
+            if let Some(origin) = tx.run(&run_id)?
+                && !agents.contains_key(&origin.agent)
+            {
+                return Err(Error::UnknownAgent(origin.agent));
+            }
+            Move::new(tx, now, &id).fork_run(&run_id, at)
+        });
+        let fork = self.store_actor.apply(fork, Durability::Durable);
+        Box::pin(
+            fork.into_actor(self)
+                .then(move |forked, this: &mut Supervisor, _| match forked {
+                    Ok(copied) => {
+                        tracing::info!(run_id = %new_id, at, copied, "run forked");
+                        this.execute(new_id, Job::Resume)
+                    }
+                    Err(err) => Box::pin(actix::fut::ready(Err(err))),
+                }),
+        )
+    }
+}
+
 /// An operator cancels a run that is running or waiting. A tool running at that moment is told
 /// through its cancellation signal; its outcome is still recorded, marked late.
 #[derive(Debug, Clone, Message)]

@@ -2,7 +2,8 @@
 //!
 //! It works while other processes run the database: every command reads or writes in single
 //! short statements or transactions, never holds a lock between them, and writes only where
-//! the command is meant to (`cancel`, `approve`, `deny`, `migrate --apply`). The others open
+//! the command is meant to (`cancel`, `approve`, `deny`, `fork`,
+//! `migrate --apply`). The others open
 //! the database read-only: they create nothing beside it and change no byte of it.
 
 use std::{
@@ -67,6 +68,21 @@ enum Command {
     },
     /// Approve a tool call that waits for an approval.
     Approve(Decide),
+    /// Fork a run at a model step into a new run, and print the new run's id.
+    ///
+    /// The new run has the run's agent and input and copies of its steps before STEP
+    /// (completed tool calls are not run again); the model is asked again at STEP. It is
+    /// written RUNNING and unleased, and not executed: a supervisor with the run's agent
+    /// resumes it (`ResumeRun`). The run forked is only read.
+    Fork {
+        run: String,
+        /// A model step of the run, or the step after its last (to keep every step).
+        #[arg(long)]
+        at: u32,
+        /// The new run's id (a random one otherwise); an existing id is refused.
+        #[arg(long)]
+        id: Option<String>,
+    },
     /// Deny a tool call that waits for an approval.
     Deny(Decide),
     /// Report the schema version; apply the pending migrations with --apply.
@@ -184,7 +200,10 @@ fn run(cli: Cli) -> Outcome {
     match cli.command {
         Command::Migrate { apply } => migrate(&path, apply, json),
         Command::Doctor => doctor(&path, json),
-        command @ (Command::Cancel { .. } | Command::Approve(_) | Command::Deny(_)) => {
+        command @ (Command::Cancel { .. }
+        | Command::Approve(_)
+        | Command::Deny(_)
+        | Command::Fork { .. }) => {
             let store = open_for_writing(&path)?;
             match command {
                 Command::Cancel { run, reason } => {
@@ -198,6 +217,22 @@ fn run(cli: Cli) -> Outcome {
                         &Cancelled {
                             run_id: &run_id,
                             state: RunState::Cancelled,
+                        },
+                    )
+                }
+                Command::Fork { run, at, id } => {
+                    let origin = RunId::from(run);
+                    let run_id = store
+                        .fork(&origin, at, id.map(RunId::from))
+                        .map_err(|e| write_failed(&path, e))?;
+                    // The id alone, so that a script can take it: `NEW=$(agentrt fork ...)`.
+                    done(
+                        json,
+                        run_id.as_str(),
+                        &Forked {
+                            run_id: &run_id,
+                            origin: &origin,
+                            at,
                         },
                     )
                 }
@@ -340,6 +375,14 @@ fn done(json: bool, text: &str, value: &impl Serialize) -> Outcome {
 struct Cancelled<'a> {
     run_id: &'a RunId,
     state: RunState,
+}
+
+/// `fork --json`.
+#[derive(Serialize)]
+struct Forked<'a> {
+    run_id: &'a RunId,
+    origin: &'a RunId,
+    at: u32,
 }
 
 /// A lease as `show` and `lease` print it: whether it is stale comes with it, so that a

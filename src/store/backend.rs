@@ -41,15 +41,17 @@ pub(crate) trait Reads {
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>>;
 }
 
-/// A new RUNNING run, its lease stamped in the insert with the first fencing token
-/// ([`FIRST_TOKEN`](super::moves::FIRST_TOKEN)).
+/// A new RUNNING run. With a lease (a start), its owner and expiry are stamped in the insert
+/// with the first fencing token ([`FIRST_TOKEN`](super::moves::FIRST_TOKEN)); without one (a
+/// fork), nobody holds it and its token is 0, so that the resume that takes it over takes
+/// the first.
 pub(crate) struct NewRun<'a> {
     pub run_id: &'a RunId,
     pub agent: &'a str,
     pub input: &'a Value,
     pub at: i64,
-    pub owner: &'a str,
-    pub expires_at: i64,
+    /// The owner and the expiry of its lease; `None` for a run nobody holds.
+    pub lease: Option<(&'a str, i64)>,
 }
 
 /// A run's move between states, guarded by its state (and its lease, for a loop's move). The
@@ -129,6 +131,9 @@ pub(crate) trait Tx: Reads {
         attempt: u32,
         call: Option<&ToolCall>,
     ) -> Result<()>;
+    /// Inserts a step as given, with its state, attempts, call, result and reason to wait: a
+    /// fork's copy of a step of its origin.
+    fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()>;
     /// Moves a step; false when it is no longer where its executor saw it.
     fn update_step(&mut self, run_id: &RunId, step: u32, update: &StepUpdate<'_>) -> Result<bool>;
     /// Marks every step in flight interrupted; returns each (step, kind, attempt).
@@ -212,6 +217,9 @@ pub enum MoveKind {
     RecordApproval,
     /// An operator's cancel.
     CancelRun,
+    /// A new run from an existing one's history before a step (`run.started`, `run.forked`,
+    /// and the copies).
+    ForkRun,
 }
 
 impl MoveKind {
@@ -232,6 +240,7 @@ impl MoveKind {
             MoveKind::FailRun => "fail_run",
             MoveKind::RecordApproval => "record_approval",
             MoveKind::CancelRun => "cancel_run",
+            MoveKind::ForkRun => "fork_run",
         }
     }
 }

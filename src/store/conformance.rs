@@ -65,6 +65,9 @@ macro_rules! conformance_suite {
                 a_newer_schema_is_refused,
                 every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing,
                 a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock_says,
+                a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_the_origin,
+                a_fork_is_refused_unchanged_where_it_cannot_start,
+                a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_its_step,
             );
         }
     };
@@ -1113,4 +1116,207 @@ pub(crate) fn a_start_short_of_the_margin_writes_nothing_whatever_the_wall_clock
         kinds(&store, &run("r")).last(),
         Some(&EventKind::ToolStarted)
     );
+}
+
+/// A run that succeeded: model step 1 asked for `c1`, tool step 2 ran it, model step 3
+/// answered.
+fn succeeded(store: &Store, run_id: &RunId) {
+    let grant = me();
+    create(store, run_id, &grant);
+    tool_in_flight(store, run_id, &grant, vec![call("c1")]);
+    let outcome = ToolResult::Ok(json!({"sent": true}));
+    let result = serde_json::to_value(&outcome).unwrap();
+    on(store, run_id, |m| {
+        m.finish_tool(&grant, 2, 1, "c1", &outcome, &result)
+    })
+    .unwrap();
+    on(store, run_id, |m| m.begin_model_step(&grant, 3)).unwrap();
+    let response = ModelResponse::answer("done");
+    let answered = ModelOutcome::Answered {
+        recorded: serde_json::to_value(&response).unwrap(),
+        response,
+    };
+    on(store, run_id, |m| {
+        m.finish_model_step(&grant, 3, 1, &answered)
+    })
+    .unwrap();
+}
+
+/// Everything stored of a run: its row, lease, steps and events.
+type Stored = (
+    crate::Run,
+    Option<super::model::LeaseRow>,
+    Vec<super::model::StepRow>,
+    Vec<crate::Event>,
+);
+
+fn everything(store: &Store, run_id: &RunId) -> Stored {
+    let run = store.run(run_id).unwrap();
+    let lease = store.read(|reads| reads.lease_row(run_id)).unwrap();
+    let steps = store.read(|reads| reads.steps(run_id)).unwrap();
+    (run, lease, steps, store.events(run_id).unwrap())
+}
+
+pub(crate) fn a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_the_origin(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    succeeded(&store, &run("r"));
+    let before = everything(&store, &run("r"));
+    let origin_steps = store.read(|reads| reads.steps(&run("r"))).unwrap();
+    let origin_events = store.events(&run("r")).unwrap();
+
+    assert_eq!(store.fork(&run("r"), 3, Some(run("f"))).unwrap(), run("f"));
+    let forked = store.run(&run("f")).unwrap();
+    assert_eq!(forked.state, RunState::Running);
+    assert_eq!(
+        (forked.agent.as_str(), &forked.input),
+        ("agent", &json!({"n": 1}))
+    );
+    assert_eq!(store.lease(&run("f")).unwrap(), None, "nobody holds it");
+    assert_eq!(stored_token(&store, &run("f")), 0);
+    let steps = store.read(|reads| reads.steps(&run("f"))).unwrap();
+    assert_eq!(steps, origin_steps[..2], "copied as recorded");
+    let events = store.events(&run("f")).unwrap();
+    assert_eq!(
+        events.iter().map(|e| e.kind).collect::<Vec<_>>(),
+        [
+            EventKind::RunStarted,
+            EventKind::RunForked,
+            EventKind::ModelStarted,
+            EventKind::ModelFinished,
+            EventKind::PolicyDecided,
+            EventKind::ToolStarted,
+            EventKind::ToolFinished,
+        ]
+    );
+    assert_eq!(
+        events[0].payload,
+        json!({"agent": "agent", "input": {"n": 1}, "fencing_token": 0,
+               "forked_from": {"run_id": "r", "at": 3}})
+    );
+    assert_eq!(
+        events[1].payload,
+        json!({"origin": "r", "at": 3, "steps_copied": 2})
+    );
+    for (copy, original) in events[2..].iter().zip(&origin_events[1..6]) {
+        let mut payload = copy.payload.clone();
+        let from = payload
+            .as_object_mut()
+            .unwrap()
+            .remove("copied_from")
+            .unwrap();
+        assert_eq!(from, json!({"run_id": "r", "seq": original.seq}));
+        assert_eq!(
+            (copy.kind, copy.step, payload),
+            (original.kind, original.step, original.payload.clone())
+        );
+    }
+    // One move: one clock reading for all of it.
+    assert!(events.iter().all(|e| e.at == events[0].at));
+    // The copies were the origin's model calls: the fork has used nothing yet.
+    assert_eq!(store.usage(&run("f")).unwrap(), crate::RunUsage::default());
+
+    // One past the last step drops nothing (but the origin's end); step 1 copies nothing.
+    store.fork(&run("r"), 4, Some(run("all"))).unwrap();
+    let all = store.read(|reads| reads.steps(&run("all"))).unwrap();
+    assert_eq!(all, origin_steps);
+    assert_eq!(store.events(&run("all")).unwrap().len(), 2 + 7);
+    store.fork(&run("r"), 1, Some(run("none"))).unwrap();
+    assert_eq!(
+        kinds(&store, &run("none")),
+        [EventKind::RunStarted, EventKind::RunForked]
+    );
+    assert!(
+        store
+            .read(|reads| reads.steps(&run("none")))
+            .unwrap()
+            .is_empty()
+    );
+    // A fork of a fork copies its copies, each saying which event of its own origin it is.
+    store.fork(&run("f"), 3, Some(run("ff"))).unwrap();
+    let again = store.events(&run("ff")).unwrap();
+    assert_eq!(
+        again[2].payload["copied_from"],
+        json!({"run_id": "f", "seq": 3})
+    );
+
+    assert_eq!(
+        everything(&store, &run("r")),
+        before,
+        "the origin is unchanged"
+    );
+}
+
+pub(crate) fn a_fork_is_refused_unchanged_where_it_cannot_start(f: &dyn Fixture) {
+    let store = f.store();
+    succeeded(&store, &run("r"));
+    create(&store, &run("busy"), &me());
+    tool_in_flight(&store, &run("busy"), &me(), vec![call("c1")]);
+    let before = (
+        everything(&store, &run("r")),
+        everything(&store, &run("busy")),
+    );
+    let invalid = |err: &Error| matches!(err, Error::InvalidInput(_));
+    for (at, what) in [(0, "numbered from 1"), (2, "tool call"), (5, "has 3 steps")] {
+        let err = store.fork(&run("r"), at, Some(run("x"))).unwrap_err();
+        assert!(
+            invalid(&err) && err.to_string().contains(what),
+            "{at}: {err}"
+        );
+    }
+    let err = store.fork(&run("nope"), 1, Some(run("x"))).unwrap_err();
+    assert!(
+        matches!(&err, Error::RunNotFound(id) if *id == run("nope")),
+        "{err}"
+    );
+    let err = store.fork(&run("r"), 1, Some(run("busy"))).unwrap_err();
+    assert!(
+        matches!(&err, Error::RunExists(id) if *id == run("busy")),
+        "{err}"
+    );
+    // Step 2 of `busy` is in flight: a fork after it is refused, naming it; one before it is
+    // not.
+    let err = store.fork(&run("busy"), 3, Some(run("x"))).unwrap_err();
+    assert!(
+        matches!(&err, Error::RunState { run_id, state: RunState::Running, .. } if *run_id == run("busy")),
+        "{err}"
+    );
+    assert!(err.to_string().contains("step 2 is in_flight"), "{err}");
+    let err = store.fork(&run("nope"), 0, Some(run("x"))).unwrap_err();
+    assert!(invalid(&err), "{err}");
+    assert!(matches!(store.run(&run("x")), Err(Error::RunNotFound(_))));
+    assert_eq!(store.runs(None).unwrap().len(), 2);
+    assert_eq!(
+        (
+            everything(&store, &run("r")),
+            everything(&store, &run("busy"))
+        ),
+        before
+    );
+    store.fork(&run("busy"), 1, Some(run("x"))).unwrap();
+}
+
+pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_its_step(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    succeeded(&store, &run("r"));
+    let id = store.fork(&run("r"), 3, None).unwrap();
+    assert_ne!(id, run("r"));
+    let grant = me();
+    let (interrupted, _) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
+    assert!(interrupted.is_empty());
+    assert_eq!(
+        (grant.token(), stored_token(&store, &id)),
+        (FIRST_TOKEN, FIRST_TOKEN)
+    );
+    let kinds = kinds(&store, &id);
+    assert_eq!(kinds.last(), Some(&EventKind::RunResumed), "nobody held it");
+    assert_eq!(
+        last_payload(&store, &id),
+        json!({"from": "RUNNING", "fencing_token": FIRST_TOKEN})
+    );
+    on(&store, &id, |m| m.begin_model_step(&grant, 3)).unwrap();
+    assert_eq!(last_payload(&store, &id), json!({"attempt": 1}));
 }

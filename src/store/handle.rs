@@ -143,6 +143,27 @@ impl Store {
         })
     }
 
+    /// Forks run `origin` at step `at` into a new run, from outside a supervisor, stamped by
+    /// the system clock, in one transaction: the new run (id `new_id`, or a random one) has the
+    /// origin's agent and input, and copies of its steps before `at`, completed tool calls
+    /// included, which never run again. It is `RUNNING` and nobody holds it: nothing executes
+    /// it until a supervisor with its agent resumes it ([`ResumeRun`](crate::ResumeRun)), whose
+    /// loop then asks the model at step `at`. [`ForkRun`](crate::ForkRun) forks and executes
+    /// in one call. The origin, in any state, is only read. Returns the new run's id.
+    ///
+    /// `at` is one of the origin's model steps, or the step after its last (nothing is
+    /// dropped); every step before it must have finished. See `docs/runs.md` ("Forking a
+    /// run"): `at` 0, a tool step or a step past that one is [`Error::InvalidInput`], an
+    /// unfinished step before `at` a state error, an existing `new_id` [`Error::RunExists`],
+    /// and nothing is written.
+    pub fn fork(&self, origin: &RunId, at: u32, new_id: Option<RunId>) -> Result<RunId> {
+        let run_id = new_id.unwrap_or_else(RunId::random);
+        self.transact(&SystemClock, |tx, now| {
+            Move::new(tx, now, &run_id).fork_run(origin, at)
+        })?;
+        Ok(run_id)
+    }
+
     /// A health report: schema version, the backend's settings, its integrity check, and the
     /// leases an operator should know about.
     pub fn health(&self) -> Result<Health> {

@@ -36,7 +36,8 @@ pub struct Health {
     /// RUNNING runs whose lease has expired: their executor died or stalled; a resume takes
     /// them over.
     pub stale_leases: Vec<(RunId, Lease)>,
-    /// RUNNING runs nobody holds: their call returned with an error; a resume takes them over.
+    /// RUNNING runs nobody holds: their call returned with an error, or they are forks not
+    /// executed yet; a resume takes them over.
     pub running_without_lease: Vec<RunId>,
 }
 

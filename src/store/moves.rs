@@ -300,8 +300,7 @@ impl<'a, 'c> Move<'a, 'c> {
             agent,
             input,
             at: self.now.millis(),
-            owner: &grant.holder.owner,
-            expires_at,
+            lease: Some((&grant.holder.owner, expires_at)),
         })?;
         grant.acquired(FIRST_TOKEN, sent);
         let payload = json!({ "agent": agent, "input": input, "fencing_token": FIRST_TOKEN });
@@ -793,6 +792,100 @@ impl<'a, 'c> Move<'a, 'c> {
         let payload = json!({ "state": "CANCELLED", "reason": reason });
         self.append(EventKind::RunFinished, None, &payload)
     }
+    /// Forks this new run from `origin` at step `at`: a RUNNING run of the same agent and
+    /// input that nobody holds (fencing token 0: the resume that takes it over takes the
+    /// first), whose steps before `at` are copies of the origin's, so that its loop asks the
+    /// model again at step `at`. Writes `run.started` (with `forked_from`), `run.forked`, and a
+    /// copy of each of the origin's events about those steps, in order, each saying which
+    /// event it copies. The origin is only read. Returns the number of steps copied.
+    ///
+    /// Refused unchanged: `at` 0, past the step after the origin's last, or at a tool step
+    /// (`InvalidInput`); an unknown origin; an existing id (`RunExists`); a step before `at`
+    /// that has not finished (a state error of the origin, naming the step).
+    pub(crate) fn fork_run(&mut self, origin: &RunId, at: u32) -> Result<u32> {
+        if at == 0 {
+            return Err(Error::InvalidInput(
+                "steps are numbered from 1: a fork starts at step 1 or later".into(),
+            ));
+        }
+        let source = self
+            .tx
+            .run(origin)?
+            .ok_or_else(|| Error::RunNotFound(origin.clone()))?;
+        if self.run_state()?.is_some() {
+            return Err(Error::RunExists(self.run_id.clone()));
+        }
+        let steps = self.tx.steps(origin)?;
+        let last = steps.len() as u32;
+        if at > last + 1 {
+            return Err(Error::InvalidInput(format!(
+                "run {origin} has {last} steps: a fork starts at one of its model steps, or at \
+                 step {} to keep them all",
+                last + 1
+            )));
+        }
+        if let Some(step) = steps.get(at as usize - 1)
+            && step.kind != StepKind::Model
+        {
+            return Err(Error::InvalidInput(format!(
+                "step {at} of run {origin} is a tool call: a fork starts at a model step, where \
+                 the model is asked again"
+            )));
+        }
+        let copied = &steps[..at as usize - 1];
+        if let Some(step) = copied.iter().find(|s| s.state != StepState::Finished) {
+            return Err(Error::RunState {
+                run_id: origin.clone(),
+                state: source.state,
+                reason: format!(
+                    "its step {} is {}: a fork copies finished steps only; fork at a model \
+                     step no later than {}, or once it has finished",
+                    step.step,
+                    step.state.as_str(),
+                    step.step
+                ),
+            });
+        }
+        self.tx.insert_run(&NewRun {
+            run_id: self.run_id,
+            agent: &source.agent,
+            input: &source.input,
+            at: self.now.millis(),
+            lease: None,
+        })?;
+        for step in copied {
+            self.tx.insert_step_row(self.run_id, step)?;
+        }
+        let payload = json!({
+            "agent": source.agent,
+            "input": source.input,
+            "fencing_token": 0,
+            "forked_from": { "run_id": origin, "at": at },
+        });
+        self.append(EventKind::RunStarted, None, &payload)?;
+        let payload = json!({ "origin": origin, "at": at, "steps_copied": at - 1 });
+        self.append(EventKind::RunForked, None, &payload)?;
+        // The run-level events (resumes, takeovers, the end) were the origin's own: only what
+        // its copied steps did is the fork's history.
+        for event in self.tx.events_after(origin, 0)? {
+            if event.step.is_none_or(|step| step >= at) {
+                continue;
+            }
+            let mut payload = event.payload;
+            let Some(fields) = payload.as_object_mut() else {
+                return Err(Error::Corrupt(format!(
+                    "event {} of run {origin} has a payload that is not an object",
+                    event.seq
+                )));
+            };
+            fields.insert(
+                "copied_from".into(),
+                json!({ "run_id": origin, "seq": event.seq }),
+            );
+            self.append(event.kind, event.step, &payload)?;
+        }
+        Ok(at - 1)
+    }
 }
 
 /// A run's failure for want of a model answer, as `run.finished` and the outcome say it.
@@ -841,7 +934,12 @@ pub(crate) fn renew(
 pub(crate) fn usage(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunUsage> {
     run(reads, run_id)?;
     let mut usage = RunUsage::default();
-    for event in reads.events_after(run_id, 0)? {
+    // A fork's copies were its origin's calls, counted there.
+    let events = reads.events_after(run_id, 0)?;
+    for event in events
+        .iter()
+        .filter(|e| e.payload.get("copied_from").is_none())
+    {
         match event.kind {
             EventKind::ModelStarted => usage.attempts += 1,
             EventKind::ModelFinished if event.payload.get("error").is_none() => {

@@ -790,6 +790,7 @@ fn check_log(events: &[Event]) -> Vec<String> {
         let about_a_step = !matches!(
             event.kind,
             EventKind::RunStarted
+                | EventKind::RunForked
                 | EventKind::RunResumed
                 | EventKind::RunFinished
                 | EventKind::LeaseTakenOver

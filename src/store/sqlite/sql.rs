@@ -261,9 +261,13 @@ impl Tx for Sql<'_> {
                 run.agent,
                 run.input.to_string(),
                 run.at,
-                run.owner,
-                run.expires_at,
-                FIRST_TOKEN as i64,
+                run.lease.map(|(owner, _)| owner),
+                run.lease.map(|(_, expires_at)| expires_at),
+                if run.lease.is_some() {
+                    FIRST_TOKEN as i64
+                } else {
+                    0
+                },
             ])
             .db()?;
         Ok(())
@@ -395,6 +399,31 @@ impl Tx for Sql<'_> {
                 call.map(|call| call.id.as_str()),
                 call.map(|call| call.name.as_str()),
                 call.map(|call| call.args.to_string()),
+            ])
+            .db()?;
+        Ok(())
+    }
+
+    fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()> {
+        let call = step.call.as_ref();
+        self.0
+            .prepare_cached(
+                "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result,
+                                    waiting_for)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+            )
+            .db()?
+            .execute(params![
+                run_id.as_str(),
+                step.step,
+                step.kind.as_str(),
+                step.state.as_str(),
+                step.attempt,
+                call.map(|call| call.id.as_str()),
+                call.map(|call| call.name.as_str()),
+                call.map(|call| call.args.to_string()),
+                step.result.as_ref().map(Value::to_string),
+                step.waiting_for.map(ApprovalReason::as_str),
             ])
             .db()?;
         Ok(())

@@ -1,0 +1,179 @@
+//! Two real processes: a child leaves runs behind when it is killed with SIGKILL (one mid-tool
+//! under its lease, one whose `SpawnRun` was answered a moment before the kill, and one that
+//! nobody holds); the parent starts a supervisor with recovery, which takes every one of them
+//! over by itself and finishes it.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use actix::{Actor, Context, Handler};
+use agentrt::{
+    Agent, Config, ModelResponse, Outcome, Recovery, RunId, RunSettled, RunState, SpawnRun,
+    StartRun, Store, SubscribeRuns, Supervisor, ToolCall,
+    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
+};
+use serde_json::json;
+use tokio::sync::watch;
+
+const DB_VAR: &str = "AGENTRT_TEST_RECOVERY_CHILD_DB";
+const TTL: Duration = Duration::from_millis(500);
+
+fn provisioning(tool: &RecordingTool) -> Agent {
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new(
+            "c1",
+            "provision",
+            json!({"size": "xl"}),
+        )]),
+        ModelResponse::answer("provisioned"),
+    ]);
+    Agent::new(model).tool(tool.clone())
+}
+
+fn quick() -> Agent {
+    Agent::new(ScriptedModel::new(vec![ModelResponse::answer("ok")]))
+}
+
+/// The child's side. Only meaningful as a child process of the test below, hence ignored.
+#[test]
+#[ignore = "the child process of runs_a_killed_process_left_are_recovered_without_a_resume"]
+fn child_process_leaves_runs_and_is_killed() {
+    let path = std::env::var(DB_VAR).expect("run by the parent test");
+    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
+    let (store, probe) = (Store::open(&path).unwrap(), tool.clone());
+    with_system(|| async move {
+        let config = Config::default().lease_owner("child").lease_ttl(TTL);
+        let sup = Supervisor::builder(store.clone())
+            .config(config)
+            .agent("provision", provisioning(&probe))
+            .agent("quick", quick())
+            .start()
+            .unwrap();
+        // A finished run, and a fork of it that nobody has executed: RUNNING, unleased.
+        sup.send(StartRun::new("quick", json!({})).with_id("done"))
+            .await
+            .unwrap()
+            .unwrap();
+        store
+            .fork(&RunId::from("done"), 1, Some(RunId::from("forked")))
+            .unwrap();
+        // A run mid-tool, under this process's lease.
+        sup.send(SpawnRun::new("provision", json!({})).with_id("mid-tool"))
+            .await
+            .unwrap()
+            .unwrap();
+        probe.wait_executions(1).await;
+        // A run whose start was answered: the kill comes right after.
+        sup.send(SpawnRun::new("provision", json!({})).with_id("just-started"))
+            .await
+            .unwrap()
+            .unwrap();
+        println!("READY");
+        std::future::pending::<()>().await;
+    });
+}
+
+/// Keeps every `RunSettled` it is sent.
+struct Settled(watch::Sender<Vec<RunSettled>>);
+
+impl Actor for Settled {
+    type Context = Context<Self>;
+}
+
+impl Handler<RunSettled> for Settled {
+    type Result = ();
+
+    fn handle(&mut self, msg: RunSettled, _: &mut Context<Self>) {
+        self.0.send_modify(|seen| seen.push(msg));
+    }
+}
+
+#[test]
+fn runs_a_killed_process_left_are_recovered_without_a_resume() {
+    let db = TempStore::new();
+    drop(db.open());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "child_process_leaves_runs_and_is_killed",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(DB_VAR, db.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Read the child's report on a thread, so that a child that never reports fails the test
+    // instead of hanging it.
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let (report, reported) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ready = stdout
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("READY"));
+        let _ = report.send(ready);
+    });
+    if reported.recv_timeout(Duration::from_secs(60)) != Ok(true) {
+        let _ = child.kill();
+        panic!("the child did not report its runs");
+    }
+    child.kill().unwrap(); // SIGKILL: no further write
+    child.wait().unwrap();
+
+    let store = db.open();
+    for id in ["forked", "mid-tool", "just-started"] {
+        assert_eq!(
+            store.run(&RunId::from(id)).unwrap().state,
+            RunState::Running,
+            "{id} is in the store, left RUNNING"
+        );
+    }
+
+    // The interrupted provisioning is idempotent: it runs again, once.
+    let tool = RecordingTool::new("provision").idempotent(true);
+    let (store, agent) = (db.open(), provisioning(&tool));
+    let settled = with_system(|| async move {
+        let (tx, mut rx) = watch::channel(Vec::new());
+        let inbox = Settled(tx).start();
+        let config = Config::default()
+            .lease_owner("parent")
+            .lease_ttl(Duration::from_secs(2))
+            .recovery(Recovery::default().every(Duration::from_millis(100)));
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("provision", agent)
+            .agent("quick", quick())
+            .start()
+            .unwrap();
+        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        rx.wait_for(|seen| seen.len() >= 3).await.unwrap().clone()
+    });
+
+    let mut ids: Vec<&str> = settled.iter().map(|s| s.run_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["forked", "just-started", "mid-tool"]);
+    for s in &settled {
+        assert!(
+            matches!(s.result, Ok(Outcome::Succeeded { .. })),
+            "{}: {:?}",
+            s.run_id,
+            s.result
+        );
+    }
+    let keys: Vec<String> = tool
+        .executions()
+        .iter()
+        .map(|e| e.idempotency_key.clone())
+        .collect();
+    assert!(
+        keys.iter().filter(|k| k.starts_with("mid-tool/")).count() == 1,
+        "the interrupted call ran again once: {keys:?}"
+    );
+    agentrt::testkit::assert_no_run_leased(&db.open());
+}

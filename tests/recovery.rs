@@ -109,7 +109,20 @@ fn recover_until(
                 .unwrap();
             running.push(supervisor);
         }
-        rx.wait_for(|seen| done(seen)).await.unwrap().clone()
+        // Looked at on each settlement, and every 50 ms for a condition on the time too; a
+        // recovery that never comes fails the test, rather than hang it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let seen = rx.borrow_and_update().clone();
+            if done(&seen) {
+                return seen;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the runs were not recovered in time: {seen:?}"
+            );
+            let _ = actix_rt::time::timeout(Duration::from_millis(50), rx.changed()).await;
+        }
     })
 }
 
@@ -147,13 +160,17 @@ fn recovery_leaves_the_runs_of_agents_it_does_not_know() {
     let ids = leave_runs_in_flight(&db, &[("billing", 1), ("shipping", 1)]);
     let pay = applied_pay();
 
-    // The billing run's end proves that passes ran after the leases expired.
-    let settled = recover_until(&db, vec![vec!["billing"]], &pay, |seen| !seen.is_empty());
+    let store = db.open();
+    let shipping = &ids[1];
+    let expiry = store.lease(shipping).unwrap().unwrap().expires_at;
+    // The billing run's end proves that passes ran after the leases expired; a few more
+    // passes (every 100 ms) run past the shipping lease's expiry before it is looked at.
+    let settled = recover_until(&db, vec![vec!["billing"]], &pay, move |seen| {
+        !seen.is_empty() && std::time::SystemTime::now() > expiry + Duration::from_millis(400)
+    });
 
     assert_eq!(settled.len(), 1);
     assert_eq!(settled[0].run_id, ids[0]);
-    let store = db.open();
-    let shipping = &ids[1];
     assert_eq!(store.run(shipping).unwrap().state, RunState::Running);
     let kinds: Vec<EventKind> = store
         .events(shipping)
@@ -201,4 +218,37 @@ fn two_recovering_supervisors_execute_each_run_once() {
             .count();
         assert_eq!(takeovers, 1, "run {id} was taken over once");
     }
+}
+
+#[test]
+fn a_supervisor_nobody_holds_stops_and_recovers_nothing() {
+    let db = TempStore::new();
+    let ids = leave_runs_in_flight(&db, &[("billing", 1)]);
+    let store = db.open();
+    let expiry = store.lease(&ids[0]).unwrap().unwrap().expires_at;
+    let pay = applied_pay();
+
+    let (store_b, agent) = (db.open(), Agent::new(pay_then_answer()).tool(pay.clone()));
+    with_system(|| async move {
+        let supervisor = Supervisor::builder(store_b)
+            .config(config())
+            .agent("billing", agent)
+            .start()
+            .unwrap();
+        drop(supervisor);
+        // Passes every 100 ms would have taken the run over by then.
+        let after = expiry + Duration::from_millis(500);
+        let wait = after
+            .duration_since(std::time::SystemTime::now())
+            .unwrap_or_default();
+        actix_rt::time::sleep(wait).await;
+    });
+
+    assert_eq!(store.run(&ids[0]).unwrap().state, RunState::Running);
+    let resumed = store
+        .events(&ids[0])
+        .unwrap()
+        .iter()
+        .any(|e| e.kind == EventKind::RunResumed);
+    assert!(!resumed, "a dropped supervisor took the run over");
 }

@@ -445,10 +445,14 @@ impl Handler<StartRun> for Supervisor {
 /// Starts a run of a registered agent and answers with its id as soon as the run is durable,
 /// while the supervisor drives it; [`SubscribeRuns`] and the store tell how it ends.
 ///
-/// It answers with the same errors as [`StartRun`] when the run cannot be started (an unknown
-/// agent, an id that exists); once answered, the run's execution is the supervisor's, and its
-/// end (finished, waiting for an approval, cancelled, or stopped with an error such as a lost
-/// lease) reaches every [`RunSettled`] subscriber.
+/// It answers with the same errors as [`StartRun`] when the run cannot be started: an unknown
+/// agent, an id that exists ([`Error::RunExists`]), or one this supervisor executes now
+/// ([`Error::RunLeased`]). An error of the store itself (`CommitUnknown`, `SyncFailed`) is
+/// ambiguous: the insert may have reached the database, and another process's recovery then
+/// executes it. Give runs ids of your own ([`SpawnRun::with_id`]) to find out, and to retry
+/// without starting a run twice. Once answered, the run's execution is the supervisor's, and
+/// its end (finished, waiting for an approval, cancelled, or stopped with an error such as a
+/// lost lease) reaches every [`RunSettled`] subscriber.
 ///
 /// ```no_run
 /// # use agentrt::{SpawnRun, Supervisor};
@@ -520,8 +524,12 @@ impl Handler<SpawnRun> for Supervisor {
 }
 
 /// A run that a supervisor executed came to rest: the call that executed it returned. Sent to
-/// the recipients of [`SubscribeRuns`], for every call (a [`StartRun`], a [`SpawnRun`], a
-/// [`ResumeRun`]) that executed something.
+/// the recipients of [`SubscribeRuns`] when a call (a [`StartRun`], a [`SpawnRun`], a
+/// [`ResumeRun`], a recovery) returns, except when it returned an error that refuses a run
+/// without executing it: [`Error::UnknownAgent`], [`Error::RunExists`], [`Error::RunLeased`],
+/// [`Error::RunNotFound`] and state errors ([`Error::is_run_state`]). A resume that finds the
+/// run still waiting settles it again as waiting; a cancel of a run no call executes settles
+/// nothing (read the store).
 #[derive(Debug, Clone, PartialEq, Message)]
 #[rtype(result = "()")]
 pub struct RunSettled {

@@ -1,9 +1,12 @@
 //! Recovery built into a supervisor: at start and then periodically, it takes over the
 //! `RUNNING` runs of its agents that nobody holds, or whose lease expired.
 
-use std::{collections::HashSet, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    time::{Duration, Instant},
+};
 
-use actix::{ActorFutureExt, AsyncContext, Context};
+use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message};
 
 use super::Supervisor;
 use crate::{
@@ -16,14 +19,17 @@ use crate::{
 /// How a supervisor recovers the runs a dead process left: set with
 /// [`Config::recovery`](crate::Config::recovery).
 ///
-/// Each pass reads the `RUNNING` runs whose lease has expired or that nobody holds (one query,
-/// whatever the number of runs), keeps those of agents the supervisor has registered and does
-/// not execute, and resumes up to `concurrency` of them at once, each after a random delay of up
-/// to `jitter`, so that replicas started together do not take the same runs at the same
-/// instant (of two that do, one wins the takeover and the other is told `RunLeased`). A run
-/// found leased when its resume comes (another replica took it first) is tried again just after
-/// that lease's expiry, in case its new owner dies too. The first pass runs at start, the
-/// next ones every `every`, give or take a fifth.
+/// Each pass reads the `RUNNING` runs whose lease has expired or that nobody holds (one query
+/// over the runs' state and lease, then one read of each run found, for its agent), keeps
+/// those of agents the supervisor has registered and does not execute, and resumes up to
+/// `concurrency` of them at once, each after a random delay of up to `jitter`, so that
+/// replicas started together do not take the same runs at the same instant (of two that do,
+/// one wins the takeover and the other is told `RunLeased`, writes nothing, and leaves the run
+/// to its winner). A slot is taken for the recovered run's whole execution, so more orphans
+/// than `concurrency` are recovered in turn. A recovery that ends in an error (a model that
+/// panics, a lost lease) is tried again at a later pass, after a wait that doubles from `every`
+/// with each failure in a row (an hour at most). The first pass runs at start, the next ones
+/// every `every`, give or take a fifth, for as long as the supervisor runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
     every: Duration,
@@ -68,28 +74,65 @@ fn random_up_to(most: Duration) -> Duration {
     most.mul_f64(rand::random::<f64>())
 }
 
-/// The runs a recovering supervisor resumes now.
+/// What a recovering supervisor keeps between passes.
 #[derive(Default)]
-pub(super) struct Recovering(HashSet<RunId>);
+pub(super) struct Recovering {
+    /// The runs it resumes now.
+    now: HashSet<RunId>,
+    /// Runs whose recovery ended in an error (a model that panics, a store error), with how
+    /// many times in a row and when a pass may try again: a run that fails every time is
+    /// tried less and less often, not at every pass.
+    failed: HashMap<RunId, (u32, Instant)>,
+    /// A pass's read is in flight: the next pass waits for it.
+    reading: bool,
+}
+
+/// The longest a run that keeps failing waits between two recoveries.
+const MAX_FAILURE_BACKOFF: Duration = Duration::from_secs(3600);
+
+/// Time for the next recovery pass; sent by the supervisor's ticker, which holds only a weak
+/// address: a supervisor nobody holds stops, recovery with it.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct RecoveryPass;
+
+impl Handler<RecoveryPass> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: RecoveryPass, ctx: &mut Context<Self>) {
+        self.recovery_pass(ctx);
+    }
+}
 
 impl Supervisor {
-    /// Starts the recovery passes, if the supervisor was configured with them.
+    /// Starts the recovery passes, if the supervisor was configured with them: the first now,
+    /// the next ones from a ticker task that stops when the supervisor does.
     pub(super) fn start_recovery(&mut self, ctx: &mut Context<Self>) {
-        if self.recovery.is_some() {
-            self.recovery_pass(ctx);
-        }
+        let Some(recovery) = self.recovery.clone() else {
+            return;
+        };
+        self.recovery_pass(ctx);
+        let supervisor = ctx.address().downgrade();
+        actix_rt::spawn(async move {
+            loop {
+                let next = recovery.every.mul_f64(0.8 + 0.4 * rand::random::<f64>());
+                actix_rt::time::sleep(next).await;
+                match supervisor.upgrade() {
+                    Some(supervisor) if supervisor.connected() => supervisor.do_send(RecoveryPass),
+                    _ => return,
+                }
+            }
+        });
     }
 
     fn recovery_pass(&mut self, ctx: &mut Context<Self>) {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };
-        let next = recovery.every.mul_f64(0.8 + 0.4 * rand::random::<f64>());
-        ctx.run_later(next, |this, ctx| this.recovery_pass(ctx));
-        let room = recovery.concurrency.saturating_sub(self.recovering.0.len());
-        if room == 0 {
+        if self.recovering.reading || self.recovering.now.len() >= recovery.concurrency {
             return;
         }
+        self.recovering.reading = true;
         let agents = self.agents.clone();
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let mut found = Vec::new();
@@ -102,6 +145,7 @@ impl Supervisor {
             Ok(found)
         }));
         let pass = actix::fut::wrap_future::<_, Self>(read).map(move |found, this, ctx| {
+            this.recovering.reading = false;
             let found = match found {
                 Ok(Ok(found)) => found,
                 Ok(Err(err)) => {
@@ -110,16 +154,30 @@ impl Supervisor {
                 }
                 Err(_) => return,
             };
-            let mut room = room;
+            let mut room = recovery
+                .concurrency
+                .saturating_sub(this.recovering.now.len());
+            let now = Instant::now();
+            this.recovering
+                .failed
+                .retain(|run_id, _| found.contains(run_id));
             for run_id in found {
                 if room == 0 {
                     break;
                 }
-                if this.executing.contains_key(&run_id) || this.recovering.0.contains(&run_id) {
+                let backing_off = this
+                    .recovering
+                    .failed
+                    .get(&run_id)
+                    .is_some_and(|(_, until)| *until > now);
+                if backing_off
+                    || this.executing.contains_key(&run_id)
+                    || this.recovering.now.contains(&run_id)
+                {
                     continue;
                 }
                 room -= 1;
-                this.recovering.0.insert(run_id.clone());
+                this.recovering.now.insert(run_id.clone());
                 let delay = random_up_to(recovery.jitter);
                 ctx.run_later(delay, move |this, ctx| this.recover(run_id, ctx));
             }
@@ -127,35 +185,36 @@ impl Supervisor {
         ctx.spawn(pass);
     }
 
-    /// Resumes `run_id`, which a pass found free; once more after the expiry of the lease it
-    /// finds, if another owner took it first.
+    /// Resumes `run_id`, which a pass found free. A run another owner took first is left to a
+    /// later pass, which finds it again only if that owner dies too.
     fn recover(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         // A call of this supervisor took it meanwhile (a `ResumeRun`): it is that call's.
         if self.executing.contains_key(&run_id) {
-            self.recovering.0.remove(&run_id);
+            self.recovering.now.remove(&run_id);
             return;
         }
         let execution = self.execute(run_id.clone(), Job::Resume);
-        ctx.spawn(
-            execution.map(move |result, this: &mut Supervisor, ctx| match result {
+        ctx.spawn(execution.map(move |result, this: &mut Supervisor, _| {
+            this.recovering.now.remove(&run_id);
+            match result {
                 Ok(reply) => {
                     tracing::info!(%run_id, outcome = ?reply.outcome, "run recovered");
-                    this.recovering.0.remove(&run_id);
+                    this.recovering.failed.remove(&run_id);
                 }
-                Err(Error::RunLeased { expires_at, .. }) => {
-                    let jitter = this.recovery.as_ref().map_or(Duration::ZERO, |r| r.jitter);
-                    let wait = expires_at
-                        .duration_since(std::time::SystemTime::now())
-                        .unwrap_or_default()
-                        + Duration::from_millis(5)
-                        + random_up_to(jitter);
-                    ctx.run_later(wait, move |this, ctx| this.recover(run_id, ctx));
-                }
+                // Taken by another owner, or no longer RUNNING: nothing to recover.
+                Err(Error::RunLeased { .. } | Error::RunState { .. }) => {}
                 Err(err) => {
-                    tracing::warn!(%run_id, %err, "could not recover the run");
-                    this.recovering.0.remove(&run_id);
+                    let every = this.recovery.as_ref().map_or(Duration::ZERO, |r| r.every);
+                    let (failures, until) =
+                        this.recovering.failed.entry(run_id.clone()).or_insert((0, Instant::now()));
+                    *failures += 1;
+                    let wait = every
+                        .saturating_mul(1 << (*failures).min(16))
+                        .min(MAX_FAILURE_BACKOFF);
+                    *until = Instant::now() + wait;
+                    tracing::warn!(%run_id, %err, failures = *failures, ?wait, "could not recover the run; trying again later");
                 }
-            }),
-        );
+            }
+        }));
     }
 }

@@ -4,55 +4,17 @@
 
 use std::time::Duration;
 
-use actix::{Actor, Addr, Context, Handler, Message};
 use agentrt::{
     Agent, Approval, Config, DecideAndResume, Error, ModelResponse, Outcome, RequireApprovalFor,
     RunId, RunSettled, RunState, SpawnRun, StartRun, SubscribeRuns, Supervisor, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
 };
 use serde_json::json;
-use tokio::sync::watch;
 
-/// Keeps every `RunSettled` it is sent.
-struct Settled(watch::Sender<Vec<RunSettled>>);
+#[path = "support/settled.rs"]
+mod settled;
 
-impl Actor for Settled {
-    type Context = Context<Self>;
-}
-
-impl Handler<RunSettled> for Settled {
-    type Result = ();
-
-    fn handle(&mut self, msg: RunSettled, _: &mut Context<Self>) {
-        self.0.send_modify(|seen| seen.push(msg));
-    }
-}
-
-/// What a [`Settled`] has heard, once it has handled every message sent to it before.
-#[derive(Message)]
-#[rtype(result = "Vec<RunSettled>")]
-struct Heard;
-
-impl Handler<Heard> for Settled {
-    type Result = Vec<RunSettled>;
-
-    fn handle(&mut self, _: Heard, _: &mut Context<Self>) -> Vec<RunSettled> {
-        self.0.borrow().clone()
-    }
-}
-
-/// A subscriber, and a way to wait until it has heard `count` settlements.
-fn subscriber() -> (Addr<Settled>, watch::Receiver<Vec<RunSettled>>) {
-    let (tx, rx) = watch::channel(Vec::new());
-    (Settled(tx).start(), rx)
-}
-
-async fn heard(rx: &mut watch::Receiver<Vec<RunSettled>>, count: usize) -> Vec<RunSettled> {
-    rx.wait_for(|seen| seen.len() >= count)
-        .await
-        .unwrap()
-        .clone()
-}
+use settled::{Heard, heard, subscriber};
 
 fn pay_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![

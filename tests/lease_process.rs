@@ -1,11 +1,10 @@
 //! Two real processes: a child executes a run on a file database and is killed with SIGKILL in
 //! the middle of a tool call; the parent resumes the run.
 
-use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
+
+#[path = "support/child.rs"]
+mod child;
 
 use agentrt::{
     Agent, Config, Error, EventKind, ModelResponse, Outcome, ResumeRun, RunId, StartRun, Store,
@@ -64,41 +63,8 @@ fn child_process_runs_until_killed() {
 fn killed_process_lease_is_taken_over_after_its_ttl() {
     let db = TempStore::new();
     drop(db.open());
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_process_runs_until_killed",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(DB_VAR, db.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Read the child's report on a thread, so that a child that never reports fails the test
-    // instead of hanging it.
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    let (report, reported) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let owner = stdout
-            .lines()
-            .map_while(Result::ok)
-            // libtest may print the test's name on the same line first.
-            .find_map(|line| {
-                line.split_once("READY ")
-                    .map(|(_, owner)| owner.trim().to_owned())
-            });
-        let _ = report.send(owner);
-    });
-    let child_owner = match reported.recv_timeout(Duration::from_secs(60)) {
-        Ok(Some(owner)) => owner,
-        other => {
-            let _ = child.kill();
-            panic!("the child did not report its lease: {other:?}");
-        }
-    };
+    let mut child = child::spawn("child_process_runs_until_killed", DB_VAR, &db.path());
+    let child_owner = child::report(&mut child, "READY ");
     child.kill().unwrap(); // SIGKILL: no further write
     child.wait().unwrap();
 

@@ -5,29 +5,17 @@
 
 use std::time::Duration;
 
-use actix::{Actor, Context, Handler};
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, Outcome, Reconciliation, Recovery, RunId, RunSettled,
     RunState, SpawnRun, Store, SubscribeRuns, Supervisor, ToolCall,
     testkit::{Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
-use tokio::sync::watch;
 
-/// Keeps every `RunSettled` it is sent.
-struct Settled(watch::Sender<Vec<RunSettled>>);
+#[path = "support/settled.rs"]
+mod settled;
 
-impl Actor for Settled {
-    type Context = Context<Self>;
-}
-
-impl Handler<RunSettled> for Settled {
-    type Result = ();
-
-    fn handle(&mut self, msg: RunSettled, _: &mut Context<Self>) {
-        self.0.send_modify(|seen| seen.push(msg));
-    }
-}
+use settled::subscriber;
 
 fn pay_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![
@@ -94,8 +82,7 @@ fn recover_until(
     let stores: Vec<Store> = supervisors.iter().map(|_| db.open()).collect();
     let pay = pay.clone();
     with_system(|| async move {
-        let (tx, mut rx) = watch::channel(Vec::new());
-        let inbox = Settled(tx).start();
+        let (inbox, mut rx) = subscriber();
         let mut running = Vec::new();
         for (store, names) in stores.into_iter().zip(supervisors) {
             let mut builder = Supervisor::builder(store).config(config());

@@ -3,20 +3,14 @@
 //! nobody holds); the parent starts a supervisor with recovery, which takes every one of them
 //! over by itself and finishes it.
 
-use std::{
-    io::{BufRead, BufReader},
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
 
-use actix::{Actor, Context, Handler};
 use agentrt::{
-    Agent, Config, ModelResponse, Outcome, Recovery, RunId, RunSettled, RunState, SpawnRun,
-    StartRun, Store, SubscribeRuns, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, Outcome, Recovery, RunId, RunState, SpawnRun, StartRun, Store,
+    SubscribeRuns, Supervisor, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
-use tokio::sync::watch;
 
 const DB_VAR: &str = "AGENTRT_TEST_RECOVERY_CHILD_DB";
 const TTL: Duration = Duration::from_millis(500);
@@ -76,53 +70,23 @@ fn child_process_leaves_runs_and_is_killed() {
     });
 }
 
-/// Keeps every `RunSettled` it is sent.
-struct Settled(watch::Sender<Vec<RunSettled>>);
+#[path = "support/child.rs"]
+mod child;
+#[path = "support/settled.rs"]
+mod settled;
 
-impl Actor for Settled {
-    type Context = Context<Self>;
-}
-
-impl Handler<RunSettled> for Settled {
-    type Result = ();
-
-    fn handle(&mut self, msg: RunSettled, _: &mut Context<Self>) {
-        self.0.send_modify(|seen| seen.push(msg));
-    }
-}
+use settled::subscriber;
 
 #[test]
 fn runs_a_killed_process_left_are_recovered_without_a_resume() {
     let db = TempStore::new();
     drop(db.open());
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "child_process_leaves_runs_and_is_killed",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(DB_VAR, db.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Read the child's report on a thread, so that a child that never reports fails the test
-    // instead of hanging it.
-    let stdout = BufReader::new(child.stdout.take().unwrap());
-    let (report, reported) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let ready = stdout
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line.contains("READY"));
-        let _ = report.send(ready);
-    });
-    if reported.recv_timeout(Duration::from_secs(60)) != Ok(true) {
-        let _ = child.kill();
-        panic!("the child did not report its runs");
-    }
+    let mut child = child::spawn(
+        "child_process_leaves_runs_and_is_killed",
+        DB_VAR,
+        &db.path(),
+    );
+    child::report(&mut child, "READY");
     child.kill().unwrap(); // SIGKILL: no further write
     child.wait().unwrap();
 
@@ -139,8 +103,7 @@ fn runs_a_killed_process_left_are_recovered_without_a_resume() {
     let tool = RecordingTool::new("provision").idempotent(true);
     let (store, agent) = (db.open(), provisioning(&tool));
     let settled = with_system(|| async move {
-        let (tx, mut rx) = watch::channel(Vec::new());
-        let inbox = Settled(tx).start();
+        let (inbox, mut rx) = subscriber();
         let config = Config::default()
             .lease_owner("parent")
             .lease_ttl(Duration::from_secs(2))

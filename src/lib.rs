@@ -39,9 +39,9 @@ mod models_md {}
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, ForkRun, RecordApproval, Recovery,
-        RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor,
-        SupervisorBuilder,
+        CancelRun, Config, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume,
+        ForkRun, RecordApproval, Recovery, RegisterAgent, ResumeRun, RunSettled, SpawnRun,
+        StartRun, SubscribeRuns, Supervisor, SupervisorBuilder,
     },
 };
 pub use agent::{

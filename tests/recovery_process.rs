@@ -1,7 +1,8 @@
 //! Two real processes: a child leaves runs behind when it is killed with SIGKILL (one mid-tool
 //! under its lease, one whose `SpawnRun` was answered a moment before the kill, and one that
 //! nobody holds); the parent starts a supervisor with recovery, which takes every one of them
-//! over by itself and finishes it.
+//! over by itself and finishes it. Likewise for runs that waited their turn behind a
+//! concurrency limit: answered, inserted with no lease, and recovered after the kill.
 
 use std::time::Duration;
 
@@ -138,5 +139,97 @@ fn runs_a_killed_process_left_are_recovered_without_a_resume() {
         keys.iter().filter(|k| k.starts_with("mid-tool/")).count() == 1,
         "the interrupted call ran again once: {keys:?}"
     );
+    agentrt::testkit::assert_no_run_leased(&db.open());
+}
+
+const QUEUE_DB_VAR: &str = "AGENTRT_TEST_QUEUE_CHILD_DB";
+const QUEUED: usize = 30;
+
+/// The child's side of the test below: two slots, both taken by runs blocked mid-tool, and
+/// the other runs answered and waiting their turn when it is killed.
+#[test]
+#[ignore = "the child process of runs_waiting_their_turn_survive_a_kill_and_are_recovered"]
+fn child_process_queues_runs_and_is_killed() {
+    let path = std::env::var(QUEUE_DB_VAR).expect("run by the parent test");
+    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
+    let (store, probe) = (Store::open(&path).unwrap(), tool.clone());
+    with_system(|| async move {
+        let config = Config::default()
+            .lease_owner("child")
+            .lease_ttl(TTL)
+            .max_concurrent_runs(2);
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("provision", provisioning(&probe))
+            .start()
+            .unwrap();
+        for n in 0..QUEUED {
+            sup.send(SpawnRun::new("provision", json!({})).with_id(format!("q{n:02}")))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        probe.wait_executions(2).await;
+        println!("READY");
+        std::future::pending::<()>().await;
+    });
+}
+
+#[test]
+fn runs_waiting_their_turn_survive_a_kill_and_are_recovered() {
+    let db = TempStore::new();
+    drop(db.open());
+    let mut child = child::spawn(
+        "child_process_queues_runs_and_is_killed",
+        QUEUE_DB_VAR,
+        &db.path(),
+    );
+    child::report(&mut child, "READY");
+    child.kill().unwrap(); // SIGKILL: no further write
+    child.wait().unwrap();
+
+    let store = db.open();
+    let left = store.runs(Some(RunState::Running)).unwrap();
+    assert_eq!(left.len(), QUEUED, "every answered run is in the store");
+    let unleased = left
+        .iter()
+        .filter(|run| store.lease(&run.id).unwrap().is_none())
+        .count();
+    assert_eq!(
+        unleased,
+        QUEUED - 2,
+        "the runs that waited their turn are held by nobody"
+    );
+
+    let tool = RecordingTool::new("provision").idempotent(true);
+    let (store, agent) = (db.open(), provisioning(&tool));
+    let settled = with_system(|| async move {
+        let (inbox, mut rx) = subscriber();
+        let config = Config::default()
+            .lease_owner("parent")
+            .lease_ttl(Duration::from_secs(2))
+            .max_concurrent_runs(4)
+            .recovery(Recovery::default().every(Duration::from_millis(100)));
+        let sup = Supervisor::builder(store)
+            .config(config)
+            .agent("provision", agent)
+            .start()
+            .unwrap();
+        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        settled::heard(&mut rx, QUEUED).await
+    });
+    for s in &settled {
+        assert!(
+            matches!(s.result, Ok(Outcome::Succeeded { .. })),
+            "{}: {:?}",
+            s.run_id,
+            s.result
+        );
+    }
+    let mut runs: Vec<String> = tool.executions().iter().map(|e| e.run_id.clone()).collect();
+    runs.sort();
+    runs.dedup();
+    assert_eq!(runs.len(), QUEUED, "every run's call ran");
+    assert_eq!(tool.executions().len(), QUEUED, "each once in the parent");
     agentrt::testkit::assert_no_run_leased(&db.open());
 }

@@ -1,8 +1,10 @@
 //! `Supervisor`: the front door. Holds the agent registry and the runs this process executes,
 //! and spawns one `RunActor` per run.
 
+mod admission;
 mod recovery;
 
+pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 pub use recovery::Recovery;
 
 use crate::store::moves::Move;
@@ -60,6 +62,7 @@ pub struct Config {
     start_margin: Option<Duration>,
     observer: Option<Arc<dyn MoveObserver>>,
     recovery: Option<Recovery>,
+    max_concurrent_runs: usize,
 }
 
 impl Default for Config {
@@ -71,6 +74,7 @@ impl Default for Config {
             start_margin: None,
             observer: None,
             recovery: None,
+            max_concurrent_runs: DEFAULT_MAX_CONCURRENT_RUNS,
         }
     }
 }
@@ -126,6 +130,19 @@ impl Config {
         self
     }
 
+    /// How many runs the supervisor executes at once ([`DEFAULT_MAX_CONCURRENT_RUNS`]; at
+    /// least 1). Every execution counts: a start, a resume, a fork, a recovery. Past the
+    /// limit, a run waits its turn, oldest first: a new run is inserted before it waits,
+    /// `RUNNING` and with no lease (its `run.started` says `queued`), so that
+    /// [`SpawnRun`] answers at once and a crash loses nothing: a recovering supervisor (this
+    /// one after a restart, or another replica with free slots) takes it over. A resume waits
+    /// in the same line. A call that waits for the end ([`StartRun`], [`ResumeRun`]) answers
+    /// once the run has had its turn.
+    pub fn max_concurrent_runs(mut self, runs: usize) -> Self {
+        self.max_concurrent_runs = runs.max(1);
+        self
+    }
+
     /// Tells `observer` of every move the supervisor's store actor applies, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
@@ -167,6 +184,7 @@ impl std::fmt::Debug for Config {
             .field("start_margin", &self.start_margin)
             .field("observer", &self.observer.is_some())
             .field("recovery", &self.recovery)
+            .field("max_concurrent_runs", &self.max_concurrent_runs)
             .finish_non_exhaustive()
     }
 }
@@ -201,6 +219,9 @@ pub struct Supervisor {
     settled_subscribers: Vec<Recipient<RunSettled>>,
     recovery: Option<Recovery>,
     recovering: recovery::Recovering,
+    /// The most runs executing at once, and the runs that wait for a slot.
+    max_running: usize,
+    admission: admission::Admission,
 }
 
 /// Assembles a [`Supervisor`].
@@ -260,6 +281,8 @@ impl SupervisorBuilder {
             settled_subscribers: Vec::new(),
             recovery: self.config.recovery.clone(),
             recovering: Default::default(),
+            max_running: self.config.max_concurrent_runs,
+            admission: Default::default(),
         }
         .start())
     }
@@ -275,10 +298,12 @@ impl Supervisor {
         }
     }
 
-    /// Spawns the run's actor and answers when the call it serves returns.
+    /// Executes the run, now or once a slot is free, and answers when the call it serves
+    /// returns.
     fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunReply>> {
-        if self.executing.contains_key(&run_id) {
-            // Executing it in another call: refuse, naming our own lease, without a write.
+        if self.executing.contains_key(&run_id) || self.admission.holds(&run_id) {
+            // Executing it in another call, or about to: refuse, naming our own lease,
+            // without a write.
             let (owner, ttl, id) = (
                 self.holder.owner.to_string(),
                 self.holder.ttl,
@@ -303,6 +328,16 @@ impl Supervisor {
                 .into_actor(self),
             );
         }
+        self.admit(run_id, job)
+    }
+
+    /// Spawns the run's actor and answers when the call it serves returns; the slot it took
+    /// goes to the next run that waits.
+    fn execute_now(
+        &mut self,
+        run_id: RunId,
+        job: Job,
+    ) -> ResponseActFuture<Self, Result<RunReply>> {
         self.calls += 1;
         let call = self.calls;
         let cancellation = Cancellation::new();
@@ -320,7 +355,7 @@ impl Supervisor {
         Box::pin(
             async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }
                 .into_actor(self)
-                .map(move |result, this: &mut Supervisor, _| {
+                .map(move |result, this: &mut Supervisor, ctx| {
                     if this
                         .executing
                         .get(&run_id)
@@ -329,6 +364,7 @@ impl Supervisor {
                         this.executing.remove(&run_id);
                     }
                     this.tell_settled(&run_id, &result);
+                    this.admit_waiting(ctx);
                     result
                 }),
         )

@@ -191,6 +191,8 @@ pub(crate) trait LeaseWrites: Reads {
 pub enum MoveKind {
     /// A new run, with its lease (`run.started`).
     CreateRun,
+    /// A new run that waits for a free slot of its supervisor, with no lease (`run.started`).
+    QueueRun,
     /// A model call's reservation (`step.model_started`).
     BeginModelStep,
     /// A model's answer or failure (`step.model_finished`), with the tool calls it asked for.
@@ -227,6 +229,7 @@ impl MoveKind {
     pub fn as_str(self) -> &'static str {
         match self {
             MoveKind::CreateRun => "create_run",
+            MoveKind::QueueRun => "queue_run",
             MoveKind::BeginModelStep => "begin_model_step",
             MoveKind::FinishModelStep => "finish_model_step",
             MoveKind::FailModelAttempt => "fail_model_attempt",

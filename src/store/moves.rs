@@ -308,6 +308,25 @@ impl<'a, 'c> Move<'a, 'c> {
         Ok(expires_at)
     }
 
+    /// Inserts a new RUNNING run that nobody holds yet, and its `run.started` (marked
+    /// `queued`, fencing token 0): a run that waits for a free slot of its supervisor. Whoever
+    /// executes it first takes it over, with the first fencing token; a crash leaves it to any
+    /// recovering supervisor. An existing id is refused unchanged.
+    pub(crate) fn queue_run(&mut self, agent: &str, input: &Value) -> Result<()> {
+        if self.run_state()?.is_some() {
+            return Err(Error::RunExists(self.run_id.clone()));
+        }
+        self.tx.insert_run(&NewRun {
+            run_id: self.run_id,
+            agent,
+            input,
+            at: self.now.millis(),
+            lease: None,
+        })?;
+        let payload = json!({ "agent": agent, "input": input, "fencing_token": 0, "queued": true });
+        self.append(EventKind::RunStarted, None, &payload)
+    }
+
     /// Reserves model step `step` before the request is dispatched.
     pub(crate) fn begin_model_step(&mut self, grant: &Grant, step: u32) -> Result<()> {
         self.touch_held(grant, Need::Margin, "a model call cannot start")?;

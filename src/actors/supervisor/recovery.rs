@@ -129,7 +129,10 @@ impl Supervisor {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };
-        if self.recovering.reading || self.recovering.now.len() >= recovery.concurrency {
+        if self.recovering.reading
+            || self.recovering.now.len() >= recovery.concurrency
+            || self.recovery_room(&recovery) == 0
+        {
             return;
         }
         self.recovering.reading = true;
@@ -154,9 +157,7 @@ impl Supervisor {
                 }
                 Err(_) => return,
             };
-            let mut room = recovery
-                .concurrency
-                .saturating_sub(this.recovering.now.len());
+            let mut room = this.recovery_room(&recovery);
             let now = Instant::now();
             this.recovering
                 .failed
@@ -172,6 +173,7 @@ impl Supervisor {
                     .is_some_and(|(_, until)| *until > now);
                 if backing_off
                     || this.executing.contains_key(&run_id)
+                    || this.admission.holds(&run_id)
                     || this.recovering.now.contains(&run_id)
                 {
                     continue;
@@ -185,11 +187,23 @@ impl Supervisor {
         ctx.spawn(pass);
     }
 
+    /// How many runs a pass may take on: what its concurrency leaves, and no more than the
+    /// supervisor's free slots, so that orphans wait in the database rather than in memory.
+    fn recovery_room(&self, recovery: &Recovery) -> usize {
+        let slots = self
+            .max_running
+            .saturating_sub(self.executing.len() + self.admission.len());
+        recovery
+            .concurrency
+            .saturating_sub(self.recovering.now.len())
+            .min(slots)
+    }
+
     /// Resumes `run_id`, which a pass found free. A run another owner took first is left to a
     /// later pass, which finds it again only if that owner dies too.
     fn recover(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         // A call of this supervisor took it meanwhile (a `ResumeRun`): it is that call's.
-        if self.executing.contains_key(&run_id) {
+        if self.executing.contains_key(&run_id) || self.admission.holds(&run_id) {
             self.recovering.now.remove(&run_id);
             return;
         }

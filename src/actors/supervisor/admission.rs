@@ -1,0 +1,121 @@
+//! How many runs a supervisor executes at once: past its limit, a run waits its turn, durably
+//! (a new run is inserted before it waits, with no lease, so a crash leaves it to recovery).
+
+use std::collections::{HashSet, VecDeque};
+
+use actix::{ActorFutureExt, AsyncContext, Context, ResponseActFuture, WrapFuture};
+use tokio::sync::oneshot;
+
+use super::Supervisor;
+use crate::{
+    actors::{run::Job, store::ApplyMove},
+    error::{Error, Result},
+    store::{
+        backend::{Durability, MoveKind},
+        moves::Move,
+    },
+    types::{RunId, RunReply},
+};
+
+/// The number of runs a supervisor executes at once when [`Config::max_concurrent_runs`] is
+/// not set: 1,000.
+///
+/// [`Config::max_concurrent_runs`]: crate::Config::max_concurrent_runs
+pub const DEFAULT_MAX_CONCURRENT_RUNS: usize = 1_000;
+
+/// The runs that wait for a free slot, in the order they came, each with the call that waits
+/// for its end.
+#[derive(Default)]
+pub(super) struct Admission {
+    waiting: VecDeque<(RunId, oneshot::Sender<Result<RunReply>>)>,
+    ids: HashSet<RunId>,
+}
+
+impl Admission {
+    /// Whether `run_id` waits here for a slot.
+    pub(super) fn holds(&self, run_id: &RunId) -> bool {
+        self.ids.contains(run_id)
+    }
+
+    /// How many runs wait.
+    pub(super) fn len(&self) -> usize {
+        self.waiting.len()
+    }
+}
+
+impl Supervisor {
+    /// Whether a run may start executing now.
+    pub(super) fn has_room(&self) -> bool {
+        self.executing.len() < self.max_running
+    }
+
+    /// Executes `run_id` now if a slot is free; otherwise it waits its turn. A new run that
+    /// waits is inserted first, with no lease (its caller hears of the insert as of a start),
+    /// and then waits as a resume does.
+    pub(super) fn admit(
+        &mut self,
+        run_id: RunId,
+        job: Job,
+    ) -> ResponseActFuture<Self, Result<RunReply>> {
+        if self.has_room() && self.admission.waiting.is_empty() {
+            return self.execute_now(run_id, job);
+        }
+        match job {
+            Job::Resume => self.wait_turn(run_id),
+            Job::Start {
+                agent,
+                input,
+                started,
+            } => {
+                // Held from now: no other call executes the run while its insert is written.
+                self.admission.ids.insert(run_id.clone());
+                let id = run_id.clone();
+                let insert = ApplyMove::new(MoveKind::QueueRun, &run_id, move |tx, now| {
+                    Move::new(tx, now, &id).queue_run(&agent, &input)
+                });
+                let insert = self.store_actor.apply(insert, Durability::Durable);
+                Box::pin(insert.into_actor(self).then(
+                    move |inserted, this: &mut Supervisor, ctx| match inserted {
+                        Ok(()) => {
+                            tracing::info!(%run_id, waiting = this.admission.len() + 1, "run queued");
+                            if let Some(started) = started {
+                                let _ = started.send(());
+                            }
+                            let turn = this.wait_turn(run_id);
+                            // Slots may have freed while the insert was written.
+                            this.admit_waiting(ctx);
+                            turn
+                        }
+                        Err(err) => {
+                            this.admission.ids.remove(&run_id);
+                            Box::pin(actix::fut::ready(Err(err)))
+                        }
+                    },
+                ))
+            }
+        }
+    }
+
+    /// Queues a run that exists, answering when its execution returns.
+    fn wait_turn(&mut self, run_id: RunId) -> ResponseActFuture<Self, Result<RunReply>> {
+        let (reply, turn) = oneshot::channel();
+        self.admission.ids.insert(run_id.clone());
+        self.admission.waiting.push_back((run_id, reply));
+        Box::pin(async move { turn.await.unwrap_or(Err(Error::StoreUnavailable)) }.into_actor(self))
+    }
+
+    /// Starts the runs that wait, oldest first, while slots are free. Each one's execution
+    /// goes on whether or not its caller still waits: the run is durable and must move on.
+    pub(super) fn admit_waiting(&mut self, ctx: &mut Context<Self>) {
+        while self.has_room() {
+            let Some((run_id, reply)) = self.admission.waiting.pop_front() else {
+                return;
+            };
+            self.admission.ids.remove(&run_id);
+            let execution = self.execute_now(run_id, Job::Resume);
+            ctx.spawn(execution.map(move |result, _, _| {
+                let _ = reply.send(result);
+            }));
+        }
+    }
+}

@@ -648,8 +648,9 @@ impl Holder {
                 time(lease.expires_at)
             ),
             (_, Holder::Abandoned, None) => eprintln!(
-                "agentrt: run {}: nobody holds its lease any more: it is RUNNING and unleased \
-                 (the call executing it returned); a resume takes it over",
+                "agentrt: run {}: nobody holds it: it is RUNNING and unleased (the call \
+                 executing it returned, or it was never executed: a fork, or a run that waits \
+                 for a free slot); a supervisor with recovery, or a resume, takes it over",
                 run.id
             ),
             // A new token is a new acquisition, whatever the owner's name.

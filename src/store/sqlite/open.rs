@@ -74,6 +74,13 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
         ("trusted_schema", "OFF"),
         ("foreign_keys", "ON"),
     ];
+    if role == Role::Writer {
+        // A database file's own setting, not the connection's: it takes effect only on a new
+        // database, before its first page is written (so before `journal_mode`, which writes
+        // it), and changes nothing on one created without it (`Store::vacuum` switches those).
+        // Incremental: a purge gives the space of what it deleted back to the disk, in steps.
+        pragmas.push(("auto_vacuum", "INCREMENTAL"));
+    }
     if file && role == Role::Writer {
         // Readers never block the writer, and the writer never blocks readers.
         pragmas.push(("journal_mode", "WAL"));

@@ -45,7 +45,9 @@ fn runs_lists_every_run_and_filters_by_state() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let runs = json_of(&out.stdout);
+    let page = json_of(&out.stdout);
+    assert_eq!(page["next"], json!(null), "one page holds them all");
+    let runs = &page["runs"];
     assert_eq!(runs.as_array().unwrap().len(), 1);
     assert_eq!(runs[0]["id"], json!("wait"));
     assert_eq!(runs[0]["state"], json!("WAITING_FOR_APPROVAL"));

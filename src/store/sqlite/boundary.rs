@@ -108,6 +108,9 @@ pub(super) fn health(
         settings.push((name.to_owned(), value));
     }
     // Whether the file gives a purge's space back to the disk, and the space it holds free.
+    // `freelist_count` first: it reads the file's header in a transaction, which refreshes
+    // what `auto_vacuum` answers from (another connection's vacuum may have switched it).
+    let freelist_count = pragma("freelist_count")?;
     let auto_vacuum = match pragma("auto_vacuum")?.as_str() {
         "0" => "none",
         "1" => "full",
@@ -115,7 +118,7 @@ pub(super) fn health(
         _ => "unknown",
     };
     settings.push(("auto_vacuum".to_owned(), auto_vacuum.to_owned()));
-    settings.push(("freelist_count".to_owned(), pragma("freelist_count")?));
+    settings.push(("freelist_count".to_owned(), freelist_count));
     let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).db()?;
     settings.push((
         "defensive".to_owned(),

@@ -35,6 +35,8 @@ impl Sqlite {
     /// See [`Backend::reclaim`](crate::store::backend::Backend::reclaim).
     pub(super) fn reclaim_space(&self) -> Result<Space> {
         let (before, returns_space) = self.on_writer("giving free space back", |sql| {
+            // After `sizes`, whose transaction reads the file's header: another connection's
+            // vacuum may have switched the setting since this one last read it.
             let (before, _) = sizes(sql.0)?;
             let returns_space = auto_vacuum(sql.0)? != 0;
             if returns_space {

@@ -159,8 +159,22 @@ fn mixed(db: &TempStore) {
     finish(db, long_ago(), OLD_DONE, &["old-approved"], 100);
     finish(db, SystemTime::now(), &["new-done"], &[], 100);
     leave_live(db, long_ago(), "old-waiting", "old-running");
-    // Opened and closed: the last connection copies the log into the file.
-    drop(db.open());
+    closed(db);
+}
+
+/// Waits until the database file stands alone: the torn-down supervisor's connections close
+/// as its threads wind down, and the last one to close copies the log into the file.
+fn closed(db: &TempStore) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        drop(db.open());
+        let names: Vec<_> = std::fs::read_dir(db.dir()).unwrap().collect();
+        if names.len() == 1 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{names:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

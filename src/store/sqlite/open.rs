@@ -74,13 +74,6 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
         ("trusted_schema", "OFF"),
         ("foreign_keys", "ON"),
     ];
-    if role == Role::Writer {
-        // A database file's own setting, not the connection's: it takes effect only on a new
-        // database, before its first page is written (so before `journal_mode`, which writes
-        // it), and changes nothing on one created without it (`Store::vacuum` switches those).
-        // Incremental: a purge gives the space of what it deleted back to the disk, in steps.
-        pragmas.push(("auto_vacuum", "INCREMENTAL"));
-    }
     if file && role == Role::Writer {
         // Readers never block the writer, and the writer never blocks readers.
         pragmas.push(("journal_mode", "WAL"));
@@ -106,6 +99,16 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
         pragmas.push(("query_only", "ON"));
     }
     pragmas
+}
+
+/// Gives a new database the settings of the file itself, which only a database with no page
+/// written yet takes (so before `journal_mode`, which writes the first): `auto_vacuum =
+/// INCREMENTAL`, so that a purge can give the space of what it deleted back to the disk, a
+/// step at a time. Not applied at every open: on a database that has it already, setting it
+/// writes a commit; on an older one, it changes nothing (`Store::vacuum` switches those).
+pub(crate) fn configure_new(conn: &Connection) -> Result<()> {
+    conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
+        .map_err(db_error)
 }
 
 /// Prepared statements kept per connection.

@@ -33,8 +33,8 @@ END;
 
 -- Store::purge by age: the finished runs, by the time of their last move (when they
 -- finished). Only finished runs enter it, so a live run's moves, which each stamp updated_at,
--- never write to it. The purge's query repeats this WHERE clause word for word, which is what
--- lets SQLite use the index.
+-- never write to it. The purge's query names it (INDEXED BY) and repeats this WHERE clause
+-- word for word, which SQLite needs to use a partial index.
 CREATE INDEX runs_finished ON runs (updated_at, id)
     WHERE state = 'SUCCEEDED' OR state = 'FAILED' OR state = 'CANCELLED';
 

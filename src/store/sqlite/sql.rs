@@ -38,6 +38,37 @@ fn finished_of_batch() -> String {
     format!("SELECT id FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}")
 }
 
+/// A page of runs after (`?1`, `?2`) created at `?3` or later, at most `?4`, of agent `?5`
+/// and in state `?5` or `?6` when asked for: one statement per combination of filters, each a
+/// range of one index (`runs_by_agent`, `runs_by_state` or `runs_by_created`).
+pub(crate) fn list_runs_sql(agent: bool, state: bool) -> String {
+    let mut sql = format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) > (?1, ?2) AND created_at >= ?3"
+    );
+    let mut next = 5;
+    if agent {
+        sql.push_str(&format!(" AND agent = ?{next}"));
+        next += 1;
+    }
+    if state {
+        sql.push_str(&format!(" AND state = ?{next}"));
+    }
+    sql.push_str(" ORDER BY created_at, id LIMIT ?4");
+    sql
+}
+
+/// The finished runs whose last move came before `?1`, after (`?2`, `?3`), at most `?4`.
+/// SQLite would rather read `runs_by_state` (the three states) and sort: the partial index of
+/// finished runs is named, and its WHERE clause repeated word for word, which SQLite needs to
+/// use it (naming an index it cannot use fails the statement).
+pub(crate) fn finished_runs_sql() -> String {
+    format!(
+        "SELECT id, updated_at FROM runs INDEXED BY runs_finished
+         WHERE {FINISHED} AND updated_at < ?1 AND (updated_at, id) > (?2, ?3)
+         ORDER BY updated_at, id LIMIT ?4"
+    )
+}
+
 /// The ids as the JSON array the purge's statements read.
 fn json_ids(ids: &[RunId]) -> String {
     serde_json::to_string(&ids.iter().map(RunId::as_str).collect::<Vec<_>>())
@@ -100,28 +131,20 @@ impl Reads for Sql<'_> {
             Some((at, id)) => (*at, id.as_str().to_owned()),
             None => (i64::MIN, String::new()),
         };
-        // One statement per combination of filters, each a range of one index: `runs_by_agent`,
-        // `runs_by_state` or `runs_by_created`.
-        let mut sql = format!(
-            "SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) > (?1, ?2) AND created_at >= ?3"
-        );
         let mut params = vec![
             Param::Integer(after_at),
             Param::Text(after_id),
             Param::Integer(query.since.unwrap_or(i64::MIN)),
             Param::Integer(query.limit as i64),
         ];
-        if let Some(agent) = query.agent {
-            sql.push_str(&format!(" AND agent = ?{}", params.len() + 1));
-            params.push(Param::Text(agent.to_owned()));
-        }
-        if let Some(state) = query.state {
-            sql.push_str(&format!(" AND state = ?{}", params.len() + 1));
-            params.push(Param::Text(state.as_str().to_owned()));
-        }
-        sql.push_str(" ORDER BY created_at, id LIMIT ?4");
+        params.extend(query.agent.map(|agent| Param::Text(agent.to_owned())));
+        params.extend(
+            query
+                .state
+                .map(|state| Param::Text(state.as_str().to_owned())),
+        );
         self.0
-            .prepare_cached(&sql)
+            .prepare_cached(&list_runs_sql(query.agent.is_some(), query.state.is_some()))
             .db()?
             .query_map(rusqlite::params_from_iter(params), run_from_row)
             .db()?
@@ -137,11 +160,7 @@ impl Reads for Sql<'_> {
     ) -> Result<Vec<(RunId, i64)>> {
         let (after_at, after_id) = after.map_or((i64::MIN, ""), |(at, id)| (at, id.as_str()));
         self.0
-            .prepare_cached(&format!(
-                "SELECT id, updated_at FROM runs
-                 WHERE {FINISHED} AND updated_at < ?1 AND (updated_at, id) > (?2, ?3)
-                 ORDER BY updated_at, id LIMIT ?4"
-            ))
+            .prepare_cached(&finished_runs_sql())
             .db()?
             .query_map(params![before, after_at, after_id, limit as i64], |row| {
                 Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))

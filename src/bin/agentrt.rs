@@ -555,7 +555,8 @@ fn age_or_time(flag: &str, value: &str) -> Result<SystemTime, Failure> {
     }
     humantime::parse_rfc3339_weak(value).map_err(|_| {
         Failure::Message(format!(
-            "{flag} {value:?} is neither an age (90s, 12h, 30d) nor an RFC 3339 time              (2025-01-31T00:00:00Z); nothing was done"
+            "{flag} {value:?} is neither an age (90s, 12h, 30d) nor an RFC 3339 time \
+             (2025-01-31T00:00:00Z); nothing was done"
         ))
     })
 }
@@ -599,8 +600,11 @@ fn purge(
     // Every refusal of the input comes before the file is opened.
     let selection = match (finished_before, runs.is_empty()) {
         (None, true) => {
-            return Err("say which runs to purge: --finished-before AGE (90s, 12h, 30d) or                         TIME, or --run ID; nothing was done"
-                .into());
+            return Err(
+                "say which runs to purge: --finished-before AGE (90s, 12h, 30d) or \
+                 TIME, or --run ID; nothing was done"
+                    .into(),
+            );
         }
         (Some(_), false) => {
             return Err("give --finished-before or --run, not both; nothing was done".into());
@@ -659,12 +663,18 @@ fn purge(
         && space.free_bytes > 0
     {
         out!(
-            "the file keeps {} free for later writes and cannot shrink by itself (it was created              by an older agentrt): `agentrt vacuum` gives the space back and makes later purges              shrink the file; it needs free disk space up to twice the database's size and              blocks every writer while it runs",
+            "the file keeps {} free for later writes and cannot shrink by itself (it was created \
+             by an older agentrt): `agentrt vacuum` gives the space back and makes later purges \
+             shrink the file; it needs free disk space up to twice the database's size and \
+             blocks every writer while it runs",
             bytes(space.free_bytes)
         );
-    } else if after > 0 && after >= before && report.runs > 0 {
+    } else if let Some(space) = &report.space
+        && space.bytes_after < after
+    {
         out!(
-            "the file shrinks once the process that holds the database open copies its log              into it (its next checkpoint)"
+            "the file shrinks once the process that holds the database open copies its log \
+             into it (its next checkpoint)"
         );
     }
     Ok(())

@@ -34,24 +34,31 @@ fn sizes(conn: &Connection) -> Result<(u64, u64)> {
 impl Sqlite {
     /// See [`Backend::reclaim`](crate::store::backend::Backend::reclaim).
     pub(super) fn reclaim_space(&self) -> Result<Space> {
-        let (before, returns_space) = self.on_writer("giving free space back", |sql| {
+        let (before, returns_space) = self.on_writer("reading the database's size", |sql| {
             // After `sizes`, whose transaction reads the file's header: another connection's
             // vacuum may have switched the setting since this one last read it.
             let (before, _) = sizes(sql.0)?;
-            let returns_space = auto_vacuum(sql.0)? != 0;
-            if returns_space {
-                loop {
-                    let (_, free) = sizes(sql.0)?;
-                    if free == 0 {
-                        break;
-                    }
+            Ok((before, auto_vacuum(sql.0)? != 0))
+        })?;
+        if returns_space {
+            // The writer is taken for one step at a time: a supervisor of this store commits
+            // between two steps.
+            let mut left = u64::MAX;
+            loop {
+                let free = self.on_writer("giving free space back", |sql| {
                     sql.0
                         .execute_batch(&format!("PRAGMA incremental_vacuum({PAGES_PER_STEP})"))
                         .db()?;
+                    sizes(sql.0).map(|(_, free)| free)
+                })?;
+                // Until none is left, or a step gives nothing back (other writers free pages
+                // as fast): what remains goes at the next purge.
+                if free == 0 || free >= left {
+                    break;
                 }
+                left = free;
             }
-            Ok((before, returns_space))
-        })?;
+        }
         // The file shrinks once the log's copy reaches it.
         self.checkpoint()?;
         let (after, free) = self.on_writer("reading the database's size", |sql| sizes(sql.0))?;

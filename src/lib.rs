@@ -56,7 +56,9 @@ pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
 /// The `schemars` this crate derives schemas with (see [`schema_for`]).
 pub use schemars;
 pub use store::{
-    Health, SCHEMA_VERSION, SchemaStatus, Store,
+    DEFAULT_PAGE_LIMIT, DEFAULT_PURGE_BATCH, Health, MAX_PAGE_LIMIT, MAX_PURGE_BATCH,
+    PURGE_REPORT_IDS, Purge, PurgeReport, RunPage, RunQuery, SCHEMA_VERSION, SchemaStatus, Space,
+    Store,
     backend::{MoveInfo, MoveKind, MoveObserver},
     sqlite,
 };

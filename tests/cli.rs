@@ -45,7 +45,9 @@ fn runs_lists_every_run_and_filters_by_state() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    let runs = json_of(&out.stdout);
+    let page = json_of(&out.stdout);
+    assert_eq!(page["next"], json!(null), "one page holds them all");
+    let runs = &page["runs"];
     assert_eq!(runs.as_array().unwrap().len(), 1);
     assert_eq!(runs[0]["id"], json!("wait"));
     assert_eq!(runs[0]["state"], json!("WAITING_FOR_APPROVAL"));
@@ -480,4 +482,214 @@ fn a_blank_decider_or_reason_and_a_directory_are_refused_with_what_they_are() {
         .stderr(predicate::str::contains(
             "is a directory, not a database file",
         ));
+}
+
+/// Every file of a directory, by name, with its bytes.
+fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            (
+                entry.file_name().to_string_lossy().into_owned(),
+                std::fs::read(entry.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn purge_deletes_the_finished_runs_and_prints_what_and_the_file_sizes() {
+    let db = fixture();
+    let before = files(db.dir());
+    agentrt(&db.path())
+        .args(["purge", "--dry-run", "--finished-before", "0s"])
+        .assert()
+        .success()
+        .stdout(
+            predicate::str::contains("would purge 1 run (")
+                .and(predicate::str::contains("  done\n"))
+                .and(predicate::str::contains("a dry run changes nothing")),
+        );
+    assert_eq!(files(db.dir()), before, "a dry run writes nothing");
+
+    let out = agentrt(&db.path())
+        .args(["--json", "purge", "--finished-before", "0s"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report = json_of(&out.stdout);
+    assert_eq!(report["runs"], json!(1));
+    assert_eq!(report["run_ids"], json!(["done"]));
+    assert_eq!(report["dry_run"], json!(false));
+    assert!(report["events"].as_u64().unwrap() > 0);
+    assert!(report["file_bytes_after"].as_u64().unwrap() > 0);
+    assert_eq!(report["space"]["returns_space"], json!(true));
+    let store = db.open();
+    assert!(store.run(&RunId::from("done")).unwrap_err().is_not_found());
+    for kept in ["wait", "crashed"] {
+        assert!(!store.run(&RunId::from(kept)).unwrap().state.is_finished());
+        assert!(!store.events(&RunId::from(kept)).unwrap().is_empty());
+    }
+    drop(store);
+    agentrt(&db.path())
+        .args(["purge", "--finished-before", "0s"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("purged 0 runs").and(predicate::str::contains(" -> ")));
+}
+
+#[test]
+fn purge_refuses_bad_input_and_live_or_unknown_runs_and_changes_nothing() {
+    let db = fixture();
+    // The seed's crashed supervisor closes its connections as its threads wind down; the last
+    // connection to close copies the log into the file, which then stands alone.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while {
+        drop(db.open());
+        std::fs::read_dir(db.dir()).unwrap().count() > 1
+    } {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the log stays beside the file"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = files(db.dir());
+    for (args, says) in [
+        (vec!["purge"], "say which runs to purge"),
+        (vec!["purge", "--dry-run"], "say which runs to purge"),
+        (
+            vec!["purge", "--finished-before", "30x"],
+            "is neither an age (90s, 12h, 30d) nor an RFC 3339 time",
+        ),
+        (
+            vec!["purge", "--finished-before", "1d", "--run", "done"],
+            "not both",
+        ),
+        (
+            vec!["purge", "--run", "done", "--run", "wait"],
+            "run wait is WAITING_FOR_APPROVAL",
+        ),
+        (
+            vec!["purge", "--run", "crashed"],
+            "only a finished run can be purged",
+        ),
+        (
+            vec!["purge", "--run", "done", "--run", "nope"],
+            "no run with id \"nope\"",
+        ),
+        (
+            vec!["purge", "--dry-run", "--run", "done", "--run", "nope"],
+            "no run with id \"nope\"",
+        ),
+        (
+            vec!["purge", "--run", "done", "--batch", "0"],
+            "a purge batch of 0 runs",
+        ),
+    ] {
+        agentrt(&db.path())
+            .args(&args)
+            .assert()
+            .failure()
+            .stderr(predicate::str::starts_with("agentrt: ").and(predicate::str::contains(says)));
+        assert!(files(db.dir()) == before, "{args:?}: nothing changed");
+    }
+    assert_eq!(
+        db.open().run(&RunId::from("done")).unwrap().state,
+        RunState::Succeeded
+    );
+}
+
+#[test]
+fn vacuum_rewrites_the_file_and_doctor_reports_its_free_space() {
+    let db = fixture();
+    agentrt(&db.path()).arg("doctor").assert().success().stdout(
+        predicate::str::contains("auto_vacuum     incremental")
+            .and(predicate::str::contains("freelist_count")),
+    );
+    agentrt(&db.path())
+        .arg("vacuum")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("file ").and(predicate::str::contains(" -> ")));
+    assert_eq!(db.open().runs(None).unwrap().len(), 3, "every run kept");
+}
+
+#[test]
+fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
+    let db = fixture();
+    let all: Vec<String> = db
+        .open()
+        .runs(None)
+        .unwrap()
+        .into_iter()
+        .map(|run| run.id.to_string())
+        .collect();
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec![
+            "--json".to_owned(),
+            "runs".into(),
+            "--limit".into(),
+            "2".into(),
+        ];
+        if let Some(cursor) = &after {
+            args.extend(["--after".into(), cursor.clone()]);
+        }
+        let out = agentrt(&db.path()).args(&args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let page = json_of(&out.stdout);
+        for run in page["runs"].as_array().unwrap() {
+            seen.push(run["id"].as_str().unwrap().to_owned());
+        }
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen, all, "each run once, in order");
+    // The table says where the next page starts, on stderr.
+    agentrt(&db.path())
+        .args(["runs", "--limit", "1"])
+        .assert()
+        .success()
+        .stderr(predicate::str::contains(
+            "more runs follow: the next page is `--after ",
+        ));
+    let out = agentrt(&db.path())
+        .args(["--json", "runs", "--agent", "waits", "--since", "1h"])
+        .output()
+        .unwrap();
+    let page = json_of(&out.stdout);
+    assert_eq!(page["runs"].as_array().unwrap().len(), 1);
+    assert_eq!(page["runs"][0]["id"], json!("wait"));
+    let out = agentrt(&db.path())
+        .args(["--json", "runs", "--since", "2999-01-01T00:00:00Z"])
+        .output()
+        .unwrap();
+    assert_eq!(json_of(&out.stdout)["runs"], json!([]));
+    for (args, says) in [
+        (
+            vec!["runs", "--after", "bogus"],
+            "is not a cursor of a page of runs",
+        ),
+        (vec!["runs", "--limit", "0"], "give a limit from 1 to 1000"),
+        (vec!["runs", "--since", "soon"], "is neither an age"),
+    ] {
+        agentrt(&db.path())
+            .args(&args)
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains(says));
+    }
 }

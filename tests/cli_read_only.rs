@@ -190,6 +190,9 @@ const READS: &[&[&str]] = &[
     &["lease", "crashed"],
     &["doctor"],
     &["migrate"],
+    &["purge", "--dry-run", "--finished-before", "0s"],
+    &["purge", "--dry-run", "--run", "done"],
+    &["--json", "runs", "--limit", "1"],
 ];
 
 #[test]
@@ -283,6 +286,9 @@ const WRITES: &[&[&str]] = &[
     &["approve", "wait", "pay-1", "--by", "alice"],
     &["deny", "wait", "pay-1", "--by", "bob"],
     &["fork", "done", "--at", "1", "--id", "again"],
+    &["purge", "--run", "done"],
+    &["purge", "--finished-before", "0s"],
+    &["vacuum"],
 ];
 
 /// Each write command fails with one line saying `expected`, and changes nothing in `dir`.

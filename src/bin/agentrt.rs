@@ -2,8 +2,8 @@
 //!
 //! It works while other processes run the database: every command reads or writes in single
 //! short statements or transactions, never holds a lock between them, and writes only where
-//! the command is meant to (`cancel`, `approve`, `deny`, `fork`,
-//! `migrate --apply`). The others open
+//! the command is meant to (`cancel`, `approve`, `deny`, `fork`, `purge`, `vacuum`,
+//! `migrate --apply`). The others (and `purge --dry-run`) open
 //! the database read-only: they create nothing beside it and change no byte of it.
 
 use std::{
@@ -39,11 +39,24 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// List runs, oldest first.
+    /// List runs, oldest first, a page at a time (the cursor of the next page goes to stderr,
+    /// or into the JSON document).
     Runs {
         /// Only runs in this state.
         #[arg(long, value_enum)]
         state: Option<State>,
+        /// Only runs of this agent.
+        #[arg(long)]
+        agent: Option<String>,
+        /// Only runs created within this age (90s, 12h, 30d) or since this RFC 3339 time.
+        #[arg(long, value_name = "AGE|TIME")]
+        since: Option<String>,
+        /// Runs per page, at most 1000.
+        #[arg(long, default_value_t = agentrt::DEFAULT_PAGE_LIMIT)]
+        limit: usize,
+        /// The page after this cursor, as a previous page gave it.
+        #[arg(long, value_name = "CURSOR")]
+        after: Option<String>,
     },
     /// Show one run: its state, its lease and the calls waiting for an approval.
     Show { run: String },
@@ -85,6 +98,32 @@ enum Command {
     },
     /// Deny a tool call that waits for an approval.
     Deny(Decide),
+    /// Delete finished runs (SUCCEEDED, FAILED, CANCELLED) with their steps, events and
+    /// approvals, in short transactions; a run that has not finished is never touched.
+    ///
+    /// By age (`--finished-before 30d`: finished more than 30 days ago) or by id (`--run ID`,
+    /// repeated: every one must exist and have finished, or nothing is deleted). Prints what it
+    /// deleted and the file's size before and after.
+    Purge {
+        /// Runs that finished before this age (90s, 12h, 30d) or this RFC 3339 time.
+        #[arg(long, value_name = "AGE|TIME")]
+        finished_before: Option<String>,
+        /// This run (repeat for more).
+        #[arg(long = "run", value_name = "ID")]
+        runs: Vec<String>,
+        /// Count what would be deleted, and write nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Runs per transaction, at most 1000.
+        #[arg(long, default_value_t = agentrt::DEFAULT_PURGE_BATCH)]
+        batch: usize,
+    },
+    /// Rewrite the database compactly, giving its free space back to the disk; a database
+    /// created by an agentrt older than `purge` then gives space back after each purge.
+    ///
+    /// It needs free disk space up to twice the database's size, and blocks every writer
+    /// (supervisors included) while it runs: run it while nothing else writes.
+    Vacuum,
     /// Report the schema version; apply the pending migrations with --apply.
     Migrate {
         #[arg(long)]
@@ -200,6 +239,13 @@ fn run(cli: Cli) -> Outcome {
     match cli.command {
         Command::Migrate { apply } => migrate(&path, apply, json),
         Command::Doctor => doctor(&path, json),
+        Command::Purge {
+            finished_before,
+            runs,
+            dry_run,
+            batch,
+        } => purge(&path, finished_before, runs, dry_run, batch, json),
+        Command::Vacuum => vacuum(&path, json),
         command @ (Command::Cancel { .. }
         | Command::Approve(_)
         | Command::Deny(_)
@@ -241,10 +287,33 @@ fn run(cli: Cli) -> Outcome {
                 _ => unreachable!("matched above"),
             }
         }
+        Command::Runs {
+            state,
+            agent,
+            since,
+            limit,
+            after,
+        } => {
+            // The input is checked before the file is opened.
+            let mut query = agentrt::RunQuery::new().limit(limit);
+            if let Some(state) = state {
+                query = query.state(state.into());
+            }
+            if let Some(agent) = agent {
+                query = query.agent(agent);
+            }
+            if let Some(since) = since {
+                query = query.since(age_or_time("--since", &since)?);
+            }
+            if let Some(after) = after {
+                query = query.after(after);
+            }
+            let store = Store::open_read_only(&path).map_err(|e| e.to_string())?;
+            runs(&store, &query, json)
+        }
         command => {
             let store = Store::open_read_only(&path).map_err(|e| e.to_string())?;
             match command {
-                Command::Runs { state } => runs(&store, state.map(Into::into), json),
                 Command::Show { run } => show(&store, &run.into(), json),
                 Command::Events { run, after, follow } => {
                     events(&store, &run.into(), after, follow, json)
@@ -455,13 +524,13 @@ struct StaleLease<'a> {
     lease: &'a Lease,
 }
 
-fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
-    let runs = store.runs(state).map_err(|e| e.to_string())?;
+fn runs(store: &Store, query: &agentrt::RunQuery, json: bool) -> Outcome {
+    let page = store.list_runs(query).map_err(|e| e.to_string())?;
     if json {
-        return print_json(&runs);
+        return print_json(&page);
     }
     let mut table = table(&["RUN", "AGENT", "STATE", "UPDATED"]);
-    for run in &runs {
+    for run in &page.runs {
         table.add_row(vec![
             run.id.to_string(),
             run.agent.clone(),
@@ -470,7 +539,175 @@ fn runs(store: &Store, state: Option<RunState>, json: bool) -> Outcome {
         ]);
     }
     out!("{}", table.trim_fmt());
+    // On stderr: the table on stdout stays the runs alone.
+    if let Some(next) = &page.next {
+        eprintln!("agentrt: more runs follow: the next page is `--after {next}`");
+    }
     Ok(())
+}
+
+/// A time given as an age before now (`90s`, `12h`, `30d`) or as an RFC 3339 time.
+fn age_or_time(flag: &str, value: &str) -> Result<SystemTime, Failure> {
+    if let Ok(age) = humantime::parse_duration(value) {
+        return SystemTime::now().checked_sub(age).ok_or_else(|| {
+            format!("{flag} {value}: that age reaches before the Unix epoch").into()
+        });
+    }
+    humantime::parse_rfc3339_weak(value).map_err(|_| {
+        Failure::Message(format!(
+            "{flag} {value:?} is neither an age (90s, 12h, 30d) nor an RFC 3339 time \
+             (2025-01-31T00:00:00Z); nothing was done"
+        ))
+    })
+}
+
+/// The size of a file, 0 when it is missing.
+fn file_size(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |metadata| metadata.len())
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut value = n as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// `purge --json`: the library's report, with the file's size around it.
+#[derive(Serialize)]
+struct PurgeOutput<'a> {
+    #[serde(flatten)]
+    report: &'a agentrt::PurgeReport,
+    file_bytes_before: u64,
+    file_bytes_after: u64,
+}
+
+fn purge(
+    path: &Path,
+    finished_before: Option<String>,
+    runs: Vec<String>,
+    dry_run: bool,
+    batch: usize,
+    json: bool,
+) -> Outcome {
+    // Every refusal of the input comes before the file is opened.
+    let selection = match (finished_before, runs.is_empty()) {
+        (None, true) => {
+            return Err(
+                "say which runs to purge: --finished-before AGE (90s, 12h, 30d) or \
+                 TIME, or --run ID; nothing was done"
+                    .into(),
+            );
+        }
+        (Some(_), false) => {
+            return Err("give --finished-before or --run, not both; nothing was done".into());
+        }
+        (Some(before), true) => {
+            agentrt::Purge::finished_before(age_or_time("--finished-before", &before)?)
+        }
+        (None, false) => agentrt::Purge::runs(runs),
+    };
+    let purge = selection.dry_run(dry_run).batch(batch);
+    let before = file_size(path);
+    let store = if dry_run {
+        // A dry run reads as the read commands do: nothing created, no byte changed.
+        Store::open_read_only(path).map_err(|e| e.to_string())?
+    } else {
+        open_for_writing(path)?
+    };
+    let report = store.purge(&purge).map_err(|e| write_failed(path, e))?;
+    // Closed first: the last connection to close copies the log into the file, which is when
+    // the file shrinks.
+    drop(store);
+    let after = file_size(path);
+    if json {
+        return print_json(&PurgeOutput {
+            report: &report,
+            file_bytes_before: before,
+            file_bytes_after: after,
+        });
+    }
+    let plural = |n: u64, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    out!(
+        "{} {} ({}, {}, {}) in {}",
+        if dry_run { "would purge" } else { "purged" },
+        plural(report.runs, "run"),
+        plural(report.steps, "step"),
+        plural(report.events, "event"),
+        plural(report.approvals, "approval"),
+        plural(report.batches, if dry_run { "read" } else { "transaction" }),
+    );
+    for run_id in &report.run_ids {
+        out!("  {run_id}");
+    }
+    if report.runs > report.run_ids.len() as u64 {
+        out!(
+            "  ... and {} more",
+            report.runs - report.run_ids.len() as u64
+        );
+    }
+    if dry_run {
+        out!("file {} (a dry run changes nothing)", bytes(before));
+        return Ok(());
+    }
+    out!("file {} -> {}", bytes(before), bytes(after));
+    if let Some(space) = &report.space
+        && !space.returns_space
+        && space.free_bytes > 0
+    {
+        out!(
+            "the file keeps {} free for later writes and cannot shrink by itself (it was created \
+             by an older agentrt): `agentrt vacuum` gives the space back and makes later purges \
+             shrink the file; it needs free disk space up to twice the database's size and \
+             blocks every writer while it runs",
+            bytes(space.free_bytes)
+        );
+    } else if let Some(space) = &report.space
+        && space.bytes_after < after
+    {
+        out!(
+            "the file shrinks once the process that holds the database open copies its log \
+             into it (its next checkpoint)"
+        );
+    }
+    Ok(())
+}
+
+fn vacuum(path: &Path, json: bool) -> Outcome {
+    let store = open_for_writing(path)?;
+    let before = file_size(path);
+    let space = store.vacuum().map_err(|e| write_failed(path, e))?;
+    drop(store);
+    let after = file_size(path);
+    if json {
+        return print_json(&PurgeSpace {
+            space: &space,
+            file_bytes_before: before,
+            file_bytes_after: after,
+        });
+    }
+    out!(
+        "file {} -> {}; purges now give the space they free back to the disk",
+        bytes(before),
+        bytes(after)
+    );
+    Ok(())
+}
+
+/// `vacuum --json`.
+#[derive(Serialize)]
+struct PurgeSpace<'a> {
+    #[serde(flatten)]
+    space: &'a agentrt::Space,
+    file_bytes_before: u64,
+    file_bytes_after: u64,
 }
 
 fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
@@ -793,6 +1030,15 @@ fn doctor(path: &Path, json: bool) -> Outcome {
                 "off"
             }
         );
+        if health.setting("auto_vacuum") == Some("none")
+            && health
+                .setting("freelist_count")
+                .is_some_and(|free| free != "0")
+        {
+            out!(
+                "                (the file keeps its free pages: `agentrt vacuum` gives them back)"
+            );
+        }
         out!("integrity       {}", health.integrity.join("; "));
         out!("stale leases    {}", health.stale_leases.len());
         for (run_id, lease) in &health.stale_leases {

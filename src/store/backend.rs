@@ -15,7 +15,11 @@ use std::{any::Any, sync::Arc, time::Duration};
 
 use serde_json::Value;
 
-use super::model::{ApprovalRow, LeaseRow, Now, Renewal, StepKind, StepRow, StepState};
+use super::{
+    listing::ListQuery,
+    model::{ApprovalRow, LeaseRow, Now, Renewal, StepKind, StepRow, StepState},
+    retention::Space,
+};
 use crate::{
     clock::Clock,
     error::{Error, Result},
@@ -39,6 +43,30 @@ pub(crate) trait Reads {
     /// The RUNNING runs whose lease expired by wall-clock time `wall` or that nobody holds,
     /// by id.
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>>;
+    /// At most `query.limit` runs matching its filters, after its place, by (created_at, id).
+    fn list_runs(&mut self, query: &ListQuery<'_>) -> Result<Vec<Run>>;
+    /// At most `limit` finished runs whose last move came before `before`, after `after`, by
+    /// (updated_at, id): each with its updated_at.
+    fn finished_runs(
+        &mut self,
+        before: i64,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, i64)>>;
+    /// What purging `ids` would delete: those of them that have finished, in the order given,
+    /// and their rows.
+    fn purge_counts(&mut self, ids: &[RunId]) -> Result<Purged>;
+}
+
+/// The rows a purge deleted (or would delete).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Purged {
+    /// The runs, in the order they were asked for.
+    pub ids: Vec<RunId>,
+    pub runs: u64,
+    pub steps: u64,
+    pub events: u64,
+    pub approvals: u64,
 }
 
 /// A new RUNNING run. With a lease (a start), its owner and expiry are stamped in the insert
@@ -159,6 +187,9 @@ pub(crate) trait Tx: Reads {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()>;
+    /// Deletes those of `ids` that have finished, with their steps, events and approvals; the
+    /// state is checked in each delete's statement. What it deleted.
+    fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged>;
     /// Opens a savepoint named `name`, nested in the transaction (or in an open savepoint).
     fn savepoint(&mut self, name: &str) -> Result<()>;
     /// Undoes what was done since savepoint `name` opened; it stays open.
@@ -452,6 +483,11 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ) -> Result<Session>;
     /// A health report.
     fn health(&self) -> Result<crate::store::Health>;
+    /// Gives the free space of the database back to the disk, where the database allows it,
+    /// in short steps that let other writers in between; its size and free space.
+    fn reclaim(&self) -> Result<Space>;
+    /// Rewrites the database compactly, switching it to giving space back after a purge.
+    fn vacuum(&self) -> Result<Space>;
     /// The backend itself, for its own module's extensions (`agentrt::sqlite`).
     fn as_any(&self) -> &dyn Any;
 }

@@ -68,6 +68,9 @@ macro_rules! conformance_suite {
                 a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_the_origin,
                 a_fork_is_refused_unchanged_where_it_cannot_start,
                 a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_its_step,
+                a_purge_deletes_every_row_of_the_finished_runs_and_none_of_a_live_one,
+                a_purge_by_id_refuses_an_unknown_or_unfinished_run_and_deletes_nothing,
+                runs_are_listed_a_page_at_a_time_each_once_and_filtered,
             );
         }
     };
@@ -1319,4 +1322,208 @@ pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_it
     );
     on(&store, &id, |m| m.begin_model_step(&grant, 3)).unwrap();
     assert_eq!(last_payload(&store, &id), json!({"attempt": 1}));
+}
+
+/// The rows of every table of a run, counted through the boundary: (steps, events, approvals).
+fn row_counts(store: &Store, run_id: &RunId) -> (u64, u64, u64) {
+    let purged = store
+        .read(|reads| reads.purge_counts(std::slice::from_ref(run_id)))
+        .unwrap();
+    (purged.steps, purged.events, purged.approvals)
+}
+
+/// A run cancelled while it waited for an approval, which an operator had recorded.
+fn cancelled_with_an_approval(store: &Store, run_id: &RunId) {
+    waiting(store, run_id);
+    store
+        .record_approval(&Approval::approve(run_id.clone(), "c1", "alice"))
+        .unwrap();
+    store.cancel(run_id, "no longer needed").unwrap();
+}
+
+pub(crate) fn a_purge_deletes_every_row_of_the_finished_runs_and_none_of_a_live_one(
+    f: &dyn Fixture,
+) {
+    use crate::Purge;
+    let store = f.store();
+    succeeded(&store, &run("done"));
+    cancelled_with_an_approval(&store, &run("cancelled"));
+    waiting(&store, &run("waits"));
+    create(&store, &run("live"), &me());
+    let live: Vec<Stored> = ["waits", "live"]
+        .iter()
+        .map(|id| everything(&store, &run(id)))
+        .collect();
+    let (done, cancelled) = (
+        row_counts(&store, &run("done")),
+        row_counts(&store, &run("cancelled")),
+    );
+    assert_eq!(cancelled.2, 1, "the cancelled run has its approval");
+    let later = std::time::SystemTime::now() + Duration::from_secs(3600);
+
+    let dry = store
+        .purge(&Purge::finished_before(later).dry_run(true))
+        .unwrap();
+    assert!(dry.dry_run && dry.space.is_none());
+    let mut finished: Vec<crate::Run> = ["done", "cancelled"]
+        .iter()
+        .map(|id| store.run(&run(id)).unwrap())
+        .collect();
+    finished.sort_by(|a, b| (a.updated_at, &a.id).cmp(&(b.updated_at, &b.id)));
+    let oldest_first: Vec<RunId> = finished.into_iter().map(|r| r.id).collect();
+    assert_eq!(dry.run_ids, oldest_first, "oldest finish first");
+    assert_eq!(
+        (dry.runs, dry.steps, dry.events, dry.approvals),
+        (
+            2,
+            done.0 + cancelled.0,
+            done.1 + cancelled.1,
+            done.2 + cancelled.2
+        )
+    );
+    assert_eq!(
+        row_counts(&store, &run("done")),
+        done,
+        "a dry run deletes nothing"
+    );
+
+    let report = store
+        .purge(&Purge::finished_before(later).batch(1))
+        .unwrap();
+    assert_eq!(
+        (report.runs, report.steps, report.events, report.approvals),
+        (dry.runs, dry.steps, dry.events, dry.approvals)
+    );
+    assert_eq!(report.run_ids, dry.run_ids);
+    assert_eq!(report.batches, 2, "one transaction per run");
+    assert!(report.space.is_some());
+    for id in ["done", "cancelled"] {
+        assert!(store.run(&run(id)).unwrap_err().is_not_found(), "{id}");
+        assert_eq!(row_counts(&store, &run(id)), (0, 0, 0), "{id}");
+    }
+    let after: Vec<Stored> = ["waits", "live"]
+        .iter()
+        .map(|id| everything(&store, &run(id)))
+        .collect();
+    assert_eq!(after, live, "the runs that have not finished are untouched");
+
+    let again = store.purge(&Purge::finished_before(later)).unwrap();
+    assert_eq!((again.runs, again.batches), (0, 0), "nothing left to purge");
+    let err = store
+        .purge(&Purge::finished_before(later).batch(0))
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+}
+
+pub(crate) fn a_purge_by_id_refuses_an_unknown_or_unfinished_run_and_deletes_nothing(
+    f: &dyn Fixture,
+) {
+    use crate::Purge;
+    let store = f.store();
+    succeeded(&store, &run("done"));
+    succeeded(&store, &run("also-done"));
+    waiting(&store, &run("waits"));
+    let before = everything(&store, &run("done"));
+    for (ids, not_found) in [
+        (["done", "waits", "also-done"], false),
+        (["done", "nope", "also-done"], true),
+    ] {
+        for dry_run in [true, false] {
+            // Batches of one: the refusal comes before the first batch deletes anything.
+            let err = store
+                .purge(&Purge::runs(ids).batch(1).dry_run(dry_run))
+                .unwrap_err();
+            assert_eq!(err.is_not_found(), not_found, "{err}");
+            assert_eq!(err.is_run_state(), !not_found, "{err}");
+            assert_eq!(everything(&store, &run("done")), before, "{err}");
+        }
+    }
+    let report = store
+        .purge(&Purge::runs(["also-done", "done", "done"]).batch(1))
+        .unwrap();
+    assert_eq!(
+        report.run_ids,
+        [run("also-done"), run("done")],
+        "as given, once each"
+    );
+    assert_eq!((report.runs, report.batches), (2, 2));
+    assert!(store.run(&run("done")).unwrap_err().is_not_found());
+    assert_eq!(
+        store.run(&run("waits")).unwrap().state,
+        RunState::WaitingForApproval
+    );
+}
+
+pub(crate) fn runs_are_listed_a_page_at_a_time_each_once_and_filtered(f: &dyn Fixture) {
+    use crate::RunQuery;
+    let store = f.store();
+    for n in 0..7 {
+        create(&store, &run(&format!("r{n}")), &me());
+    }
+    on(&store, &run("other"), |m| {
+        m.create_run("other-agent", &json!({}), &me())
+    })
+    .unwrap();
+    waiting(&store, &run("waits"));
+    let all: Vec<RunId> = store
+        .runs(None)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(all.len(), 9);
+
+    let mut seen = Vec::new();
+    let mut query = RunQuery::new().limit(2);
+    let mut pages = 0;
+    loop {
+        let page = store.list_runs(&query).unwrap();
+        pages += 1;
+        assert!(page.runs.len() <= 2);
+        seen.extend(page.runs.into_iter().map(|r| r.id));
+        if pages == 2 {
+            // A run created between two pages comes on a later one, once; none is seen twice.
+            // (Its id sorts last among runs created in the same millisecond.)
+            create(&store, &run("zz-late"), &me());
+        }
+        match page.next {
+            Some(next) => query = query.after(next),
+            None => break,
+        }
+    }
+    let mut expected = all.clone();
+    expected.push(run("zz-late"));
+    assert_eq!(seen, expected, "each run once, in (created_at, id) order");
+
+    let ids = |query: RunQuery| -> Vec<RunId> {
+        let page = store.list_runs(&query).unwrap();
+        assert_eq!(page.next, None);
+        page.runs.into_iter().map(|r| r.id).collect()
+    };
+    assert_eq!(ids(RunQuery::new().agent("other-agent")), [run("other")]);
+    assert_eq!(
+        ids(RunQuery::new()
+            .agent("agent")
+            .state(RunState::WaitingForApproval)),
+        [run("waits")]
+    );
+    assert!(
+        ids(RunQuery::new()
+            .agent("other-agent")
+            .state(RunState::WaitingForApproval))
+        .is_empty()
+    );
+    let future = std::time::SystemTime::now() + Duration::from_secs(3600);
+    assert!(ids(RunQuery::new().since(future)).is_empty());
+    let past = std::time::SystemTime::now() - Duration::from_secs(3600);
+    assert_eq!(ids(RunQuery::new().since(past).limit(1000)).len(), 10);
+
+    for query in [
+        RunQuery::new().after("not a cursor"),
+        RunQuery::new().limit(0),
+        RunQuery::new().limit(1001),
+    ] {
+        let err = store.list_runs(&query).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    }
 }

@@ -29,7 +29,9 @@ pub struct Health {
     pub schema: SchemaStatus,
     /// The backend's settings, by name, as it reports them (for SQLite: `journal_mode`,
     /// `synchronous` as this store's writers commit with it, by name, and `foreign_keys`,
-    /// `trusted_schema`, `busy_timeout`, `defensive` of the inspection connection).
+    /// `trusted_schema`, `busy_timeout`, `defensive` of the inspection connection; and the
+    /// file's `auto_vacuum`, `none` or `incremental` (whether a purge gives space back to the
+    /// disk), with `freelist_count`, its pages that hold nothing).
     pub settings: Vec<(String, String)>,
     /// What the backend's integrity check said: `["ok"]` for a sound database.
     pub integrity: Vec<String>,

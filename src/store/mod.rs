@@ -9,12 +9,18 @@ pub(crate) mod backend;
 pub(crate) mod conformance;
 mod handle;
 mod health;
+mod listing;
 pub(crate) mod model;
 pub(crate) mod moves;
+mod retention;
 pub mod sqlite;
 
 pub use self::{
     handle::Store,
     health::{Health, SchemaStatus},
+    listing::{DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT, RunPage, RunQuery},
+    retention::{
+        DEFAULT_PURGE_BATCH, MAX_PURGE_BATCH, PURGE_REPORT_IDS, Purge, PurgeReport, Space,
+    },
     sqlite::SCHEMA_VERSION,
 };

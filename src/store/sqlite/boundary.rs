@@ -15,7 +15,7 @@ use crate::{
     clock::Clock,
     error::Result,
     store::{
-        Health, SCHEMA_VERSION, SchemaStatus,
+        Health, SCHEMA_VERSION, SchemaStatus, Space,
         backend::{Backend, MoveObserver, Reads, Session, Tx},
         model::{Now, wall_millis},
         moves,
@@ -63,6 +63,14 @@ impl Backend for Sqlite {
         health(&self.inspection(), self.options.synchronous.as_str(), None)
     }
 
+    fn reclaim(&self) -> Result<Space> {
+        self.reclaim_space()
+    }
+
+    fn vacuum(&self) -> Result<Space> {
+        self.vacuum_all()
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -99,6 +107,18 @@ pub(super) fn health(
         };
         settings.push((name.to_owned(), value));
     }
+    // Whether the file gives a purge's space back to the disk, and the space it holds free.
+    // `freelist_count` first: it reads the file's header in a transaction, which refreshes
+    // what `auto_vacuum` answers from (another connection's vacuum may have switched it).
+    let freelist_count = pragma("freelist_count")?;
+    let auto_vacuum = match pragma("auto_vacuum")?.as_str() {
+        "0" => "none",
+        "1" => "full",
+        "2" => "incremental",
+        _ => "unknown",
+    };
+    settings.push(("auto_vacuum".to_owned(), auto_vacuum.to_owned()));
+    settings.push(("freelist_count".to_owned(), freelist_count));
     let defensive = conn.db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE).db()?;
     settings.push((
         "defensive".to_owned(),

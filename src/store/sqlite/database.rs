@@ -15,8 +15,8 @@ use super::{
     failure::IoFailure,
     log::LogFile,
     open::{
-        Role, configure, migrate, on_open, open_writing, refuse_other_schema, schema_status,
-        user_version,
+        Role, configure, configure_new, migrate, on_open, open_writing, refuse_other_schema,
+        schema_status, user_version,
     },
     options::{Options, Synchronous},
 };
@@ -145,16 +145,23 @@ impl Sqlite {
 
     fn open(path: &Path, options: Options) -> Result<Sqlite> {
         let path = path.to_path_buf();
-        match schema_status(&path) {
-            Ok(status) => refuse_other_schema(&path, status.found, options.migrate)?,
-            Err(Error::NoDatabase { .. }) if options.create => {}
+        // Version 0: a file created empty, or one no agentrt has written yet.
+        let new = match schema_status(&path) {
+            Ok(status) => {
+                refuse_other_schema(&path, status.found, options.migrate)?;
+                status.found == 0
+            }
+            Err(Error::NoDatabase { .. }) if options.create => true,
             Err(err) => return Err(err),
-        }
+        };
         let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         if options.create {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
         let mut writer = open_writing(&path, flags, &options).map_err(|err| on_open(err, &path))?;
+        if new {
+            configure_new(&writer).map_err(|err| named(err, &path))?;
+        }
         configure(&writer, &options, true, Role::Writer).map_err(|err| named(err, &path))?;
         // After the pragmas: `wal_autocheckpoint` installs a hook of its own.
         writer.wal_hook(Some(super::log::note_log_size));
@@ -193,6 +200,7 @@ impl Sqlite {
 
     fn in_memory(options: Options) -> Result<Sqlite> {
         let mut conn = rusqlite::Connection::open_in_memory().db()?;
+        configure_new(&conn)?;
         configure(&conn, &options, false, Role::Writer)?;
         migrate(&mut conn, Path::new(":memory:"))?;
         Ok(Sqlite {

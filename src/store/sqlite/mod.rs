@@ -32,6 +32,7 @@ mod open;
 mod options;
 mod read_only;
 mod renewal;
+mod space;
 pub(crate) mod sql;
 #[cfg(unix)]
 mod wal_vfs;

@@ -101,6 +101,16 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
     pragmas
 }
 
+/// Gives a new database the settings of the file itself, which only a database with no page
+/// written yet takes (so before `journal_mode`, which writes the first): `auto_vacuum =
+/// INCREMENTAL`, so that a purge can give the space of what it deleted back to the disk, a
+/// step at a time. Not applied at every open: on a database that has it already, setting it
+/// writes a commit; on an older one, it changes nothing (`Store::vacuum` switches those).
+pub(crate) fn configure_new(conn: &Connection) -> Result<()> {
+    conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL")
+        .map_err(db_error)
+}
+
 /// Prepared statements kept per connection.
 const STATEMENT_CACHE: usize = 128;
 

@@ -40,7 +40,7 @@ use crate::{
     clock::Clock,
     error::{DatabaseError, Error, Result},
     store::{
-        Health, SCHEMA_VERSION, SchemaStatus, Store,
+        Health, SCHEMA_VERSION, SchemaStatus, Space, Store,
         backend::{Backend, MoveObserver, Reads, Session, Tx},
         model::Now,
     },
@@ -281,6 +281,14 @@ impl Backend for ReadOnly {
                 journal_mode,
             )
         })
+    }
+
+    fn reclaim(&self) -> Result<Space> {
+        Err(self.refused())
+    }
+
+    fn vacuum(&self) -> Result<Space> {
+        Err(self.refused())
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -8,7 +8,8 @@ use super::error::Db;
 use crate::{
     error::{Error, Result},
     store::{
-        backend::{LeaseWrites, NewRun, Reads, RunUpdate, StepUpdate, Tx},
+        backend::{LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx},
+        listing::ListQuery,
         model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
         moves::FIRST_TOKEN,
     },
@@ -26,6 +27,62 @@ pub(crate) const WAITING_CALL: &str = "SELECT step, attempt FROM steps
      WHERE run_id = ?1 AND call_id = ?2 AND state = 'waiting'";
 
 const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
+
+/// A finished run, spelled as the partial index `runs_finished` spells it: a query that
+/// repeats it word for word may use that index.
+const FINISHED: &str = "(state = 'SUCCEEDED' OR state = 'FAILED' OR state = 'CANCELLED')";
+
+/// The ids of a purge's batch that have finished, from the JSON array of ids in `?1`: the
+/// guard every delete of a purge repeats, in its own statement.
+fn finished_of_batch() -> String {
+    format!("SELECT id FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}")
+}
+
+/// A page of runs after (`?1`, `?2`) created at `?3` or later, at most `?4`, of agent `?5`
+/// and in state `?5` or `?6` when asked for: one statement per combination of filters, each a
+/// range of one index (`runs_by_agent`, `runs_by_state` or `runs_by_created`).
+pub(crate) fn list_runs_sql(agent: bool, state: bool) -> String {
+    let mut sql = format!(
+        "SELECT {RUN_COLUMNS} FROM runs WHERE (created_at, id) > (?1, ?2) AND created_at >= ?3"
+    );
+    let mut next = 5;
+    if agent {
+        sql.push_str(&format!(" AND agent = ?{next}"));
+        next += 1;
+    }
+    if state {
+        sql.push_str(&format!(" AND state = ?{next}"));
+    }
+    sql.push_str(" ORDER BY created_at, id LIMIT ?4");
+    sql
+}
+
+/// The finished runs whose last move came before `?1`, after (`?2`, `?3`), at most `?4`.
+/// SQLite would rather read `runs_by_state` (the three states) and sort: the partial index of
+/// finished runs is named, and its WHERE clause repeated word for word, which SQLite needs to
+/// use it (naming an index it cannot use fails the statement).
+pub(crate) fn finished_runs_sql() -> String {
+    format!(
+        "SELECT id, updated_at FROM runs INDEXED BY runs_finished
+         WHERE {FINISHED} AND updated_at < ?1 AND (updated_at, id) > (?2, ?3)
+         ORDER BY updated_at, id LIMIT ?4"
+    )
+}
+
+/// The ids as the JSON array the purge's statements read.
+fn json_ids(ids: &[RunId]) -> String {
+    serde_json::to_string(&ids.iter().map(RunId::as_str).collect::<Vec<_>>())
+        .expect("ids serialize")
+}
+
+/// Those of `ids` found in `found`, in the order of `ids`.
+fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
+    let found: std::collections::HashSet<String> = found.into_iter().collect();
+    ids.iter()
+        .filter(|id| found.contains(id.as_str()))
+        .cloned()
+        .collect()
+}
 
 fn parse_json(text: String, what: &str) -> rusqlite::Result<Value> {
     serde_json::from_str(&text).map_err(|err| {
@@ -68,6 +125,70 @@ fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
 }
 
 impl Reads for Sql<'_> {
+    fn list_runs(&mut self, query: &ListQuery<'_>) -> Result<Vec<Run>> {
+        use rusqlite::types::Value as Param;
+        let (after_at, after_id) = match &query.after {
+            Some((at, id)) => (*at, id.as_str().to_owned()),
+            None => (i64::MIN, String::new()),
+        };
+        let mut params = vec![
+            Param::Integer(after_at),
+            Param::Text(after_id),
+            Param::Integer(query.since.unwrap_or(i64::MIN)),
+            Param::Integer(query.limit as i64),
+        ];
+        params.extend(query.agent.map(|agent| Param::Text(agent.to_owned())));
+        params.extend(
+            query
+                .state
+                .map(|state| Param::Text(state.as_str().to_owned())),
+        );
+        self.0
+            .prepare_cached(&list_runs_sql(query.agent.is_some(), query.state.is_some()))
+            .db()?
+            .query_map(rusqlite::params_from_iter(params), run_from_row)
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn finished_runs(
+        &mut self,
+        before: i64,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, i64)>> {
+        let (after_at, after_id) = after.map_or((i64::MIN, ""), |(at, id)| (at, id.as_str()));
+        self.0
+            .prepare_cached(&finished_runs_sql())
+            .db()?
+            .query_map(params![before, after_at, after_id, limit as i64], |row| {
+                Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn purge_counts(&mut self, ids: &[RunId]) -> Result<Purged> {
+        let json = json_ids(ids);
+        let found: Vec<String> = self
+            .0
+            .prepare_cached(&finished_of_batch())
+            .db()?
+            .query_map([&json], |row| row.get(0))
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?;
+        Ok(Purged {
+            runs: found.len() as u64,
+            ids: in_order(ids, found),
+            steps: self.count("steps", &json)?,
+            events: self.count("events", &json)?,
+            approvals: self.count("approvals", &json)?,
+        })
+    }
+
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
         let row: Option<(String, Option<String>, Option<i64>, i64)> = self
             .0
@@ -247,7 +368,59 @@ impl Reads for Sql<'_> {
     }
 }
 
+impl Sql<'_> {
+    fn count(&self, table: &str, ids: &str) -> Result<u64> {
+        self.0
+            .prepare_cached(&format!(
+                "SELECT count(*) FROM {table} WHERE run_id IN ({})",
+                finished_of_batch()
+            ))
+            .db()?
+            .query_row([ids], |row| row.get::<_, i64>(0))
+            .db()
+            .map(|n| n as u64)
+    }
+
+    fn delete(&self, table: &str, ids: &str) -> Result<u64> {
+        self.0
+            .prepare_cached(&format!(
+                "DELETE FROM {table} WHERE run_id IN ({})",
+                finished_of_batch()
+            ))
+            .db()?
+            .execute([ids])
+            .db()
+            .map(|n| n as u64)
+    }
+}
+
 impl Tx for Sql<'_> {
+    fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged> {
+        let json = json_ids(ids);
+        // Children first: approvals refer to steps, steps and events to runs.
+        let approvals = self.delete("approvals", &json)?;
+        let steps = self.delete("steps", &json)?;
+        let events = self.delete("events", &json)?;
+        let deleted: Vec<String> = self
+            .0
+            .prepare_cached(&format!(
+                "DELETE FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}
+                 RETURNING id"
+            ))
+            .db()?
+            .query_map([&json], |row| row.get(0))
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()?;
+        Ok(Purged {
+            runs: deleted.len() as u64,
+            ids: in_order(ids, deleted),
+            steps,
+            events,
+            approvals,
+        })
+    }
+
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
         self.0
             .prepare_cached(

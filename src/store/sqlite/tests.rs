@@ -95,7 +95,42 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 8);
+    assert_eq!(SCHEMA_VERSION, 9);
+}
+
+#[test]
+fn listing_and_purging_by_age_read_a_range_of_one_index() {
+    let store = Store::in_memory().unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let conn = lock(&sqlite.writer);
+    // Planned with its parameters unbound, as SQLite plans a statement when it prepares it.
+    let plan = |sql: &str| -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let mut rows = stmt.raw_query();
+        let mut plan = Vec::new();
+        while let Some(row) = rows.next().unwrap() {
+            plan.push(row.get::<_, String>(3).unwrap());
+        }
+        plan.join("; ")
+    };
+    for (agent, state, index) in [
+        (false, false, "runs_by_created"),
+        (true, false, "runs_by_agent"),
+        (false, true, "runs_by_state"),
+    ] {
+        let found = plan(&sql::list_runs_sql(agent, state));
+        assert!(
+            found.starts_with(&format!("SEARCH runs USING INDEX {index} ")),
+            "{found}"
+        );
+        assert!(!found.contains("TEMP B-TREE"), "no sort: {found}");
+    }
+    let found = plan(&sql::finished_runs_sql());
+    assert!(
+        found.starts_with("SEARCH runs USING INDEX runs_finished "),
+        "{found}"
+    );
+    assert!(!found.contains("TEMP B-TREE"), "no sort: {found}");
 }
 
 #[test]

@@ -193,7 +193,11 @@ impl Sqlite {
     /// Runs `f` on the writer connection outside any move: reads that must see every committed
     /// move, and the lease's single-statement writes (renewal on `:memory:`, release). `what`
     /// names it should it meet an I/O error, which makes the store refuse every later write.
-    fn on_writer<R>(&self, what: &str, f: impl FnOnce(&mut Sql<'_>) -> Result<R>) -> Result<R> {
+    pub(super) fn on_writer<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
+    ) -> Result<R> {
         let conn = self.writer()?;
         let done = f(&mut Sql(&conn));
         self.failure.fail_if_noted(what);

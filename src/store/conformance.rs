@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use super::{
     Store,
-    backend::Session,
+    backend::{ChangeKind, Changes, Session},
     model::{Grant, Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
     moves,
 };
@@ -68,6 +68,7 @@ macro_rules! conformance_suite {
                 a_fork_copies_the_steps_before_it_and_their_events_and_only_reads_the_origin,
                 a_fork_is_refused_unchanged_where_it_cannot_start,
                 a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_its_step,
+                a_watcher_reads_what_waits_decided_then_each_change_after_its_cursor,
             );
         }
     };
@@ -1319,4 +1320,60 @@ pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_it
     );
     on(&store, &id, |m| m.begin_model_step(&grant, 3)).unwrap();
     assert_eq!(last_payload(&store, &id), json!({"attempt": 1}));
+}
+
+/// The runs and kinds of what a poll read, in order.
+fn changed(changes: &Changes) -> Vec<(RunId, ChangeKind)> {
+    changes
+        .changes
+        .iter()
+        .map(|change| (change.run_id.clone(), change.kind))
+        .collect()
+}
+
+pub(crate) fn a_watcher_reads_what_waits_decided_then_each_change_after_its_cursor(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    // Decided before anyone watched: the first poll finds it among the waiting runs.
+    waiting(&store, &run("early"));
+    waiting(&store, &run("undecided"));
+    create(&store, &run("running"), &me());
+    store
+        .record_approval(&Approval::approve(run("early"), "c1", "alice"))
+        .unwrap();
+    let mut watcher = store.watcher().unwrap();
+    let first = watcher.poll().unwrap().expect("the first poll reads");
+    assert!(first.resync, "the first poll may have missed cancels");
+    assert_eq!(changed(&first), [(run("early"), ChangeKind::Decided)]);
+    assert_eq!(first.changes[0].agent, "agent");
+    assert_eq!(watcher.poll().unwrap(), None, "nothing committed since");
+
+    // Committed afterwards: read from the feed once each, in commit order. The moves of an
+    // ordinary run (a start, a model step, a pause) are no change.
+    waiting(&store, &run("late"));
+    store
+        .record_approval(&Approval::deny(run("late"), "c1", "bob"))
+        .unwrap();
+    store.cancel(&run("running"), "operator").unwrap();
+    store.cancel(&run("undecided"), "operator").unwrap();
+    // Refused: no change.
+    store.cancel(&run("running"), "again").unwrap_err();
+    let next = watcher.poll().unwrap().expect("changes were committed");
+    assert!(!next.resync);
+    assert_eq!(
+        changed(&next),
+        [
+            (run("late"), ChangeKind::Decided),
+            (run("running"), ChangeKind::Cancelled),
+            (run("undecided"), ChangeKind::Cancelled),
+        ]
+    );
+    assert_eq!(watcher.poll().unwrap(), None);
+    create(&store, &run("another"), &me());
+    assert_eq!(
+        watcher.poll().unwrap(),
+        None,
+        "a commit that changed nothing watched"
+    );
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{
-    backend::{Backend, MoveObserver, Reads, Session, Tx},
+    backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
     health::Health,
     model::Now,
     moves::{self, Move},
@@ -51,6 +51,11 @@ impl Store {
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
         self.backend.clone().session(clock, observer)
+    }
+
+    /// A watcher of this store's change feed.
+    pub(crate) fn watcher(&self) -> Result<Box<dyn Watcher>> {
+        self.backend.clone().watcher()
     }
 
     /// The schema version of this database.

@@ -35,6 +35,7 @@ mod renewal;
 pub(crate) mod sql;
 #[cfg(unix)]
 mod wal_vfs;
+mod watcher;
 mod writer;
 
 #[cfg(any(test, feature = "testkit"))]

@@ -41,7 +41,7 @@ pub use actors::{
     supervisor::{
         CancelRun, Config, DEFAULT_LEASE_TTL, DecideAndResume, ForkRun, RecordApproval, Recovery,
         RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor,
-        SupervisorBuilder,
+        SupervisorBuilder, Watch,
     },
 };
 pub use agent::{

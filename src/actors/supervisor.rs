@@ -2,8 +2,10 @@
 //! and spawns one `RunActor` per run.
 
 mod recovery;
+mod watch;
 
 pub use recovery::Recovery;
+pub use watch::Watch;
 
 use crate::store::moves::Move;
 use std::{
@@ -60,6 +62,7 @@ pub struct Config {
     start_margin: Option<Duration>,
     observer: Option<Arc<dyn MoveObserver>>,
     recovery: Option<Recovery>,
+    watch: Option<Watch>,
 }
 
 impl Default for Config {
@@ -71,6 +74,7 @@ impl Default for Config {
             start_margin: None,
             observer: None,
             recovery: None,
+            watch: None,
         }
     }
 }
@@ -126,6 +130,16 @@ impl Config {
         self
     }
 
+    /// Watches the store for decisions and cancels recorded elsewhere (another process, the
+    /// CLI, [`Store::record_approval`]): a decided run of one of its agents is resumed, and a
+    /// cancelled run it executes has its tool told, within about a poll period (see
+    /// [`Watch`]). Off by default: without it, a decision waits for a [`ResumeRun`], and a
+    /// cancel reaches the loop at its next write or lease renewal.
+    pub fn watch(mut self, watch: Watch) -> Self {
+        self.watch = Some(watch);
+        self
+    }
+
     /// Tells `observer` of every move the supervisor's store actor applies, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
@@ -167,6 +181,7 @@ impl std::fmt::Debug for Config {
             .field("start_margin", &self.start_margin)
             .field("observer", &self.observer.is_some())
             .field("recovery", &self.recovery)
+            .field("watch", &self.watch)
             .finish_non_exhaustive()
     }
 }
@@ -201,6 +216,7 @@ pub struct Supervisor {
     settled_subscribers: Vec<Recipient<RunSettled>>,
     recovery: Option<Recovery>,
     recovering: recovery::Recovering,
+    watching: watch::Watching,
 }
 
 /// Assembles a [`Supervisor`].
@@ -242,6 +258,10 @@ impl SupervisorBuilder {
             Some(renewer) => Renewer::Own(renewer),
             None => Renewer::Store(store_actor.addr().clone()),
         };
+        let watcher = match self.config.watch.clone() {
+            Some(watch) => Some((watch, self.store.watcher()?)),
+            None => None,
+        };
         let keeper_arbiter = Arbiter::new();
         let owner = holder.owner.clone();
         let keeper = LeaseKeeper::start_in_arbiter(&keeper_arbiter.handle(), move |_| {
@@ -260,6 +280,7 @@ impl SupervisorBuilder {
             settled_subscribers: Vec::new(),
             recovery: self.config.recovery.clone(),
             recovering: Default::default(),
+            watching: watch::Watching::new(watcher),
         }
         .start())
     }
@@ -320,7 +341,7 @@ impl Supervisor {
         Box::pin(
             async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }
                 .into_actor(self)
-                .map(move |result, this: &mut Supervisor, _| {
+                .map(move |result, this: &mut Supervisor, ctx| {
                     if this
                         .executing
                         .get(&run_id)
@@ -329,6 +350,7 @@ impl Supervisor {
                         this.executing.remove(&run_id);
                     }
                     this.tell_settled(&run_id, &result);
+                    this.watched_execution_ended(&run_id, &result, ctx);
                     result
                 }),
         )
@@ -378,6 +400,7 @@ impl Actor for Supervisor {
         // the back-pressure a burst of StartRun should meet.
         tracing::debug!(store = ?self.store, "supervisor started");
         self.start_recovery(ctx);
+        self.start_watch(ctx);
     }
 }
 
@@ -669,7 +692,8 @@ impl Handler<ForkRun> for Supervisor {
 }
 
 /// An operator cancels a run that is running or waiting. A tool running at that moment is told
-/// through its cancellation signal; its outcome is still recorded, marked late.
+/// through its cancellation signal; its outcome is still recorded, marked late. The run may be
+/// executed by another supervisor: one with [`Config::watch`] tells its tool too.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct CancelRun {
@@ -716,7 +740,8 @@ impl Handler<CancelRun> for Supervisor {
 }
 
 /// Records an operator's approval or denial of a waiting tool call. Resume the run afterwards
-/// with [`ResumeRun`].
+/// with [`ResumeRun`], or let a supervisor with [`Config::watch`] (this one included) resume
+/// it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct RecordApproval(pub Approval);
@@ -749,17 +774,22 @@ impl Handler<DecideAndResume> for Supervisor {
     fn handle(&mut self, msg: DecideAndResume, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
+        // Before the decision commits: the watch, which hears of it, leaves the resume to us.
+        self.claim(&run_id);
         let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
             Move::new(tx, now, &approval.run_id).record_approval(&approval)
         });
         let record = self.store_actor.apply(record, Durability::Durable);
         Box::pin(
-            record.into_actor(self).then(
-                move |recorded, this: &mut Supervisor, _| match recorded {
-                    Ok(()) => this.execute(run_id, Job::Resume),
-                    Err(err) => Box::pin(actix::fut::ready(Err(err))),
-                },
-            ),
+            record
+                .into_actor(self)
+                .then(move |recorded, this: &mut Supervisor, ctx| {
+                    this.unclaim(&run_id, recorded.is_ok(), ctx);
+                    match recorded {
+                        Ok(()) => this.execute(run_id, Job::Resume),
+                        Err(err) => Box::pin(actix::fut::ready(Err(err))),
+                    }
+                }),
         )
     }
 }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Config, EventKind, Message, ModelResponse, Outcome, RequireApprovalFor, RunId,
+    Agent, Approval, Config, EventKind, Message, ModelResponse, Outcome, RequireApprovalFor, RunId,
     RunSettled, RunState, SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext,
     ToolError, ToolResult, Watch, async_trait,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
@@ -336,13 +336,17 @@ fn of_two_watching_supervisors_one_resumes_each_decided_run() {
 fn a_decision_recorded_while_no_supervisor_ran_is_picked_up_at_start() {
     let db = TempStore::new();
     let pay = RecordingTool::new("pay");
-    let (store, path) = (db.open(), db.path());
+    let store = db.open();
     let agent = approving(pay_then_answer(), pay.clone());
     // Paused by a supervisor without the watch, which then stops.
     with_system(|| async move {
         waiting_run(store, Config::default(), agent, "r1").await;
     });
-    with_system(|| async move { cli(&path, &["approve", "r1", "pay-1", "--by", "alice"]).await });
+    // Through a handle of its own, as another process would (the CLI's read-only checks may
+    // meet the files of the supervisor above still closing on its threads).
+    db.open()
+        .record_approval(&Approval::approve(RunId::from("r1"), "pay-1", "alice"))
+        .unwrap();
 
     let (store, agent) = (db.open(), approving(pay_then_answer(), pay.clone()));
     let settled = with_system(|| async move {

@@ -432,7 +432,8 @@ pub(crate) struct Session {
 /// What a committed change asks of a watching supervisor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChangeKind {
-    /// A decision was recorded for a waiting call of the run: a resume may act on it.
+    /// A decision was recorded for the run's waiting call, and the run still waits with it
+    /// (as the poll read it): a resume acts on it.
     Decided,
     /// The run was cancelled: the tool running for it, if any, is to be told.
     Cancelled,
@@ -449,7 +450,7 @@ pub(crate) struct Change {
 /// What a watcher read at one poll.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Changes {
-    /// In commit order; a run may appear more than once.
+    /// In commit order; a run is decided once at most.
     pub changes: Vec<Change>,
     /// The feed could not say everything since the last poll (the first poll, or one that fell
     /// further behind than the feed keeps): the runs waiting for approval whose decision is

@@ -1376,4 +1376,23 @@ pub(crate) fn a_watcher_reads_what_waits_decided_then_each_change_after_its_curs
         None,
         "a commit that changed nothing watched"
     );
+
+    // A decision acted on before the poll (the run resumed already) is no news.
+    waiting(&store, &run("resumed"));
+    store
+        .record_approval(&Approval::approve(run("resumed"), "c1", "alice"))
+        .unwrap();
+    on(&store, &run("resumed"), |m| {
+        m.resume_waiting(
+            &me(),
+            2,
+            0,
+            &call("c1"),
+            crate::ApprovalReason::Policy,
+            &allow(),
+            "approval",
+        )
+    })
+    .unwrap();
+    assert_eq!(watcher.poll().unwrap(), None);
 }

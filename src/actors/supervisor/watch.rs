@@ -164,12 +164,14 @@ impl Supervisor {
             self.watching.deferred.insert(run_id);
             return;
         }
-        self.resume_if_decided(run_id, ctx);
+        // The watch read it waiting with its decision, a moment ago.
+        self.resume_decided(run_id, ctx);
     }
 
     /// Resumes `run_id` if it waits for a call whose decision is recorded, once read: a
-    /// decision this supervisor acted on already (its own `DecideAndResume`, whose run may
-    /// have paused again since) resumes nothing, and settles nothing twice.
+    /// decision heard during an execution of this supervisor may be one that execution acted
+    /// on (its own `DecideAndResume`'s), and resuming a run that pauses again for another call
+    /// would only settle it twice.
     fn resume_if_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         let id = run_id.clone();
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {

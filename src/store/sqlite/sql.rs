@@ -660,19 +660,21 @@ pub(crate) fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, 
 }
 
 /// The runs waiting for approval whose waiting call has its decision recorded (for the
-/// attempt it would start: the step's attempts plus one, as `moves::load` reads it), as
-/// decided changes. Through `runs_by_state` to the waiting runs, the partial index of waiting
-/// calls (`steps_waiting_call`: the literal state lets SQLite use it) and the approvals' key:
-/// what it reads grows with the runs that wait, not with every run.
+/// attempt it would start: the step's attempts plus one, as `moves::load` reads it). Through
+/// `runs_by_state` (or the runs' key) to the waiting runs, the partial index of waiting calls
+/// (`steps_waiting_call`: the literal state lets SQLite use it) and the approvals' key: what
+/// it reads grows with the runs that wait, not with every run.
+const DECIDED_WAITING: &str = "FROM runs
+     JOIN steps ON steps.run_id = runs.id AND steps.state = 'waiting'
+     JOIN approvals ON approvals.run_id = steps.run_id AND approvals.step = steps.step
+                   AND approvals.attempt = steps.attempt + 1
+     WHERE runs.state = 'WAITING_FOR_APPROVAL'";
+
+/// Every run that waits for approval with its decision recorded, as decided changes.
 pub(crate) fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
-    conn.prepare_cached(
-        "SELECT runs.id, runs.agent FROM runs
-         JOIN steps ON steps.run_id = runs.id AND steps.state = 'waiting'
-         JOIN approvals ON approvals.run_id = steps.run_id AND approvals.step = steps.step
-                       AND approvals.attempt = steps.attempt + 1
-         WHERE runs.state = 'WAITING_FOR_APPROVAL'
-         ORDER BY runs.created_at, runs.id",
-    )
+    conn.prepare_cached(&format!(
+        "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
+    ))
     .db()?
     .query_map([], |row| {
         Ok(Change {
@@ -684,6 +686,15 @@ pub(crate) fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     .db()?
     .collect::<rusqlite::Result<_>>()
     .db()
+}
+
+/// Whether `run_id` waits for approval with its decision recorded: a decision already acted
+/// on (the run resumed, and maybe paused again since) is no longer news.
+pub(crate) fn waits_decided(conn: &Connection, run_id: &RunId) -> Result<bool> {
+    conn.prepare_cached(&format!("SELECT 1 {DECIDED_WAITING} AND runs.id = ?1"))
+        .db()?
+        .exists([run_id.as_str()])
+        .db()
 }
 
 /// SQLite's `PRAGMA integrity_check`: `["ok"]`, or the problems found.

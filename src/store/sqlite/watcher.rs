@@ -2,7 +2,7 @@
 //! (it changes when any other connection, in this process or another, commits) and, when it
 //! changed, reads the change feed after its cursor.
 
-use std::sync::Arc;
+use std::{collections::HashSet, sync::Arc};
 
 use rusqlite::{Connection, OpenFlags, config::DbConfig};
 
@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     error::Result,
-    store::backend::{Change, Changes, Watcher},
+    store::backend::{ChangeKind, Changes, Watcher},
 };
 
 /// Where the watcher reads.
@@ -106,26 +106,42 @@ impl Watcher for SqliteWatcher {
         if version.is_some() && version == self.version {
             return Ok(None);
         }
-        let (rows, decided) = self.read(|conn| {
+        let read = self.read(|conn| {
             let rows = sql::changes_after(conn, cursor)?;
-            // Ids are given one after the other (a rolled-back insert gives its id back):
-            // a first id past the next one means the trimming took changes this poll never
-            // read, and the waiting runs are read instead.
-            let behind = rows.first().is_some_and(|(id, _)| *id > cursor + 1);
-            let decided = behind
-                .then(|| sql::decided_waiting_runs(conn))
-                .transpose()?;
-            Ok((rows, decided))
+            let Some(&(last, _)) = rows.last() else {
+                // A commit that recorded no decision and cancelled no run.
+                return Ok(None);
+            };
+            // Ids are given one after the other (a rolled-back insert gives its id back): a
+            // first id past the next one means the trimming took changes this poll never read.
+            let behind = rows[0].0 > cursor + 1;
+            let mut changes = Vec::new();
+            let mut decided = HashSet::new();
+            for (_, change) in rows {
+                // The decisions as this snapshot has them: one acted on already (the run
+                // resumed, and maybe paused again since) is no news, nor is a run twice.
+                if change.kind == ChangeKind::Decided
+                    && (behind
+                        || !decided.insert(change.run_id.clone())
+                        || !sql::waits_decided(conn, &change.run_id)?)
+                {
+                    continue;
+                }
+                changes.push(change);
+            }
+            if behind {
+                changes.extend(sql::decided_waiting_runs(conn)?);
+            }
+            Ok(Some((last, changes, behind)))
         })?;
         self.version = version;
-        let Some(&(last, _)) = rows.last() else {
-            // A commit that changed no decision and no run's state.
+        let Some((last, changes, resync)) = read else {
             return Ok(None);
         };
         self.cursor = Some(last);
-        let resync = decided.is_some();
-        let mut changes: Vec<Change> = rows.into_iter().map(|(_, change)| change).collect();
-        changes.extend(decided.unwrap_or_default());
+        if changes.is_empty() && !resync {
+            return Ok(None);
+        }
         Ok(Some(Changes { changes, resync }))
     }
 }

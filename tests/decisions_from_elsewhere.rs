@@ -496,6 +496,10 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
                 .unwrap();
             // One run at a time: the scripted model answers in turn.
             heard(&mut rx, 2 * n + 1).await;
+            // A pause spread over a poll period (the golden ratio's steps): decisions that
+            // follow each other at the loop's own pace would fall at one point of every period.
+            let spread = (n as f64 * 0.618_033_988_75).fract();
+            actix_rt::time::sleep(Duration::from_millis(50).mul_f64(spread)).await;
             cli(&path, &["approve", id, "pay-1", "--by", "alice"]).await;
             heard(&mut rx, 2 * n + 2).await;
         }

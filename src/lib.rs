@@ -41,7 +41,7 @@ pub use actors::{
     supervisor::{
         CancelRun, Config, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume,
         ForkRun, RecordApproval, Recovery, RegisterAgent, ResumeRun, RunSettled, SpawnRun,
-        StartRun, SubscribeRuns, Supervisor, SupervisorBuilder,
+        StartRun, SubscribeRuns, Supervisor, SupervisorBuilder, Watch,
     },
 };
 pub use agent::{

@@ -3,9 +3,11 @@
 
 mod admission;
 mod recovery;
+mod watch;
 
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 pub use recovery::Recovery;
+pub use watch::Watch;
 
 use crate::store::moves::Move;
 use std::{
@@ -63,6 +65,7 @@ pub struct Config {
     observer: Option<Arc<dyn MoveObserver>>,
     recovery: Option<Recovery>,
     max_concurrent_runs: usize,
+    watch: Option<Watch>,
 }
 
 impl Default for Config {
@@ -75,6 +78,7 @@ impl Default for Config {
             observer: None,
             recovery: None,
             max_concurrent_runs: DEFAULT_MAX_CONCURRENT_RUNS,
+            watch: None,
         }
     }
 }
@@ -143,6 +147,16 @@ impl Config {
         self
     }
 
+    /// Watches the store for decisions and cancels recorded elsewhere (another process, the
+    /// CLI, [`Store::record_approval`]): a decided run of one of its agents is resumed, and a
+    /// cancelled run it executes has its tool told, within about a poll period (see
+    /// [`Watch`]). Off by default: without it, a decision waits for a [`ResumeRun`], and a
+    /// cancel reaches the loop at its next write or lease renewal.
+    pub fn watch(mut self, watch: Watch) -> Self {
+        self.watch = Some(watch);
+        self
+    }
+
     /// Tells `observer` of every move the supervisor's store actor applies, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
@@ -185,6 +199,7 @@ impl std::fmt::Debug for Config {
             .field("observer", &self.observer.is_some())
             .field("recovery", &self.recovery)
             .field("max_concurrent_runs", &self.max_concurrent_runs)
+            .field("watch", &self.watch)
             .finish_non_exhaustive()
     }
 }
@@ -222,6 +237,7 @@ pub struct Supervisor {
     /// The most runs executing at once, and the runs that wait for a slot.
     max_running: usize,
     admission: admission::Admission,
+    watching: watch::Watching,
 }
 
 /// Assembles a [`Supervisor`].
@@ -263,6 +279,10 @@ impl SupervisorBuilder {
             Some(renewer) => Renewer::Own(renewer),
             None => Renewer::Store(store_actor.addr().clone()),
         };
+        let watcher = match self.config.watch.clone() {
+            Some(watch) => Some((watch, self.store.watcher()?)),
+            None => None,
+        };
         let keeper_arbiter = Arbiter::new();
         let owner = holder.owner.clone();
         let keeper = LeaseKeeper::start_in_arbiter(&keeper_arbiter.handle(), move |_| {
@@ -283,6 +303,7 @@ impl SupervisorBuilder {
             recovering: Default::default(),
             max_running: self.config.max_concurrent_runs,
             admission: Default::default(),
+            watching: watch::Watching::new(watcher),
         }
         .start())
     }
@@ -364,6 +385,7 @@ impl Supervisor {
                         this.executing.remove(&run_id);
                     }
                     this.tell_settled(&run_id, &result);
+                    this.watched_execution_ended(&run_id, &result, ctx);
                     this.admit_waiting(ctx);
                     result
                 }),
@@ -414,6 +436,7 @@ impl Actor for Supervisor {
         // the back-pressure a burst of StartRun should meet.
         tracing::debug!(store = ?self.store, "supervisor started");
         self.start_recovery(ctx);
+        self.start_watch(ctx);
     }
 }
 
@@ -705,7 +728,8 @@ impl Handler<ForkRun> for Supervisor {
 }
 
 /// An operator cancels a run that is running or waiting. A tool running at that moment is told
-/// through its cancellation signal; its outcome is still recorded, marked late.
+/// through its cancellation signal; its outcome is still recorded, marked late. The run may be
+/// executed by another supervisor: one with [`Config::watch`] tells its tool too.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct CancelRun {
@@ -752,7 +776,8 @@ impl Handler<CancelRun> for Supervisor {
 }
 
 /// Records an operator's approval or denial of a waiting tool call. Resume the run afterwards
-/// with [`ResumeRun`].
+/// with [`ResumeRun`], or let a supervisor with [`Config::watch`] (this one included) resume
+/// it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct RecordApproval(pub Approval);
@@ -785,17 +810,22 @@ impl Handler<DecideAndResume> for Supervisor {
     fn handle(&mut self, msg: DecideAndResume, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
+        // Before the decision commits: the watch, which hears of it, leaves the resume to us.
+        self.claim(&run_id);
         let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
             Move::new(tx, now, &approval.run_id).record_approval(&approval)
         });
         let record = self.store_actor.apply(record, Durability::Durable);
         Box::pin(
-            record.into_actor(self).then(
-                move |recorded, this: &mut Supervisor, _| match recorded {
-                    Ok(()) => this.execute(run_id, Job::Resume),
-                    Err(err) => Box::pin(actix::fut::ready(Err(err))),
-                },
-            ),
+            record
+                .into_actor(self)
+                .then(move |recorded, this: &mut Supervisor, ctx| {
+                    this.unclaim(&run_id, recorded.is_ok(), ctx);
+                    match recorded {
+                        Ok(()) => this.execute(run_id, Job::Resume),
+                        Err(err) => Box::pin(actix::fut::ready(Err(err))),
+                    }
+                }),
         )
     }
 }

@@ -10,6 +10,8 @@
 //!   and hands them to the writer in batches; the writer commits them with the durability each
 //!   asked for and answers each caller. The lease keeper renews through the renewer, or through
 //!   the writer where the backend has no second connection.
+//! - [`Watcher`]: a supervisor's view of the decisions and cancels that any writer commits
+//!   (another process, the CLI, its own writer), read from a change feed.
 
 use std::{any::Any, sync::Arc, time::Duration};
 
@@ -461,6 +463,47 @@ pub(crate) struct Session {
     pub renewer: Option<Box<dyn Renewer>>,
 }
 
+/// What a committed change asks of a watching supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ChangeKind {
+    /// A decision was recorded for the run's waiting call, and the run still waits with it
+    /// (as the poll read it): a resume acts on it.
+    Decided,
+    /// The run was cancelled: the tool running for it, if any, is to be told.
+    Cancelled,
+}
+
+/// One change of the feed: a run of an agent, and what happened to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Change {
+    pub run_id: RunId,
+    pub agent: String,
+    pub kind: ChangeKind,
+}
+
+/// What a watcher read at one poll.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Changes {
+    /// In commit order; a run is decided once at most.
+    pub changes: Vec<Change>,
+    /// The feed could not say everything since the last poll (the first poll, or one that fell
+    /// further behind than the feed keeps): the runs waiting for approval whose decision is
+    /// recorded are among `changes`, read from the runs themselves, but cancels may be
+    /// missing: the supervisor reads the state of the runs it executes.
+    pub resync: bool,
+}
+
+/// Reads the changes committed by any writer of the store, on a thread of the caller's that
+/// may block. Writes nothing.
+pub(crate) trait Watcher: Send {
+    /// The changes committed since the last poll that read some; `None` when nothing was
+    /// committed since (a cheap check). The first poll finds where the feed stands and reads
+    /// the runs waiting for approval whose decision is recorded (decided while nobody
+    /// watched), with `resync` set. An error leaves the cursor where it was: the next poll
+    /// reads the same changes again.
+    fn poll(&mut self) -> Result<Option<Changes>>;
+}
+
 /// A store's backend.
 pub(crate) trait Backend: Send + Sync + 'static {
     /// For `Debug`: where the data lives.
@@ -481,6 +524,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session>;
+    /// A watcher of the store's change feed, for a supervisor with `Config::watch`.
+    fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>>;
     /// A health report.
     fn health(&self) -> Result<crate::store::Health>;
     /// Gives the free space of the database back to the disk, where the database allows it,

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use super::{
     Store,
-    backend::Session,
+    backend::{ChangeKind, Changes, Session},
     model::{Grant, Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
     moves,
 };
@@ -71,6 +71,7 @@ macro_rules! conformance_suite {
                 a_purge_deletes_every_row_of_the_finished_runs_and_none_of_a_live_one,
                 a_purge_by_id_refuses_an_unknown_or_unfinished_run_and_deletes_nothing,
                 runs_are_listed_a_page_at_a_time_each_once_and_filtered,
+                a_watcher_reads_what_waits_decided_then_each_change_after_its_cursor,
             );
         }
     };
@@ -1526,4 +1527,79 @@ pub(crate) fn runs_are_listed_a_page_at_a_time_each_once_and_filtered(f: &dyn Fi
         let err = store.list_runs(&query).unwrap_err();
         assert!(matches!(err, Error::InvalidInput(_)), "{err}");
     }
+}
+
+/// The runs and kinds of what a poll read, in order.
+fn changed(changes: &Changes) -> Vec<(RunId, ChangeKind)> {
+    changes
+        .changes
+        .iter()
+        .map(|change| (change.run_id.clone(), change.kind))
+        .collect()
+}
+
+pub(crate) fn a_watcher_reads_what_waits_decided_then_each_change_after_its_cursor(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    // Decided before anyone watched: the first poll finds it among the waiting runs.
+    waiting(&store, &run("early"));
+    waiting(&store, &run("undecided"));
+    create(&store, &run("running"), &me());
+    store
+        .record_approval(&Approval::approve(run("early"), "c1", "alice"))
+        .unwrap();
+    let mut watcher = store.watcher().unwrap();
+    let first = watcher.poll().unwrap().expect("the first poll reads");
+    assert!(first.resync, "the first poll may have missed cancels");
+    assert_eq!(changed(&first), [(run("early"), ChangeKind::Decided)]);
+    assert_eq!(first.changes[0].agent, "agent");
+    assert_eq!(watcher.poll().unwrap(), None, "nothing committed since");
+
+    // Committed afterwards: read from the feed once each, in commit order. The moves of an
+    // ordinary run (a start, a model step, a pause) are no change.
+    waiting(&store, &run("late"));
+    store
+        .record_approval(&Approval::deny(run("late"), "c1", "bob"))
+        .unwrap();
+    store.cancel(&run("running"), "operator").unwrap();
+    store.cancel(&run("undecided"), "operator").unwrap();
+    // Refused: no change.
+    store.cancel(&run("running"), "again").unwrap_err();
+    let next = watcher.poll().unwrap().expect("changes were committed");
+    assert!(!next.resync);
+    assert_eq!(
+        changed(&next),
+        [
+            (run("late"), ChangeKind::Decided),
+            (run("running"), ChangeKind::Cancelled),
+            (run("undecided"), ChangeKind::Cancelled),
+        ]
+    );
+    assert_eq!(watcher.poll().unwrap(), None);
+    create(&store, &run("another"), &me());
+    assert_eq!(
+        watcher.poll().unwrap(),
+        None,
+        "a commit that changed nothing watched"
+    );
+
+    // A decision acted on before the poll (the run resumed already) is no news.
+    waiting(&store, &run("resumed"));
+    store
+        .record_approval(&Approval::approve(run("resumed"), "c1", "alice"))
+        .unwrap();
+    on(&store, &run("resumed"), |m| {
+        m.resume_waiting(
+            &me(),
+            2,
+            0,
+            &call("c1"),
+            crate::ApprovalReason::Policy,
+            &allow(),
+            "approval",
+        )
+    })
+    .unwrap();
+    assert_eq!(watcher.poll().unwrap(), None);
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::{
-    backend::{Backend, MoveObserver, Reads, Session, Tx},
+    backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
     health::Health,
     model::Now,
     moves::{self, Move},
@@ -51,6 +51,11 @@ impl Store {
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
         self.backend.clone().session(clock, observer)
+    }
+
+    /// A watcher of this store's change feed.
+    pub(crate) fn watcher(&self) -> Result<Box<dyn Watcher>> {
+        self.backend.clone().watcher()
     }
 
     /// The schema version of this database.
@@ -127,8 +132,10 @@ impl Store {
     }
 
     /// An operator's cancel, from outside a supervisor (a command-line tool, say), stamped by
-    /// the system clock. A supervisor executing the run learns it at its next lease renewal:
-    /// its loop stops at its next write, and a tool running then has its outcome recorded late.
+    /// the system clock. A supervisor executing the run with
+    /// [`Config::watch`](crate::Config::watch) fires its tool's cancellation signal within
+    /// about a poll; one without learns it at its next lease renewal or write. Either way its
+    /// loop stops at its next write, and a tool running then has its outcome recorded late.
     pub fn cancel(&self, run_id: &RunId, reason: &str) -> Result<()> {
         self.transact(&SystemClock, |tx, now| {
             Move::new(tx, now, run_id).cancel_run(reason)
@@ -136,7 +143,8 @@ impl Store {
     }
 
     /// Records an operator's approval or denial of a waiting call, from outside a supervisor,
-    /// stamped by the system clock. Resume the run afterwards.
+    /// stamped by the system clock. Resume the run afterwards, or let a supervisor with
+    /// [`Config::watch`](crate::Config::watch) and the run's agent do it.
     pub fn record_approval(&self, approval: &Approval) -> Result<()> {
         self.transact(&SystemClock, |tx, now| {
             Move::new(tx, now, &approval.run_id).record_approval(approval)

@@ -9,6 +9,7 @@ use super::{
     database::Sqlite,
     open::user_version,
     sql::{self, Sql},
+    watcher::SqliteWatcher,
     writer,
 };
 use crate::{
@@ -16,7 +17,7 @@ use crate::{
     error::Result,
     store::{
         Health, SCHEMA_VERSION, SchemaStatus, Space,
-        backend::{Backend, MoveObserver, Reads, Session, Tx},
+        backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::{Now, wall_millis},
         moves,
     },
@@ -55,6 +56,10 @@ impl Backend for Sqlite {
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
         writer::session(self, clock, observer)
+    }
+
+    fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {
+        Ok(Box::new(SqliteWatcher::open(self)?))
     }
 
     fn health(&self) -> Result<Health> {

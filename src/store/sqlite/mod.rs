@@ -36,6 +36,7 @@ mod space;
 pub(crate) mod sql;
 #[cfg(unix)]
 mod wal_vfs;
+mod watcher;
 mod writer;
 
 #[cfg(any(test, feature = "testkit"))]

@@ -41,7 +41,7 @@ use crate::{
     error::{DatabaseError, Error, Result},
     store::{
         Health, SCHEMA_VERSION, SchemaStatus, Space, Store,
-        backend::{Backend, MoveObserver, Reads, Session, Tx},
+        backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
     },
 };
@@ -268,6 +268,11 @@ impl Backend for ReadOnly {
         _: Arc<dyn Clock>,
         _: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
+        Err(self.refused())
+    }
+
+    fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {
+        // Only a supervisor watches, and it needs a store that writes.
         Err(self.refused())
     }
 

@@ -8,7 +8,9 @@ use super::error::Db;
 use crate::{
     error::{Error, Result},
     store::{
-        backend::{LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx},
+        backend::{
+            Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
+        },
         listing::ListQuery,
         model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
         moves::FIRST_TOKEN,
@@ -786,6 +788,88 @@ impl LeaseWrites for Sql<'_> {
             .db()?;
         Ok(changed == 1)
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The change feed (`run_changes`, filled by triggers), read by the watcher
+
+/// The id of the last change in the feed; 0 for an empty one. The largest rowid: one step
+/// down the table's tree.
+pub(crate) fn last_change(conn: &Connection) -> Result<i64> {
+    conn.prepare_cached("SELECT COALESCE(MAX(id), 0) FROM run_changes")
+        .db()?
+        .query_row([], |row| row.get(0))
+        .db()
+}
+
+/// The changes after `cursor`, in order, each with its id: a range of the primary key, so a
+/// poll reads only what is new.
+pub(crate) fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
+    let rows: Vec<(i64, String, String, String)> = conn
+        .prepare_cached("SELECT id, run_id, agent, kind FROM run_changes WHERE id > ?1 ORDER BY id")
+        .db()?
+        .query_map([cursor], |row| {
+            Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+        })
+        .db()?
+        .collect::<rusqlite::Result<_>>()
+        .db()?;
+    rows.into_iter()
+        .map(|(id, run_id, agent, kind)| {
+            let kind = match kind.as_str() {
+                "decided" => ChangeKind::Decided,
+                "cancelled" => ChangeKind::Cancelled,
+                other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
+            };
+            let run_id = RunId::from(run_id);
+            Ok((
+                id,
+                Change {
+                    run_id,
+                    agent,
+                    kind,
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The runs waiting for approval whose waiting call has its decision recorded (for the
+/// attempt it would start: the step's attempts plus one, as `moves::load` reads it). Through
+/// `runs_by_state` (or the runs' key) to the waiting runs, the partial index of waiting calls
+/// (`steps_waiting_call`: the literal state lets SQLite use it) and the approvals' key: what
+/// it reads grows with the runs that wait, not with every run.
+const DECIDED_WAITING: &str = "FROM runs
+     JOIN steps ON steps.run_id = runs.id AND steps.state = 'waiting'
+     JOIN approvals ON approvals.run_id = steps.run_id AND approvals.step = steps.step
+                   AND approvals.attempt = steps.attempt + 1
+     WHERE runs.state = 'WAITING_FOR_APPROVAL'";
+
+/// Every run that waits for approval with its decision recorded, as decided changes.
+pub(crate) fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
+    conn.prepare_cached(&format!(
+        "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
+    ))
+    .db()?
+    .query_map([], |row| {
+        Ok(Change {
+            run_id: RunId::from(row.get::<_, String>(0)?),
+            agent: row.get(1)?,
+            kind: ChangeKind::Decided,
+        })
+    })
+    .db()?
+    .collect::<rusqlite::Result<_>>()
+    .db()
+}
+
+/// Whether `run_id` waits for approval with its decision recorded: a decision already acted
+/// on (the run resumed, and maybe paused again since) is no longer news.
+pub(crate) fn waits_decided(conn: &Connection, run_id: &RunId) -> Result<bool> {
+    conn.prepare_cached(&format!("SELECT 1 {DECIDED_WAITING} AND runs.id = ?1"))
+        .db()?
+        .exists([run_id.as_str()])
+        .db()
 }
 
 /// SQLite's `PRAGMA integrity_check`: `["ok"]`, or the problems found.

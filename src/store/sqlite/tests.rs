@@ -95,7 +95,7 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 9);
+    assert_eq!(SCHEMA_VERSION, 10);
 }
 
 #[test]
@@ -598,4 +598,34 @@ fn sqlite_each_kind_of_fault_fails_the_next_call_of_its_kind_on_this_store_only(
     assert_eq!(sqlite.faults.injected(), 1);
     assert!(create_run(&store, &RunId::from("r2"), me, ttl).is_err());
     assert_eq!(sqlite.faults.injected(), 2);
+}
+
+#[test]
+fn a_watcher_that_fell_behind_the_bounded_feed_reads_the_waiting_runs_instead() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("db.sqlite")).unwrap();
+    let mut watcher = store.watcher().unwrap();
+    assert!(watcher.poll().unwrap().unwrap().changes.is_empty());
+    // More changes than the feed keeps between two polls.
+    lock(&Sqlite::of(&store).unwrap().writer)
+        .execute_batch(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 1100)
+             INSERT INTO run_changes (run_id, agent, kind) SELECT 'r' || i, 'a', 'cancelled' FROM n",
+        )
+        .unwrap();
+    let kept: i64 = Sqlite::of(&store)
+        .unwrap()
+        .connection()
+        .unwrap()
+        .query_row("SELECT count(*) FROM run_changes", [], |row| row.get(0))
+        .unwrap();
+    assert_eq!(kept, 1024, "the feed is bounded");
+    let behind = watcher.poll().unwrap().unwrap();
+    assert!(
+        behind.resync,
+        "the changes trimmed unread may have been cancels"
+    );
+    assert_eq!(behind.changes.len(), 1024);
+    assert_eq!(behind.changes[0].run_id, RunId::from("r77"));
+    assert_eq!(watcher.poll().unwrap(), None);
 }

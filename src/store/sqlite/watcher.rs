@@ -1,0 +1,147 @@
+//! The watcher on SQLite: a read-only connection of its own that polls `PRAGMA data_version`
+//! (it changes when any other connection, in this process or another, commits) and, when it
+//! changed, reads the change feed after its cursor.
+
+use std::{collections::HashSet, sync::Arc};
+
+use rusqlite::{Connection, OpenFlags, config::DbConfig};
+
+use super::error::Db;
+use super::{
+    database::Sqlite,
+    open::{Role, configure},
+    sql,
+};
+use crate::{
+    error::Result,
+    store::backend::{ChangeKind, Changes, Watcher},
+};
+
+/// Where the watcher reads.
+enum Source {
+    /// A file store: a connection of the watcher's own, so that neither the application
+    /// holding the inspection connection nor a busy writer delays it.
+    Own(Connection),
+    /// `:memory:`: the one connection, which is the writer's. `data_version` does not change
+    /// for a connection's own commits, so every poll reads the feed (a range of its key past
+    /// the cursor: nothing when nothing is new).
+    Shared(Arc<Sqlite>),
+}
+
+/// A supervisor's watcher of an SQLite store.
+pub(super) struct SqliteWatcher {
+    source: Source,
+    /// The id of the last change read; `None` until the first poll succeeded.
+    cursor: Option<i64>,
+    /// `PRAGMA data_version` as the last poll that read found it (file stores).
+    version: Option<i64>,
+}
+
+impl SqliteWatcher {
+    pub(super) fn open(store: Arc<Sqlite>) -> Result<Self> {
+        let source = match &store.path {
+            None => Source::Shared(store),
+            Some(path) => {
+                // Read-only, and never the checkpoint the last connection to close a database
+                // makes: the watcher writes nothing, and creates nothing the supervisor's own
+                // connections have not (they opened the database, its log and its index first).
+                let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+                let conn = Connection::open_with_flags(path, flags).db()?;
+                configure(&conn, &store.options, true, Role::Reader)?;
+                conn.set_db_config(DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, true)
+                    .db()?;
+                Source::Own(conn)
+            }
+        };
+        Ok(SqliteWatcher {
+            source,
+            cursor: None,
+            version: None,
+        })
+    }
+
+    /// Runs `read` in one read transaction, so that what it reads is one snapshot.
+    fn read<R>(&self, read: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
+        let in_snapshot = |conn: &Connection| {
+            let tx = conn.unchecked_transaction().db()?;
+            let value = read(&tx)?;
+            tx.commit().db()?;
+            Ok(value)
+        };
+        match &self.source {
+            Source::Own(conn) => in_snapshot(conn),
+            Source::Shared(store) => in_snapshot(&store.inspection()),
+        }
+    }
+
+    /// The connection's `data_version`: `None` for the shared connection, which does not see
+    /// its own commits change it.
+    fn data_version(&self) -> Result<Option<i64>> {
+        match &self.source {
+            Source::Own(conn) => conn
+                .prepare_cached("PRAGMA data_version")
+                .db()?
+                .query_row([], |row| row.get(0))
+                .db()
+                .map(Some),
+            Source::Shared(_) => Ok(None),
+        }
+    }
+}
+
+impl Watcher for SqliteWatcher {
+    fn poll(&mut self) -> Result<Option<Changes>> {
+        // Read before the feed: a commit landing after this changes it again, and the next
+        // poll reads what this one missed.
+        let version = self.data_version()?;
+        let Some(cursor) = self.cursor else {
+            let (last, decided) =
+                self.read(|conn| Ok((sql::last_change(conn)?, sql::decided_waiting_runs(conn)?)))?;
+            (self.cursor, self.version) = (Some(last), version);
+            return Ok(Some(Changes {
+                changes: decided,
+                resync: true,
+            }));
+        };
+        if version.is_some() && version == self.version {
+            return Ok(None);
+        }
+        let read = self.read(|conn| {
+            let rows = sql::changes_after(conn, cursor)?;
+            let Some(&(last, _)) = rows.last() else {
+                // A commit that recorded no decision and cancelled no run.
+                return Ok(None);
+            };
+            // Ids are given one after the other (a rolled-back insert gives its id back): a
+            // first id past the next one means the trimming took changes this poll never read.
+            let behind = rows[0].0 > cursor + 1;
+            let mut changes = Vec::new();
+            let mut decided = HashSet::new();
+            for (_, change) in rows {
+                // The decisions as this snapshot has them: one acted on already (the run
+                // resumed, and maybe paused again since) is no news, nor is a run twice.
+                if change.kind == ChangeKind::Decided
+                    && (behind
+                        || !decided.insert(change.run_id.clone())
+                        || !sql::waits_decided(conn, &change.run_id)?)
+                {
+                    continue;
+                }
+                changes.push(change);
+            }
+            if behind {
+                changes.extend(sql::decided_waiting_runs(conn)?);
+            }
+            Ok(Some((last, changes, behind)))
+        })?;
+        self.version = version;
+        let Some((last, changes, resync)) = read else {
+            return Ok(None);
+        };
+        self.cursor = Some(last);
+        if changes.is_empty() && !resync {
+            return Ok(None);
+        }
+        Ok(Some(Changes { changes, resync }))
+    }
+}

@@ -21,6 +21,7 @@ use actix::{
     ResponseActFuture, ResponseFuture, WrapFuture,
 };
 use serde_json::Value;
+use tokio::sync::oneshot;
 
 use super::{
     lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
@@ -321,7 +322,11 @@ impl Supervisor {
 
     /// Executes the run, now or once a slot is free, and answers when the call it serves
     /// returns.
-    fn execute(&mut self, run_id: RunId, job: Job) -> ResponseActFuture<Self, Result<RunReply>> {
+    ///
+    /// The execution runs in a task of its own, not in the supervisor's context: a context
+    /// polls every future it holds at each wake-up, and with thousands of runs at once that
+    /// would cost each run's every move a pass over all the others.
+    fn execute(&mut self, run_id: RunId, job: Job, ctx: &mut Context<Self>) -> Execution {
         if self.executing.contains_key(&run_id) || self.admission.holds(&run_id) {
             // Executing it in another call, or about to: refuse, naming our own lease,
             // without a write.
@@ -334,31 +339,24 @@ impl Supervisor {
                 .store_actor
                 .addr()
                 .send(ReadState::new(move |reads| moves::lease(reads, &id)));
-            return Box::pin(
-                async move {
-                    let expires_at = match read.await?? {
-                        Some(lease) => lease.expires_at,
-                        None => SystemTime::now() + ttl,
-                    };
-                    Err(Error::RunLeased {
-                        run_id,
-                        owner,
-                        expires_at,
-                    })
-                }
-                .into_actor(self),
-            );
+            return Box::pin(async move {
+                let expires_at = match read.await?? {
+                    Some(lease) => lease.expires_at,
+                    None => SystemTime::now() + ttl,
+                };
+                Err(Error::RunLeased {
+                    run_id,
+                    owner,
+                    expires_at,
+                })
+            });
         }
-        self.admit(run_id, job)
+        self.admit(run_id, job, ctx)
     }
 
     /// Spawns the run's actor and answers when the call it serves returns; the slot it took
     /// goes to the next run that waits.
-    fn execute_now(
-        &mut self,
-        run_id: RunId,
-        job: Job,
-    ) -> ResponseActFuture<Self, Result<RunReply>> {
+    fn execute_now(&mut self, run_id: RunId, job: Job, ctx: &mut Context<Self>) -> Execution {
         self.calls += 1;
         let call = self.calls;
         let cancellation = Cancellation::new();
@@ -373,23 +371,73 @@ impl Supervisor {
             keeper: self.keeper.clone(),
             holder: self.holder.clone(),
         };
-        Box::pin(
-            async move { actor.send(msg).await.map_err(|_| Error::StoreUnavailable)? }
-                .into_actor(self)
-                .map(move |result, this: &mut Supervisor, ctx| {
-                    if this
-                        .executing
-                        .get(&run_id)
-                        .is_some_and(|(owner, _)| *owner == call)
-                    {
-                        this.executing.remove(&run_id);
-                    }
-                    this.tell_settled(&run_id, &result);
-                    this.watched_execution_ended(&run_id, &result, ctx);
-                    this.admit_waiting(ctx);
-                    result
-                }),
-        )
+        let (reply, ended) = oneshot::channel();
+        let supervisor = ctx.address();
+        actix_rt::spawn(async move {
+            let result = actor.send(msg).await.map_err(|_| Error::StoreUnavailable);
+            supervisor.do_send(Ended {
+                run_id,
+                call,
+                result: result.and_then(|result| result),
+                reply,
+            });
+        });
+        // A supervisor that stopped meanwhile answers nothing: its store is gone with it.
+        Box::pin(async move { ended.await.unwrap_or(Err(Error::StoreUnavailable)) })
+    }
+}
+
+/// What a call answers: the end of the execution it asked for.
+type Execution = ResponseFuture<Result<RunReply>>;
+
+/// A call that executed a run returned; its caller is answered once the supervisor has
+/// freed its slot and told the subscribers.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Ended {
+    run_id: RunId,
+    call: u64,
+    result: Result<RunReply>,
+    reply: oneshot::Sender<Result<RunReply>>,
+}
+
+impl Handler<Ended> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Ended, ctx: &mut Context<Self>) {
+        let Ended {
+            run_id,
+            call,
+            result,
+            reply,
+        } = msg;
+        if self
+            .executing
+            .get(&run_id)
+            .is_some_and(|(owner, _)| *owner == call)
+        {
+            self.executing.remove(&run_id);
+        }
+        self.tell_settled(&run_id, &result);
+        self.watched_execution_ended(&run_id, &result, ctx);
+        self.admit_waiting(ctx);
+        let _ = reply.send(result);
+    }
+}
+
+/// Executes a run, for a call that first wrote something of its own (a fork).
+#[derive(Message)]
+#[rtype(result = "Result<RunReply>")]
+struct ExecuteRun {
+    run_id: RunId,
+    job: Job,
+}
+
+impl Handler<ExecuteRun> for Supervisor {
+    type Result = Execution;
+
+    fn handle(&mut self, msg: ExecuteRun, ctx: &mut Context<Self>) -> Execution {
+        self.execute(msg.run_id, msg.job, ctx)
     }
 }
 
@@ -483,11 +531,11 @@ impl StartRun {
 }
 
 impl Handler<StartRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunReply>>;
+    type Result = Execution;
 
-    fn handle(&mut self, msg: StartRun, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: StartRun, ctx: &mut Context<Self>) -> Self::Result {
         if !self.agents.contains_key(&msg.agent) {
-            return Box::pin(actix::fut::ready(Err(Error::UnknownAgent(msg.agent))));
+            return Box::pin(std::future::ready(Err(Error::UnknownAgent(msg.agent))));
         }
         let run_id = msg.run_id.unwrap_or_else(RunId::random);
         self.execute(
@@ -497,6 +545,7 @@ impl Handler<StartRun> for Supervisor {
                 input: msg.input,
                 started: None,
             },
+            ctx,
         )
     }
 }
@@ -566,13 +615,13 @@ impl Handler<SpawnRun> for Supervisor {
             input: msg.input,
             started: Some(started),
         };
-        let execution = self.execute(run_id.clone(), job);
-        ctx.spawn(execution.map(move |result, _, _| {
+        let execution = self.execute(run_id.clone(), job, ctx);
+        actix_rt::spawn(async move {
             // Heard only when the run never started: the caller was answered otherwise.
-            if let Err(err) = result {
+            if let Err(err) = execution.await {
                 let _ = failed.send(err);
             }
-        }));
+        });
         Box::pin(async move {
             match on_start.await {
                 Ok(()) => Ok(run_id),
@@ -648,10 +697,10 @@ impl ResumeRun {
 }
 
 impl Handler<ResumeRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunReply>>;
+    type Result = Execution;
 
-    fn handle(&mut self, msg: ResumeRun, _: &mut Context<Self>) -> Self::Result {
-        self.execute(msg.run_id, Job::Resume)
+    fn handle(&mut self, msg: ResumeRun, ctx: &mut Context<Self>) -> Self::Result {
+        self.execute(msg.run_id, Job::Resume, ctx)
     }
 }
 
@@ -697,9 +746,9 @@ impl ForkRun {
 }
 
 impl Handler<ForkRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunReply>>;
+    type Result = Execution;
 
-    fn handle(&mut self, msg: ForkRun, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: ForkRun, ctx: &mut Context<Self>) -> Self::Result {
         let ForkRun { run_id, at, new_id } = msg;
         let new_id = new_id.unwrap_or_else(RunId::random);
         let (id, agents) = (new_id.clone(), self.agents.clone());
@@ -714,16 +763,19 @@ impl Handler<ForkRun> for Supervisor {
             Move::new(tx, now, &id).fork_run(&run_id, at)
         });
         let fork = self.store_actor.apply(fork, Durability::Durable);
-        Box::pin(
-            fork.into_actor(self)
-                .then(move |forked, this: &mut Supervisor, _| match forked {
-                    Ok(copied) => {
-                        tracing::info!(run_id = %new_id, at, copied, "run forked");
-                        this.execute(new_id, Job::Resume)
-                    }
-                    Err(err) => Box::pin(actix::fut::ready(Err(err))),
-                }),
-        )
+        let supervisor = ctx.address();
+        Box::pin(async move {
+            let copied = fork.await?;
+            tracing::info!(run_id = %new_id, at, copied, "run forked");
+            let execute = ExecuteRun {
+                run_id: new_id,
+                job: Job::Resume,
+            };
+            supervisor
+                .send(execute)
+                .await
+                .map_err(|_| Error::StoreUnavailable)?
+        })
     }
 }
 
@@ -805,9 +857,9 @@ impl Handler<RecordApproval> for Supervisor {
 pub struct DecideAndResume(pub Approval);
 
 impl Handler<DecideAndResume> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<RunReply>>;
+    type Result = Execution;
 
-    fn handle(&mut self, msg: DecideAndResume, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: DecideAndResume, ctx: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
         let run_id = approval.run_id.clone();
         // Before the decision commits: the watch, which hears of it, leaves the resume to us.
@@ -816,17 +868,36 @@ impl Handler<DecideAndResume> for Supervisor {
             Move::new(tx, now, &approval.run_id).record_approval(&approval)
         });
         let record = self.store_actor.apply(record, Durability::Durable);
-        Box::pin(
-            record
-                .into_actor(self)
-                .then(move |recorded, this: &mut Supervisor, ctx| {
-                    this.unclaim(&run_id, recorded.is_ok(), ctx);
-                    match recorded {
-                        Ok(()) => this.execute(run_id, Job::Resume),
-                        Err(err) => Box::pin(actix::fut::ready(Err(err))),
-                    }
-                }),
-        )
+        let supervisor = ctx.address();
+        Box::pin(async move {
+            let recorded = record.await;
+            supervisor
+                .send(Decided { run_id, recorded })
+                .await
+                .map_err(|_| Error::StoreUnavailable)?
+        })
+    }
+}
+
+/// A `DecideAndResume`'s decision was recorded (or failed to be): the run is resumed, and the
+/// watch no longer leaves it to this call.
+#[derive(Message)]
+#[rtype(result = "Result<RunReply>")]
+struct Decided {
+    run_id: RunId,
+    recorded: Result<()>,
+}
+
+impl Handler<Decided> for Supervisor {
+    type Result = Execution;
+
+    fn handle(&mut self, msg: Decided, ctx: &mut Context<Self>) -> Execution {
+        let Decided { run_id, recorded } = msg;
+        self.unclaim(&run_id, recorded.is_ok(), ctx);
+        match recorded {
+            Ok(()) => self.execute(run_id, Job::Resume, ctx),
+            Err(err) => Box::pin(std::future::ready(Err(err))),
+        }
     }
 }
 

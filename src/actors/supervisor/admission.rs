@@ -3,10 +3,10 @@
 
 use std::collections::{HashSet, VecDeque};
 
-use actix::{ActorFutureExt, AsyncContext, Context, ResponseActFuture, WrapFuture};
+use actix::{AsyncContext, Context, Handler, Message};
 use tokio::sync::oneshot;
 
-use super::Supervisor;
+use super::{Execution, Supervisor};
 use crate::{
     actors::{run::Job, store::ApplyMove},
     error::{Error, Result},
@@ -52,56 +52,52 @@ impl Supervisor {
     /// Executes `run_id` now if a slot is free; otherwise it waits its turn. A new run that
     /// waits is inserted first, with no lease (its caller hears of the insert as of a start),
     /// and then waits as a resume does.
-    pub(super) fn admit(
-        &mut self,
-        run_id: RunId,
-        job: Job,
-    ) -> ResponseActFuture<Self, Result<RunReply>> {
+    pub(super) fn admit(&mut self, run_id: RunId, job: Job, ctx: &mut Context<Self>) -> Execution {
         if self.has_room() && self.admission.waiting.is_empty() {
-            return self.execute_now(run_id, job);
+            return self.execute_now(run_id, job, ctx);
         }
-        match job {
-            Job::Resume => self.wait_turn(run_id),
+        let (agent, input, started) = match job {
+            Job::Resume => return self.wait_turn(run_id),
             Job::Start {
                 agent,
                 input,
                 started,
-            } => {
-                // Held from now: no other call executes the run while its insert is written.
-                self.admission.ids.insert(run_id.clone());
-                let id = run_id.clone();
-                let insert = ApplyMove::new(MoveKind::QueueRun, &run_id, move |tx, now| {
-                    Move::new(tx, now, &id).queue_run(&agent, &input)
-                });
-                let insert = self.store_actor.apply(insert, Durability::Durable);
-                Box::pin(insert.into_actor(self).then(
-                    move |inserted, this: &mut Supervisor, ctx| match inserted {
-                        Ok(()) => {
-                            tracing::info!(%run_id, waiting = this.admission.len() + 1, "run queued");
-                            if let Some(started) = started {
-                                let _ = started.send(());
-                            }
-                            let turn = this.wait_turn(run_id);
-                            // Slots may have freed while the insert was written.
-                            this.admit_waiting(ctx);
-                            turn
-                        }
-                        Err(err) => {
-                            this.admission.ids.remove(&run_id);
-                            Box::pin(actix::fut::ready(Err(err)))
-                        }
-                    },
-                ))
+            } => (agent, input, started),
+        };
+        // Held from now: no other call executes the run while its insert is written.
+        self.admission.ids.insert(run_id.clone());
+        let id = run_id.clone();
+        let insert = ApplyMove::new(MoveKind::QueueRun, &run_id, move |tx, now| {
+            Move::new(tx, now, &id).queue_run(&agent, &input)
+        });
+        let insert = self.store_actor.apply(insert, Durability::Durable);
+        let supervisor = ctx.address();
+        Box::pin(async move {
+            let inserted = insert.await;
+            if inserted.is_ok()
+                && let Some(started) = started
+            {
+                let _ = started.send(());
             }
-        }
+            let turn = supervisor
+                .send(Queued { run_id, inserted })
+                .await
+                .map_err(|_| Error::StoreUnavailable)??;
+            turn.await.unwrap_or(Err(Error::StoreUnavailable))
+        })
     }
 
     /// Queues a run that exists, answering when its execution returns.
-    fn wait_turn(&mut self, run_id: RunId) -> ResponseActFuture<Self, Result<RunReply>> {
+    fn wait_turn(&mut self, run_id: RunId) -> Execution {
+        let turn = self.queue(run_id);
+        Box::pin(async move { turn.await.unwrap_or(Err(Error::StoreUnavailable)) })
+    }
+
+    fn queue(&mut self, run_id: RunId) -> oneshot::Receiver<Result<RunReply>> {
         let (reply, turn) = oneshot::channel();
         self.admission.ids.insert(run_id.clone());
         self.admission.waiting.push_back((run_id, reply));
-        Box::pin(async move { turn.await.unwrap_or(Err(Error::StoreUnavailable)) }.into_actor(self))
+        turn
     }
 
     /// Starts the runs that wait, oldest first, while slots are free. Each one's execution
@@ -112,10 +108,35 @@ impl Supervisor {
                 return;
             };
             self.admission.ids.remove(&run_id);
-            let execution = self.execute_now(run_id, Job::Resume);
-            ctx.spawn(execution.map(move |result, _, _| {
-                let _ = reply.send(result);
-            }));
+            let execution = self.execute_now(run_id, Job::Resume, ctx);
+            actix_rt::spawn(async move {
+                let _ = reply.send(execution.await);
+            });
         }
+    }
+}
+
+/// A run inserted to wait for a slot (or whose insert failed): it joins the line.
+#[derive(Message)]
+#[rtype(result = "Result<oneshot::Receiver<Result<RunReply>>>")]
+struct Queued {
+    run_id: RunId,
+    inserted: Result<()>,
+}
+
+impl Handler<Queued> for Supervisor {
+    type Result = Result<oneshot::Receiver<Result<RunReply>>>;
+
+    fn handle(&mut self, msg: Queued, ctx: &mut Context<Self>) -> Self::Result {
+        let Queued { run_id, inserted } = msg;
+        if let Err(err) = inserted {
+            self.admission.ids.remove(&run_id);
+            return Err(err);
+        }
+        tracing::info!(%run_id, waiting = self.admission.len() + 1, "run queued");
+        let turn = self.queue(run_id);
+        // Slots may have freed while the insert was written.
+        self.admit_waiting(ctx);
+        Ok(turn)
     }
 }

@@ -207,7 +207,10 @@ impl Supervisor {
             self.recovering.now.remove(&run_id);
             return;
         }
-        let execution = self.execute(run_id.clone(), Job::Resume);
+        let execution = self.execute(run_id.clone(), Job::Resume, ctx);
+        // One of at most `concurrency` futures in the context: the end updates the pass's
+        // bookkeeping.
+        let execution = actix::fut::wrap_future::<_, Self>(execution);
         ctx.spawn(execution.map(move |result, this: &mut Supervisor, _| {
             this.recovering.now.remove(&run_id);
             match result {

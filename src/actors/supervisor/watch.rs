@@ -208,21 +208,23 @@ impl Supervisor {
     /// (another supervisor, an application's `ResumeRun`) or the run moved on (cancelled,
     /// finished) is no failure: it wrote nothing and stays quiet.
     fn resume_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
-        let execution = self.execute(run_id.clone(), Job::Resume);
-        ctx.spawn(execution.map(move |result, _, _| match result {
-            Ok(reply) => {
-                tracing::info!(%run_id, outcome = ?reply.outcome, "run decided elsewhere resumed")
+        let execution = self.execute(run_id.clone(), Job::Resume, ctx);
+        actix_rt::spawn(async move {
+            match execution.await {
+                Ok(reply) => {
+                    tracing::info!(%run_id, outcome = ?reply.outcome, "run decided elsewhere resumed")
+                }
+                Err(err)
+                    if err.is_run_state()
+                        || matches!(err, Error::RunNotFound(_) | Error::RunLeased { .. }) =>
+                {
+                    tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another")
+                }
+                Err(err) => {
+                    tracing::warn!(%run_id, %err, "the resume of a run decided elsewhere stopped")
+                }
             }
-            Err(err)
-                if err.is_run_state()
-                    || matches!(err, Error::RunNotFound(_) | Error::RunLeased { .. }) =>
-            {
-                tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another")
-            }
-            Err(err) => {
-                tracing::warn!(%run_id, %err, "the resume of a run decided elsewhere stopped")
-            }
-        }));
+        });
     }
 
     /// After a poll that may have missed cancels: fires the signal of every run this supervisor

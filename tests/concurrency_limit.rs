@@ -186,3 +186,43 @@ fn a_run_past_the_limit_waits_in_the_store_and_its_start_answers_at_its_end() {
         );
     });
 }
+
+#[test]
+fn a_run_cancelled_while_it_waits_its_turn_ends_cancelled_and_settles() {
+    let db = TempStore::new();
+    let tool = RecordingTool::new("work").behaviour(Behaviour::Block);
+    let (store, probe) = (db.open(), tool.clone());
+    let settled = with_system(|| async move {
+        let sup = Supervisor::builder(store.clone())
+            .config(Config::default().max_concurrent_runs(1))
+            .agent("work", Agent::new(work_then_answer()).tool(probe.clone()))
+            .start()
+            .unwrap();
+        let (inbox, mut rx) = subscriber();
+        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        sup.send(SpawnRun::new("work", json!({})).with_id("first"))
+            .await
+            .unwrap()
+            .unwrap();
+        probe.wait_executions(1).await;
+        sup.send(SpawnRun::new("work", json!({})).with_id("waits"))
+            .await
+            .unwrap()
+            .unwrap();
+        // Cancelled through the store, as another process would, before its turn comes.
+        store.cancel(&RunId::from("waits"), "not needed").unwrap();
+        probe.release();
+        heard(&mut rx, 2).await
+    });
+    let waits = settled
+        .iter()
+        .find(|s| s.run_id.as_str() == "waits")
+        .expect("the cancelled run settles");
+    assert_eq!(
+        waits.result,
+        Ok(Outcome::Cancelled {
+            reason: "not needed".into()
+        })
+    );
+    assert_eq!(tool.executions().len(), 1, "the cancelled run executed nothing");
+}

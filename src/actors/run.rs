@@ -86,6 +86,10 @@ pub(crate) enum Job {
     },
     /// Continue a run that waits for approval, or whose executor died.
     Resume,
+    /// Execute a run inserted to wait for a slot, now that its turn came: as a resume, except
+    /// that a run cancelled while it waited ends the call cancelled (its start's outcome),
+    /// not refused.
+    Turn,
 }
 
 /// Execute the run; the reply is the call's outcome.
@@ -319,7 +323,7 @@ impl RunLoop {
                 run.hold();
                 run
             }
-            Job::Resume => {
+            job @ (Job::Resume | Job::Turn) => {
                 let id = run_id.clone();
                 let snapshot = send(
                     env.store.addr(),
@@ -351,6 +355,11 @@ impl RunLoop {
                         run.hold();
                         tracing::info!(interrupted, "run taken over");
                         run
+                    }
+                    RunState::Cancelled if matches!(job, Job::Turn) => {
+                        return Ok(Outcome::Cancelled {
+                            reason: snapshot.run.error.unwrap_or_default(),
+                        });
                     }
                     state => {
                         return Err(Error::RunState {

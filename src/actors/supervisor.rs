@@ -560,7 +560,10 @@ impl Handler<StartRun> for Supervisor {
 /// executes it. Give runs ids of your own ([`SpawnRun::with_id`]) to find out, and to retry
 /// without starting a run twice. Once answered, the run's execution is the supervisor's, and
 /// its end (finished, waiting for an approval, cancelled, or stopped with an error such as a
-/// lost lease) reaches every [`RunSettled`] subscriber.
+/// lost lease) reaches every [`RunSettled`] subscriber. One exception: a run past the
+/// concurrency limit waits its turn with no lease ([`Config::max_concurrent_runs`]), and
+/// another replica's recovery may take it first; its end then reaches that replica's
+/// subscribers, not this one's.
 ///
 /// ```no_run
 /// # use agentrt::{SpawnRun, Supervisor};

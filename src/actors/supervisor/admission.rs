@@ -27,7 +27,7 @@ pub const DEFAULT_MAX_CONCURRENT_RUNS: usize = 1_000;
 /// for its end.
 #[derive(Default)]
 pub(super) struct Admission {
-    waiting: VecDeque<(RunId, oneshot::Sender<Result<RunReply>>)>,
+    waiting: VecDeque<(RunId, Job, oneshot::Sender<Result<RunReply>>)>,
     ids: HashSet<RunId>,
 }
 
@@ -57,12 +57,12 @@ impl Supervisor {
             return self.execute_now(run_id, job, ctx);
         }
         let (agent, input, started) = match job {
-            Job::Resume => return self.wait_turn(run_id),
             Job::Start {
                 agent,
                 input,
                 started,
             } => (agent, input, started),
+            job => return self.wait_turn(run_id, job),
         };
         // Held from now: no other call executes the run while its insert is written.
         self.admission.ids.insert(run_id.clone());
@@ -87,16 +87,16 @@ impl Supervisor {
         })
     }
 
-    /// Queues a run that exists, answering when its execution returns.
-    fn wait_turn(&mut self, run_id: RunId) -> Execution {
-        let turn = self.queue(run_id);
+    /// Queues a run that exists, for `job` (a resume), answering when its execution returns.
+    fn wait_turn(&mut self, run_id: RunId, job: Job) -> Execution {
+        let turn = self.queue(run_id, job);
         Box::pin(async move { turn.await.unwrap_or(Err(Error::StoreUnavailable)) })
     }
 
-    fn queue(&mut self, run_id: RunId) -> oneshot::Receiver<Result<RunReply>> {
+    fn queue(&mut self, run_id: RunId, job: Job) -> oneshot::Receiver<Result<RunReply>> {
         let (reply, turn) = oneshot::channel();
         self.admission.ids.insert(run_id.clone());
-        self.admission.waiting.push_back((run_id, reply));
+        self.admission.waiting.push_back((run_id, job, reply));
         turn
     }
 
@@ -104,11 +104,11 @@ impl Supervisor {
     /// goes on whether or not its caller still waits: the run is durable and must move on.
     pub(super) fn admit_waiting(&mut self, ctx: &mut Context<Self>) {
         while self.has_room() {
-            let Some((run_id, reply)) = self.admission.waiting.pop_front() else {
+            let Some((run_id, job, reply)) = self.admission.waiting.pop_front() else {
                 return;
             };
             self.admission.ids.remove(&run_id);
-            let execution = self.execute_now(run_id, Job::Resume, ctx);
+            let execution = self.execute_now(run_id, job, ctx);
             actix_rt::spawn(async move {
                 let _ = reply.send(execution.await);
             });
@@ -134,7 +134,8 @@ impl Handler<Queued> for Supervisor {
             return Err(err);
         }
         tracing::info!(%run_id, waiting = self.admission.len() + 1, "run queued");
-        let turn = self.queue(run_id);
+        // Its turn executes it as a resume would; one cancelled meanwhile ends cancelled.
+        let turn = self.queue(run_id, Job::Turn);
         // Slots may have freed while the insert was written.
         self.admit_waiting(ctx);
         Ok(turn)

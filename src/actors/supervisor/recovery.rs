@@ -2,7 +2,7 @@
 //! `RUNNING` runs of its agents that nobody holds, or whose lease expired.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     time::{Duration, Instant},
 };
 
@@ -11,25 +11,32 @@ use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message};
 use super::Supervisor;
 use crate::{
     actors::{run::Job, store::ReadState},
-    error::Error,
-    store::{model::wall_millis, moves},
-    types::RunId,
+    error::{Error, Result},
+    store::model::wall_millis,
+    types::{RunId, RunReply},
 };
 
 /// How a supervisor recovers the runs a dead process left: set with
 /// [`Config::recovery`](crate::Config::recovery).
 ///
-/// Each pass reads the `RUNNING` runs whose lease has expired or that nobody holds (one query
-/// over the runs' state and lease, then one read of each run found, for its agent), keeps
-/// those of agents the supervisor has registered and does not execute, and resumes up to
-/// `concurrency` of them at once, each after a random delay of up to `jitter`, so that
-/// replicas started together do not take the same runs at the same instant (of two that do,
-/// one wins the takeover and the other is told `RunLeased`, writes nothing, and leaves the run
-/// to its winner). A slot is taken for the recovered run's whole execution, so more orphans
-/// than `concurrency` are recovered in turn. A recovery that ends in an error (a model that
-/// panics, a lost lease) is tried again at a later pass, after a wait that doubles from `every`
-/// with each failure in a row (an hour at most). The first pass runs at start, the next ones
-/// every `every`, give or take a fifth, for as long as the supervisor runs.
+/// Each pass reads, oldest first, the `RUNNING` runs of the agents the supervisor has
+/// registered whose lease has expired or that nobody holds (one query, which stops at the
+/// supervisor's free slots), and resumes those it does not execute, each after a random delay
+/// of up to `jitter`, so that replicas started together do not take the same runs at the same
+/// instant (of two that do, one wins the takeover and the other is told `RunLeased`, writes
+/// nothing, and leaves the run to its winner).
+///
+/// - A run some process executed (a takeover, which may reconcile side effects in flight):
+///   at most `concurrency` of them at once, each holding its place for its whole execution.
+/// - A run never executed (one that waited for a slot of a supervisor that died, or a fork):
+///   as many as the free slots ([`Config::max_concurrent_runs`](crate::Config::max_concurrent_runs)).
+///
+/// When a pass leaves runs behind for want of room, the end of each recovered run starts the
+/// next pass, so a backlog drains as fast as the slots free. A recovery that ends in an error
+/// (a model that panics, a lost lease) is tried again at a later pass, after a wait that
+/// doubles from `every` with each failure in a row (an hour at most). The first pass runs at
+/// start, the next ones every `every`, give or take a fifth, for as long as the supervisor
+/// runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
     every: Duration,
@@ -55,8 +62,8 @@ impl Recovery {
         self
     }
 
-    /// At most `concurrency` recovered runs executing at once (at least 1); the others wait
-    /// for a later pass.
+    /// At most `concurrency` takeovers of runs some process executed at once (at least 1);
+    /// the others wait for a later pass. Runs never executed need only a free slot.
     pub fn concurrency(mut self, concurrency: usize) -> Self {
         self.concurrency = concurrency.max(1);
         self
@@ -77,14 +84,24 @@ fn random_up_to(most: Duration) -> Duration {
 /// What a recovering supervisor keeps between passes.
 #[derive(Default)]
 pub(super) struct Recovering {
-    /// The runs it resumes now.
-    now: HashSet<RunId>,
+    /// The runs it resumes now, each with whether it is a takeover of a run some process
+    /// executed (rather than one never executed).
+    now: HashMap<RunId, bool>,
     /// Runs whose recovery ended in an error (a model that panics, a store error), with how
     /// many times in a row and when a pass may try again: a run that fails every time is
     /// tried less and less often, not at every pass.
     failed: HashMap<RunId, (u32, Instant)>,
     /// A pass's read is in flight: the next pass waits for it.
     reading: bool,
+    /// The last pass left runs it found no room for: the end of a recovery starts the next.
+    more: bool,
+}
+
+impl Recovering {
+    /// How many takeovers of runs some process executed are under way.
+    fn takeovers(&self) -> usize {
+        self.now.values().filter(|takeover| **takeover).count()
+    }
 }
 
 /// The longest a run that keeps failing waits between two recoveries.
@@ -129,23 +146,18 @@ impl Supervisor {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };
-        if self.recovering.reading
-            || self.recovering.now.len() >= recovery.concurrency
-            || self.recovery_room(&recovery) == 0
-        {
+        let slots = self.free_slots();
+        if self.recovering.reading || slots == 0 {
             return;
         }
         self.recovering.reading = true;
-        let agents = self.agents.clone();
+        let agents: Vec<String> = self.agents.keys().cloned().collect();
+        // Room for what the pass will skip (runs backing off, or being recovered), so that
+        // they do not hide the ones after them.
+        let limit = slots + self.recovering.failed.len() + self.recovering.now.len();
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
-            let mut found = Vec::new();
-            for (run_id, _) in reads.unleased_runs(wall_millis())? {
-                let run = moves::run(reads, &run_id)?;
-                if agents.contains_key(&run.agent) {
-                    found.push(run_id);
-                }
-            }
-            Ok(found)
+            let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
+            reads.recoverable_runs(wall_millis(), &agents, limit)
         }));
         let pass = actix::fut::wrap_future::<_, Self>(read).map(move |found, this, ctx| {
             this.recovering.reading = false;
@@ -157,13 +169,17 @@ impl Supervisor {
                 }
                 Err(_) => return,
             };
-            let mut room = this.recovery_room(&recovery);
+            // A full page: more may wait behind it, for the next pass a recovered run's end
+            // starts.
+            this.recovering.more = found.len() >= limit;
             let now = Instant::now();
             this.recovering
                 .failed
-                .retain(|run_id, _| found.contains(run_id));
-            for run_id in found {
-                if room == 0 {
+                .retain(|_, (_, until)| *until + MAX_FAILURE_BACKOFF > now);
+            let mut slots = this.free_slots();
+            for (run_id, lease) in found {
+                if slots == 0 {
+                    this.recovering.more = true;
                     break;
                 }
                 let backing_off = this
@@ -174,12 +190,20 @@ impl Supervisor {
                 if backing_off
                     || this.executing.contains_key(&run_id)
                     || this.admission.holds(&run_id)
-                    || this.recovering.now.contains(&run_id)
+                    || this.recovering.now.contains_key(&run_id)
                 {
                     continue;
                 }
-                room -= 1;
-                this.recovering.now.insert(run_id.clone());
+                // A run some process executed may have side effects in flight: at most
+                // `concurrency` of those are taken over at once. One never executed (it
+                // waited for a slot, or is a fork) only needs a slot.
+                let takeover = lease.epoch > 0;
+                if takeover && this.recovering.takeovers() >= recovery.concurrency {
+                    this.recovering.more = true;
+                    continue;
+                }
+                slots -= 1;
+                this.recovering.now.insert(run_id.clone(), takeover);
                 let delay = random_up_to(recovery.jitter);
                 ctx.run_later(delay, move |this, ctx| this.recover(run_id, ctx));
             }
@@ -187,16 +211,18 @@ impl Supervisor {
         ctx.spawn(pass);
     }
 
-    /// How many runs a pass may take on: what its concurrency leaves, and no more than the
-    /// supervisor's free slots, so that orphans wait in the database rather than in memory.
-    fn recovery_room(&self, recovery: &Recovery) -> usize {
-        let slots = self
-            .max_running
-            .saturating_sub(self.executing.len() + self.admission.len());
-        recovery
-            .concurrency
-            .saturating_sub(self.recovering.now.len())
-            .min(slots)
+    /// The slots a pass may fill: those no execution, no run waiting for a slot and no
+    /// recovery about to start holds, so that orphans wait in the database rather than in
+    /// memory.
+    fn free_slots(&self) -> usize {
+        let starting = self
+            .recovering
+            .now
+            .keys()
+            .filter(|run_id| !self.executing.contains_key(*run_id))
+            .count();
+        self.max_running
+            .saturating_sub(self.executing.len() + self.admission.len() + starting)
     }
 
     /// Resumes `run_id`, which a pass found free. A run another owner took first is left to a
@@ -208,30 +234,53 @@ impl Supervisor {
             return;
         }
         let execution = self.execute(run_id.clone(), Job::Resume, ctx);
-        // One of at most `concurrency` futures in the context: the end updates the pass's
-        // bookkeeping.
-        let execution = actix::fut::wrap_future::<_, Self>(execution);
-        ctx.spawn(execution.map(move |result, this: &mut Supervisor, _| {
-            this.recovering.now.remove(&run_id);
-            match result {
-                Ok(reply) => {
-                    tracing::info!(%run_id, outcome = ?reply.outcome, "run recovered");
-                    this.recovering.failed.remove(&run_id);
-                }
-                // Taken by another owner, or no longer RUNNING: nothing to recover.
-                Err(Error::RunLeased { .. } | Error::RunState { .. }) => {}
-                Err(err) => {
-                    let every = this.recovery.as_ref().map_or(Duration::ZERO, |r| r.every);
-                    let (failures, until) =
-                        this.recovering.failed.entry(run_id.clone()).or_insert((0, Instant::now()));
-                    *failures += 1;
-                    let wait = every
-                        .saturating_mul(1 << (*failures).min(16))
-                        .min(MAX_FAILURE_BACKOFF);
-                    *until = Instant::now() + wait;
-                    tracing::warn!(%run_id, %err, failures = *failures, ?wait, "could not recover the run; trying again later");
-                }
+        let supervisor = ctx.address();
+        actix_rt::spawn(async move {
+            let result = execution.await;
+            supervisor.do_send(Recovered { run_id, result });
+        });
+    }
+}
+
+/// A recovered run's execution returned.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Recovered {
+    run_id: RunId,
+    result: Result<RunReply>,
+}
+
+impl Handler<Recovered> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Recovered, ctx: &mut Context<Self>) {
+        let Recovered { run_id, result } = msg;
+        self.recovering.now.remove(&run_id);
+        match result {
+            Ok(reply) => {
+                tracing::info!(%run_id, outcome = ?reply.outcome, "run recovered");
+                self.recovering.failed.remove(&run_id);
             }
-        }));
+            // Taken by another owner, or no longer RUNNING: nothing to recover.
+            Err(Error::RunLeased { .. } | Error::RunState { .. }) => {}
+            Err(err) => {
+                let every = self.recovery.as_ref().map_or(Duration::ZERO, |r| r.every);
+                let (failures, until) = self
+                    .recovering
+                    .failed
+                    .entry(run_id.clone())
+                    .or_insert((0, Instant::now()));
+                *failures += 1;
+                let wait = every
+                    .saturating_mul(1 << (*failures).min(16))
+                    .min(MAX_FAILURE_BACKOFF);
+                *until = Instant::now() + wait;
+                tracing::warn!(%run_id, %err, failures = *failures, ?wait, "could not recover the run; trying again later");
+            }
+        }
+        // Runs left behind the last page: recovered as slots free, not a period later.
+        if self.recovering.more {
+            self.recovery_pass(ctx);
+        }
     }
 }

@@ -83,6 +83,10 @@ pub(super) struct Watching {
     watcher: Option<(Watch, Box<dyn Watcher>)>,
     /// Set when the supervisor is dropped: the thread stops before its next poll.
     stop: Arc<AtomicBool>,
+    /// Set when a decision read could not be acted on (a resume that failed, a read that
+    /// failed): the next poll reads every decided waiting run again, since the feed's cursor
+    /// has moved past it.
+    resync: Arc<AtomicBool>,
     /// Runs that a [`DecideAndResume`](crate::DecideAndResume) of this supervisor decides and
     /// then resumes itself (how many at once): the watch leaves them to it.
     claimed: HashMap<RunId, usize>,
@@ -96,6 +100,7 @@ impl Watching {
         Watching {
             watcher,
             stop: Arc::default(),
+            resync: Arc::default(),
             claimed: HashMap::new(),
             deferred: HashSet::new(),
         }
@@ -149,10 +154,11 @@ impl Supervisor {
         let Some((watch, watcher)) = self.watching.watcher.take() else {
             return;
         };
-        let (supervisor, stop) = (ctx.address().downgrade(), self.watching.stop.clone());
+        let supervisor = ctx.address().downgrade();
+        let (stop, resync) = (self.watching.stop.clone(), self.watching.resync.clone());
         let spawned = std::thread::Builder::new()
             .name("agentrt-watch".into())
-            .spawn(move || poll_until_stopped(watch, watcher, supervisor, stop));
+            .spawn(move || poll_until_stopped(watch, watcher, supervisor, stop, resync));
         if let Err(err) = spawned {
             tracing::error!(%err, "could not start the watch: decisions and cancels recorded elsewhere are not picked up");
         }
@@ -187,7 +193,8 @@ impl Supervisor {
                 Ok(Ok(true)) => this.decided_and_read(run_id, ctx),
                 Ok(Ok(false)) => {}
                 Ok(Err(err)) => {
-                    tracing::warn!(%run_id, %err, "the watch could not read a run decided elsewhere")
+                    tracing::warn!(%run_id, %err, "the watch could not read a run decided elsewhere; reading again at the next poll");
+                    this.watching.resync.store(true, Ordering::SeqCst);
                 }
                 Err(_) => {}
             }),
@@ -209,6 +216,7 @@ impl Supervisor {
     /// finished) is no failure: it wrote nothing and stays quiet.
     fn resume_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         let execution = self.execute(run_id.clone(), Job::Resume, ctx);
+        let resync = self.watching.resync.clone();
         actix_rt::spawn(async move {
             match execution.await {
                 Ok(reply) => {
@@ -220,8 +228,11 @@ impl Supervisor {
                 {
                     tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another")
                 }
+                // The run may still wait with its decision (a busy store refused the resume):
+                // the next poll reads it again; one that moved on is not found again.
                 Err(err) => {
-                    tracing::warn!(%run_id, %err, "the resume of a run decided elsewhere stopped")
+                    tracing::warn!(%run_id, %err, "the resume of a run decided elsewhere stopped");
+                    resync.store(true, Ordering::SeqCst);
                 }
             }
         });
@@ -274,12 +285,14 @@ impl Supervisor {
         if !self.watching.deferred.remove(run_id) {
             return;
         }
-        if let Ok(RunReply {
-            outcome: Outcome::WaitingForApproval { .. },
-            ..
-        }) = result
-        {
-            self.resume_if_decided(run_id.clone(), ctx);
+        match result {
+            Ok(RunReply {
+                outcome: Outcome::WaitingForApproval { .. },
+                ..
+            }) => self.resume_if_decided(run_id.clone(), ctx),
+            // It may have stopped before it acted on the decision heard meanwhile.
+            Err(_) => self.watching.resync.store(true, Ordering::SeqCst),
+            Ok(_) => {}
         }
     }
 
@@ -314,6 +327,7 @@ fn poll_until_stopped(
     mut watcher: Box<dyn Watcher>,
     supervisor: WeakAddr<Supervisor>,
     stop: Arc<AtomicBool>,
+    resync: Arc<AtomicBool>,
 ) {
     let mut failing = false;
     loop {
@@ -323,6 +337,9 @@ fn poll_until_stopped(
         let Some(addr) = supervisor.upgrade().filter(|addr| addr.connected()) else {
             return;
         };
+        if resync.swap(false, Ordering::SeqCst) {
+            watcher.resync();
+        }
         match watcher.poll() {
             Ok(changes) => {
                 if failing {

@@ -368,6 +368,37 @@ impl Reads for Sql<'_> {
             .collect::<rusqlite::Result<_>>()
             .db()
     }
+
+    fn recoverable_runs(
+        &mut self,
+        wall: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<(RunId, LeaseRow)>> {
+        let agents = serde_json::to_string(agents).expect("names serialize");
+        // Walks runs_by_state's RUNNING range in creation order, and stops at `limit`.
+        self.0
+            .prepare_cached(
+                "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
+                 WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
+                   AND agent IN (SELECT value FROM json_each(?2))
+                 ORDER BY created_at, id
+                 LIMIT ?3",
+            )
+            .db()?
+            .query_map(params![wall, agents, limit as i64], |row| {
+                let lease = LeaseRow {
+                    state: RunState::Running,
+                    owner: row.get(1)?,
+                    expires_at: row.get(2)?,
+                    epoch: row.get::<_, i64>(3)? as u64,
+                };
+                Ok((RunId::from(row.get::<_, String>(0)?), lease))
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
 }
 
 impl Sql<'_> {

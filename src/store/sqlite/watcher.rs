@@ -144,4 +144,8 @@ impl Watcher for SqliteWatcher {
         }
         Ok(Some(Changes { changes, resync }))
     }
+
+    fn resync(&mut self) {
+        self.cursor = None;
+    }
 }

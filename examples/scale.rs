@@ -26,6 +26,13 @@ use agentrt::{
 use clap::Parser;
 use serde_json::{Value, json};
 
+// Thousands of runs allocate and free on several threads at once (a run's thread, the store's):
+// glibc's allocator contends on its arenas there, which is the application's choice to make,
+// not the runtime's. The figures in docs/performance.md say which allocator they were
+// measured with.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug, Clone)]
 struct Args {
     /// Runs started at once (and the supervisor's concurrency limit).

@@ -35,6 +35,9 @@ mod testing_md {}
 ))]
 #[doc = include_str!("../docs/models.md")]
 mod models_md {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/production.md")]
+mod production_md {}
 
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},

@@ -224,5 +224,9 @@ fn a_run_cancelled_while_it_waits_its_turn_ends_cancelled_and_settles() {
             reason: "not needed".into()
         })
     );
-    assert_eq!(tool.executions().len(), 1, "the cancelled run executed nothing");
+    assert_eq!(
+        tool.executions().len(),
+        1,
+        "the cancelled run executed nothing"
+    );
 }

@@ -133,7 +133,7 @@ impl Handler<Queued> for Supervisor {
             self.admission.ids.remove(&run_id);
             return Err(err);
         }
-        tracing::info!(%run_id, waiting = self.admission.len() + 1, "run queued");
+        tracing::debug!(%run_id, waiting = self.admission.len() + 1, "run queued");
         // Its turn executes it as a resume would; one cancelled meanwhile ends cancelled.
         let turn = self.queue(run_id, Job::Turn);
         // Slots may have freed while the insert was written.

@@ -421,6 +421,7 @@ impl Handler<Ended> for Supervisor {
         self.tell_settled(&run_id, &result);
         self.watched_execution_ended(&run_id, &result, ctx);
         self.admit_waiting(ctx);
+        self.slot_freed(ctx);
         let _ = reply.send(result);
     }
 }

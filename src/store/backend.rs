@@ -46,11 +46,13 @@ pub(crate) trait Reads {
     /// by id.
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>>;
     /// What recovery takes over: the first `limit` RUNNING runs of `agents` whose lease expired
-    /// by wall-clock time `wall` or that nobody holds, oldest first (ties by id).
+    /// by wall-clock time `wall` or that nobody holds, oldest first (ties by id); those some
+    /// process executed (fencing token above 0) when `executed`, else those never executed.
     fn recoverable_runs(
         &mut self,
         wall: i64,
         agents: &[&str],
+        executed: bool,
         limit: usize,
     ) -> Result<Vec<(RunId, LeaseRow)>>;
     /// At most `query.limit` runs matching its filters, after its place, by (created_at, id).
@@ -510,9 +512,6 @@ pub(crate) trait Watcher: Send {
     /// watched), with `resync` set. An error leaves the cursor where it was: the next poll
     /// reads the same changes again.
     fn poll(&mut self) -> Result<Option<Changes>>;
-    /// Makes the next poll read as the first does: where the feed stands, and every run
-    /// waiting with its decision recorded. For a reader that could not act on what it read.
-    fn resync(&mut self);
 }
 
 /// A store's backend.

@@ -31,8 +31,10 @@ use crate::{
 /// - A run never executed (one that waited for a slot of a supervisor that died, or a fork):
 ///   as many as the free slots ([`Config::max_concurrent_runs`](crate::Config::max_concurrent_runs)).
 ///
-/// When a pass leaves runs behind for want of room, the end of each recovered run starts the
-/// next pass, so a backlog drains as fast as the slots free. A recovery that ends in an error
+/// The two kinds are read apart, so that takeovers waiting for their turn hide no run that
+/// needs only a slot. When a pass leaves runs behind for want of room, a freed slot (any
+/// execution's end) starts the next pass, at most one each 50 ms, so a backlog drains as fast
+/// as the slots free. A recovery that ends in an error
 /// (a model that panics, a lost lease) is tried again at a later pass, after a wait that
 /// doubles from `every` with each failure in a row (an hour at most). The first pass runs at
 /// start, the next ones every `every`, give or take a fifth, for as long as the supervisor
@@ -93,9 +95,16 @@ pub(super) struct Recovering {
     failed: HashMap<RunId, (u32, Instant)>,
     /// A pass's read is in flight: the next pass waits for it.
     reading: bool,
-    /// The last pass left runs it found no room for: the end of a recovery starts the next.
+    /// The last pass left runs it found no room for: a freed slot starts the next.
     more: bool,
+    /// A pass started by a freed slot is scheduled.
+    chained: bool,
+    /// When the last pass read.
+    last_pass: Option<Instant>,
 }
+
+/// The shortest time between two passes that freed slots start.
+const CHAINED_PASS_GAP: Duration = Duration::from_millis(50);
 
 impl Recovering {
     /// How many takeovers of runs some process executed are under way.
@@ -151,17 +160,32 @@ impl Supervisor {
             return;
         }
         self.recovering.reading = true;
+        self.recovering.last_pass = Some(Instant::now());
         let agents: Vec<String> = self.agents.keys().cloned().collect();
         // Room for what the pass will skip (runs backing off, or being recovered), so that
-        // they do not hide the ones after them.
-        let limit = slots + self.recovering.failed.len() + self.recovering.now.len();
+        // they do not hide the ones after them; takeovers and runs never executed are read
+        // apart, so that takeovers waiting for `concurrency` do not hide the others.
+        let skipped = self.recovering.failed.len() + self.recovering.now.len();
+        let takeovers = recovery
+            .concurrency
+            .saturating_sub(self.recovering.takeovers())
+            .min(slots);
+        let limits = (takeovers + skipped, slots + skipped);
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
-            reads.recoverable_runs(wall_millis(), &agents, limit)
+            let wall = wall_millis();
+            let mut found = if limits.0 > skipped {
+                reads.recoverable_runs(wall, &agents, true, limits.0)?
+            } else {
+                Vec::new()
+            };
+            let executed = found.len();
+            found.extend(reads.recoverable_runs(wall, &agents, false, limits.1)?);
+            Ok((found, executed))
         }));
         let pass = actix::fut::wrap_future::<_, Self>(read).map(move |found, this, ctx| {
             this.recovering.reading = false;
-            let found = match found {
+            let (found, executed) = match found {
                 Ok(Ok(found)) => found,
                 Ok(Err(err)) => {
                     tracing::warn!(%err, "recovery could not read the runs to take over");
@@ -169,9 +193,10 @@ impl Supervisor {
                 }
                 Err(_) => return,
             };
-            // A full page: more may wait behind it, for the next pass a recovered run's end
-            // starts.
-            this.recovering.more = found.len() >= limit;
+            // A full page of either (or takeovers not read, for want of room): more may wait
+            // behind it, for the next pass a freed slot starts.
+            let takeovers_left = limits.0 <= skipped || executed >= limits.0;
+            this.recovering.more = takeovers_left || found.len() - executed >= limits.1;
             let now = Instant::now();
             this.recovering
                 .failed
@@ -211,6 +236,24 @@ impl Supervisor {
         ctx.spawn(pass);
     }
 
+    /// A slot was freed (an execution returned): runs left behind by the last pass are
+    /// recovered as slots free, not a period later, with at most one pass each
+    /// `CHAINED_PASS_GAP` so that a busy supervisor's writer is not kept reading.
+    pub(super) fn slot_freed(&mut self, ctx: &mut Context<Self>) {
+        if !self.recovering.more || self.recovering.chained {
+            return;
+        }
+        let since = self
+            .recovering
+            .last_pass
+            .map_or(CHAINED_PASS_GAP, |last| last.elapsed());
+        self.recovering.chained = true;
+        ctx.run_later(CHAINED_PASS_GAP.saturating_sub(since), |this, ctx| {
+            this.recovering.chained = false;
+            this.recovery_pass(ctx);
+        });
+    }
+
     /// The slots a pass may fill: those no execution, no run waiting for a slot and no
     /// recovery about to start holds, so that orphans wait in the database rather than in
     /// memory.
@@ -219,7 +262,7 @@ impl Supervisor {
             .recovering
             .now
             .keys()
-            .filter(|run_id| !self.executing.contains_key(*run_id))
+            .filter(|run_id| !self.executing.contains_key(*run_id) && !self.admission.holds(run_id))
             .count();
         self.max_running
             .saturating_sub(self.executing.len() + self.admission.len() + starting)
@@ -278,9 +321,6 @@ impl Handler<Recovered> for Supervisor {
                 tracing::warn!(%run_id, %err, failures = *failures, ?wait, "could not recover the run; trying again later");
             }
         }
-        // Runs left behind the last page: recovered as slots free, not a period later.
-        if self.recovering.more {
-            self.recovery_pass(ctx);
-        }
+        self.slot_freed(ctx);
     }
 }

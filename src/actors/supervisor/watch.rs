@@ -83,10 +83,10 @@ pub(super) struct Watching {
     watcher: Option<(Watch, Box<dyn Watcher>)>,
     /// Set when the supervisor is dropped: the thread stops before its next poll.
     stop: Arc<AtomicBool>,
-    /// Set when a decision read could not be acted on (a resume that failed, a read that
-    /// failed): the next poll reads every decided waiting run again, since the feed's cursor
-    /// has moved past it.
-    resync: Arc<AtomicBool>,
+    /// Runs decided whose resume (or the read before it) failed, with how many times in a
+    /// row: each is read again, and resumed if it still waits with its decision, after a wait
+    /// that doubles, since the feed's cursor has moved past its change.
+    failed: HashMap<RunId, u32>,
     /// Runs that a [`DecideAndResume`](crate::DecideAndResume) of this supervisor decides and
     /// then resumes itself (how many at once): the watch leaves them to it.
     claimed: HashMap<RunId, usize>,
@@ -100,7 +100,7 @@ impl Watching {
         Watching {
             watcher,
             stop: Arc::default(),
-            resync: Arc::default(),
+            failed: HashMap::new(),
             claimed: HashMap::new(),
             deferred: HashSet::new(),
         }
@@ -111,6 +111,27 @@ impl Drop for Watching {
     fn drop(&mut self) {
         // The thread polls for as long as the supervisor lives, and not a poll longer.
         self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The resume of a run decided elsewhere returned: it failed (not for another resumer's
+/// win), or not.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct ResumeEnded {
+    run_id: RunId,
+    failed: bool,
+}
+
+impl Handler<ResumeEnded> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ResumeEnded, ctx: &mut Context<Self>) {
+        if msg.failed {
+            self.retry_decided(msg.run_id, ctx);
+        } else {
+            self.watching.failed.remove(&msg.run_id);
+        }
     }
 }
 
@@ -155,10 +176,10 @@ impl Supervisor {
             return;
         };
         let supervisor = ctx.address().downgrade();
-        let (stop, resync) = (self.watching.stop.clone(), self.watching.resync.clone());
+        let stop = self.watching.stop.clone();
         let spawned = std::thread::Builder::new()
             .name("agentrt-watch".into())
-            .spawn(move || poll_until_stopped(watch, watcher, supervisor, stop, resync));
+            .spawn(move || poll_until_stopped(watch, watcher, supervisor, stop));
         if let Err(err) = spawned {
             tracing::error!(%err, "could not start the watch: decisions and cancels recorded elsewhere are not picked up");
         }
@@ -191,10 +212,13 @@ impl Supervisor {
         ctx.spawn(
             actix::fut::wrap_future::<_, Self>(read).map(move |read, this, ctx| match read {
                 Ok(Ok(true)) => this.decided_and_read(run_id, ctx),
-                Ok(Ok(false)) => {}
+                // Resumed, cancelled or finished since: nothing left to act on.
+                Ok(Ok(false)) => {
+                    this.watching.failed.remove(&run_id);
+                }
                 Ok(Err(err)) => {
-                    tracing::warn!(%run_id, %err, "the watch could not read a run decided elsewhere; reading again at the next poll");
-                    this.watching.resync.store(true, Ordering::SeqCst);
+                    tracing::warn!(%run_id, %err, "the watch could not read a run decided elsewhere");
+                    this.retry_decided(run_id, ctx);
                 }
                 Err(_) => {}
             }),
@@ -216,26 +240,42 @@ impl Supervisor {
     /// finished) is no failure: it wrote nothing and stays quiet.
     fn resume_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         let execution = self.execute(run_id.clone(), Job::Resume, ctx);
-        let resync = self.watching.resync.clone();
+        let supervisor = ctx.address();
         actix_rt::spawn(async move {
-            match execution.await {
+            let failed = match execution.await {
                 Ok(reply) => {
-                    tracing::info!(%run_id, outcome = ?reply.outcome, "run decided elsewhere resumed")
+                    tracing::info!(%run_id, outcome = ?reply.outcome, "run decided elsewhere resumed");
+                    false
                 }
                 Err(err)
                     if err.is_run_state()
                         || matches!(err, Error::RunNotFound(_) | Error::RunLeased { .. }) =>
                 {
-                    tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another")
+                    tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another");
+                    false
                 }
-                // The run may still wait with its decision (a busy store refused the resume):
-                // the next poll reads it again; one that moved on is not found again.
+                // The run may still wait with its decision (a busy store refused the resume, a
+                // policy panicked): it is read again later.
                 Err(err) => {
                     tracing::warn!(%run_id, %err, "the resume of a run decided elsewhere stopped");
-                    resync.store(true, Ordering::SeqCst);
+                    true
                 }
-            }
+            };
+            supervisor.do_send(ResumeEnded { run_id, failed });
         });
+    }
+
+    /// A decision this supervisor could not act on (its resume or the read before it
+    /// failed: a busy or failing store, a policy that panics): read again after a wait that
+    /// doubles from a second with each failure in a row, up to an hour, and resumed if the run
+    /// still waits with it.
+    fn retry_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
+        let failures = self.watching.failed.entry(run_id.clone()).or_default();
+        *failures += 1;
+        let wait = (Duration::from_secs(1) * (1 << (*failures - 1).min(12)))
+            .min(Duration::from_secs(3600));
+        tracing::debug!(%run_id, failures = *failures, ?wait, "reading a decided run again later");
+        ctx.run_later(wait, move |this, ctx| this.resume_if_decided(run_id, ctx));
     }
 
     /// After a poll that may have missed cancels: fires the signal of every run this supervisor
@@ -291,7 +331,7 @@ impl Supervisor {
                 ..
             }) => self.resume_if_decided(run_id.clone(), ctx),
             // It may have stopped before it acted on the decision heard meanwhile.
-            Err(_) => self.watching.resync.store(true, Ordering::SeqCst),
+            Err(_) => self.retry_decided(run_id.clone(), ctx),
             Ok(_) => {}
         }
     }
@@ -327,7 +367,6 @@ fn poll_until_stopped(
     mut watcher: Box<dyn Watcher>,
     supervisor: WeakAddr<Supervisor>,
     stop: Arc<AtomicBool>,
-    resync: Arc<AtomicBool>,
 ) {
     let mut failing = false;
     loop {
@@ -337,9 +376,6 @@ fn poll_until_stopped(
         let Some(addr) = supervisor.upgrade().filter(|addr| addr.connected()) else {
             return;
         };
-        if resync.swap(false, Ordering::SeqCst) {
-            watcher.resync();
-        }
         match watcher.poll() {
             Ok(changes) => {
                 if failing {

@@ -373,6 +373,7 @@ impl Reads for Sql<'_> {
         &mut self,
         wall: i64,
         agents: &[&str],
+        executed: bool,
         limit: usize,
     ) -> Result<Vec<(RunId, LeaseRow)>> {
         let agents = serde_json::to_string(agents).expect("names serialize");
@@ -382,11 +383,12 @@ impl Reads for Sql<'_> {
                 "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
                  WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= ?1)
                    AND agent IN (SELECT value FROM json_each(?2))
+                   AND (lease_epoch > 0) = ?3
                  ORDER BY created_at, id
-                 LIMIT ?3",
+                 LIMIT ?4",
             )
             .db()?
-            .query_map(params![wall, agents, limit as i64], |row| {
+            .query_map(params![wall, agents, executed, limit as i64], |row| {
                 let lease = LeaseRow {
                     state: RunState::Running,
                     owner: row.get(1)?,

@@ -144,8 +144,4 @@ impl Watcher for SqliteWatcher {
         }
         Ok(Some(Changes { changes, resync }))
     }
-
-    fn resync(&mut self) {
-        self.cursor = None;
-    }
 }

@@ -2,7 +2,8 @@
 //! supervisor built with `Config::watch`: an approval or a denial resumes the waiting run, a
 //! cancel fires the running tool's cancellation signal; of two watching supervisors one
 //! resumes the run; a decision recorded while no supervisor ran is picked up at start; a
-//! supervisor without the watch, or without the run's agent, leaves the run waiting.
+//! supervisor without the watch, or without the run's agent, leaves the run waiting; a resume
+//! that fails is tried again.
 
 use std::{
     path::{Path, PathBuf},
@@ -530,5 +531,54 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
         at(0.99),
         millis[0],
         millis[millis.len() - 1]
+    );
+}
+
+#[test]
+fn a_resume_that_fails_is_tried_again_and_the_decided_run_finishes() {
+    let db = TempStore::new();
+    let pay = RecordingTool::new("pay");
+    // Asks for a person at first; panics when asked again at the first resume; then leaves
+    // the call to the recorded approval.
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = asked.clone();
+    let policy = move |_: &RunId, _: &ToolCall| match counter
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    {
+        1 => panic!("the policy service is down"),
+        _ => agentrt::Decision::RequireApproval("a person decides".into()),
+    };
+    let agent = Agent::new(pay_then_answer())
+        .tool(pay.clone())
+        .policy(policy);
+    let (store, path) = (db.open(), db.path());
+    let settled = with_system(|| async move {
+        let (_supervisor, mut rx) = waiting_run(store, watching(), agent, "r1").await;
+        let path = path.to_str().unwrap().to_owned();
+        cli(
+            Path::new(&path),
+            &["approve", "r1", "pay-1", "--by", "alice"],
+        )
+        .await;
+        let finished = actix_rt::time::timeout(
+            Duration::from_secs(60),
+            rx.wait_for(|seen| {
+                seen.iter()
+                    .any(|s| matches!(s.result, Ok(Outcome::Succeeded { .. })))
+            }),
+        );
+        finished.await.expect("the run finishes").unwrap().clone()
+    });
+    assert!(
+        settled
+            .iter()
+            .any(|s| s.result.as_ref().is_err_and(|e| e.contains("panic"))),
+        "the first resume failed: {settled:?}"
+    );
+    assert_eq!(pay.executions().len(), 1, "the approved call ran once");
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 3);
+    assert_eq!(
+        db.open().run(&RunId::from("r1")).unwrap().state,
+        RunState::Succeeded
     );
 }

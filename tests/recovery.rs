@@ -1,7 +1,8 @@
 //! Recovery built into a supervisor: the runs a dead process left `RUNNING` are taken over by
 //! a supervisor configured with `Config::recovery`, once their lease has expired, without a
 //! `ResumeRun` from the application; runs of agents it does not know are left alone; two
-//! recovering supervisors execute each run once.
+//! recovering supervisors execute each run once; runs never executed fill the free slots while
+//! takeovers wait for their turn.
 
 use std::time::Duration;
 
@@ -238,4 +239,91 @@ fn a_supervisor_nobody_holds_stops_and_recovers_nothing() {
         .iter()
         .any(|e| e.kind == EventKind::RunResumed);
     assert!(!resumed, "a dropped supervisor took the run over");
+}
+
+#[test]
+fn runs_never_executed_are_recovered_while_takeovers_wait_for_their_turn() {
+    let db = TempStore::new();
+    // Three runs left mid-tool by a dead process: takeovers, one at a time, each of which
+    // blocks in its tool again.
+    let orphans = leave_runs_in_flight(&db, &[("pay", 3)]);
+    // Their leases lapse first, so that the first pass finds them oldest of all.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while orphans.iter().any(|id| {
+        db.open()
+            .lease(id)
+            .unwrap()
+            .is_some_and(|lease| lease.expires_at > std::time::SystemTime::now())
+    }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leases never lapsed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Five forks nobody executed, newer than the takeovers: they need only a slot.
+    let store = db.open();
+    let quick = || Agent::new(ScriptedModel::new(vec![ModelResponse::answer("ok")]));
+    let origin = store.clone();
+    with_system(|| async move {
+        let supervisor = Supervisor::builder(origin)
+            .agent("quick", quick())
+            .start()
+            .unwrap();
+        supervisor
+            .send(agentrt::StartRun::new("quick", json!({})).with_id("origin"))
+            .await
+            .unwrap()
+            .unwrap();
+    });
+    let forks: Vec<RunId> = (0..5)
+        .map(|n| {
+            store
+                .fork(
+                    &RunId::from("origin"),
+                    1,
+                    Some(RunId::from(format!("fork-{n}"))),
+                )
+                .unwrap()
+        })
+        .collect();
+
+    let pay = RecordingTool::new("pay")
+        .idempotent(true)
+        .behaviour(Behaviour::Block);
+    let (store, probe) = (db.open(), pay.clone());
+    let settled = with_system(|| async move {
+        let (inbox, mut rx) = subscriber();
+        // Three slots, one takeover at a time, and no second pass from the timer: the
+        // forks get the other slots at once, then each slot their ends free.
+        let config = Config::default()
+            .lease_ttl(Duration::from_secs(2))
+            .max_concurrent_runs(3)
+            .recovery(
+                Recovery::default()
+                    .every(Duration::from_secs(3600))
+                    .concurrency(1)
+                    .jitter(Duration::ZERO),
+            );
+        let supervisor = Supervisor::builder(store)
+            .config(config)
+            .agent("pay", Agent::new(pay_then_answer()).tool(probe))
+            .agent("quick", quick())
+            .start()
+            .unwrap();
+        supervisor
+            .send(SubscribeRuns(inbox.recipient()))
+            .await
+            .unwrap();
+        settled::heard(&mut rx, 5).await
+    });
+    let mut done: Vec<&str> = settled
+        .iter()
+        .filter(|s| matches!(s.result, Ok(Outcome::Succeeded { .. })))
+        .map(|s| s.run_id.as_str())
+        .collect();
+    done.sort();
+    let expected: Vec<&str> = forks.iter().map(RunId::as_str).collect();
+    assert_eq!(done, expected, "{settled:?}");
+    assert!(pay.executions().len() <= 1, "one takeover at a time");
 }

@@ -16,6 +16,12 @@
 //! - A log without its index (a copied database, say): SQLite could only read it by creating
 //!   the index, so the file and its log are copied into a private temporary directory and
 //!   read there.
+//!
+//! Another process may open or close the database at any moment: its last close removes the
+//! log and the index, its open may find the log to recover, which only a writer can. An open
+//! or a read that fails while what lies beside the file changes, or while the log waits for
+//! that recovery, looks again and reads as things are then (a few tries, a few milliseconds
+//! apart), rather than fail.
 
 use std::{
     any::Any,
@@ -200,14 +206,28 @@ impl ReadOnly {
     /// may have raced it (its checkpoint rewrites the file, under a read of the file alone or
     /// of a copy). A read still raced after three tries is refused as busy, never answered.
     fn on_connection<R>(&self, mut f: impl FnMut(&Opened) -> Result<R>) -> Result<R> {
-        for _ in 0..3 {
+        for _ in 0..10 {
             let mut opened = self.current()?;
             let mut result = f(&opened);
             if result.as_ref().is_err_and(no_read_mark) && !opened.marks {
                 *opened = opened.taking_marks(&self.path, &self.real, &self.options)?;
                 result = f(&opened);
             }
-            if !opened.stale(&self.look()?) {
+            if result.as_ref().is_err_and(log_recovering) {
+                std::thread::sleep(RECOVERY_PAUSE);
+                let now = self.look()?;
+                *opened = Opened::open(&self.path, &self.real, &self.options, now)?;
+                continue;
+            }
+            let now = self.look()?;
+            if result.is_err() && now != opened.seen {
+                // A read that failed while the files beside changed (a process opened or
+                // closed the database under it) is read again as things are now, whatever
+                // the way of reading.
+                *opened = Opened::open(&self.path, &self.real, &self.options, now)?;
+                continue;
+            }
+            if !opened.stale(&now) {
                 return result;
             }
         }
@@ -329,7 +349,7 @@ struct Opened {
 
 impl Opened {
     fn open(path: &Path, real: &Path, options: &Options, mut beside: Beside) -> Result<Opened> {
-        for _ in 0..3 {
+        for _ in 0..10 {
             let how = match (beside.wal.is_some(), beside.shm) {
                 (false, _) if wal_mode(real).map_err(|err| unreadable(path, err))? => {
                     How::Immutable
@@ -339,14 +359,24 @@ impl Opened {
                 (true, false) => How::Copy,
             };
             let uri = |query: &str| format!("file:{}?{query}", uri_path(real));
-            let (conn, copy) = match how {
-                How::Immutable => (connect(&uri("mode=ro&immutable=1"), options, path)?, None),
-                How::Locked => (connect(&uri("mode=ro"), options, path)?, None),
-                How::Shared => (
-                    connect(&uri("mode=ro&readonly_shm=1"), options, path)?,
-                    None,
-                ),
-                How::Copy => match CopyDir::of(path, real, beside)? {
+            // The last process to close the database removes its log and index: an open that
+            // raced that looks again, and reads the file as it is now.
+            let connected = match how {
+                How::Immutable => Some(connect(&uri("mode=ro&immutable=1"), options, path)),
+                How::Locked => Some(connect(&uri("mode=ro"), options, path)),
+                How::Shared => Some(connect(&uri("mode=ro&readonly_shm=1"), options, path)),
+                How::Copy => None,
+            };
+            let (conn, copy) = match connected {
+                Some(Ok(conn)) => (conn, None),
+                Some(Err(err)) => match look(real) {
+                    Ok(now) if now != beside => {
+                        beside = now;
+                        continue;
+                    }
+                    _ => return Err(err),
+                },
+                None => match CopyDir::of(path, real, beside)? {
                     Copied::Taken(copy) => {
                         let uri = format!("file:{}?mode=ro", uri_path(&copy.db));
                         (connect(&uri, options, path)?, Some(copy))
@@ -367,12 +397,25 @@ impl Opened {
             };
             return match opened.check() {
                 Err(err) if is_no_read_mark(&err) => opened.taking_marks(path, real, options),
-                Err(err) => Err(on_open(err, path)),
+                Err(err) if is_log_recovering(&err) => {
+                    drop(opened);
+                    std::thread::sleep(RECOVERY_PAUSE);
+                    beside = look(real).map_err(|err| unreadable(path, err))?;
+                    continue;
+                }
+                Err(err) => match look(real) {
+                    Ok(now) if now != beside => {
+                        drop(opened);
+                        beside = now;
+                        continue;
+                    }
+                    _ => Err(on_open(err, path)),
+                },
                 Ok(()) => Ok(opened),
             };
         }
         Err(busy(format!(
-            "{} kept changing while it was being copied to be read; try again",
+            "{} kept changing while it was being opened to be read; try again",
             path.display()
         )))
     }
@@ -432,6 +475,26 @@ fn is_no_read_mark(err: &rusqlite::Error) -> bool {
     matches!(err, rusqlite::Error::SqliteFailure(failure, _)
         if failure.extended_code == rusqlite::ffi::SQLITE_READONLY_CANTINIT)
 }
+
+/// SQLite's answer when the log must be recovered first, which only a writer may do: a
+/// process is opening the database (or its last one closing it) right now, and a moment
+/// later the log is whole again.
+fn is_log_recovering(err: &rusqlite::Error) -> bool {
+    matches!(err, rusqlite::Error::SqliteFailure(failure, _)
+        if failure.extended_code == rusqlite::ffi::SQLITE_READONLY_RECOVERY)
+}
+
+fn log_recovering(err: &Error) -> bool {
+    match err {
+        Error::Database(db) => std::error::Error::source(db)
+            .and_then(|source| source.downcast_ref::<rusqlite::Error>())
+            .is_some_and(is_log_recovering),
+        _ => false,
+    }
+}
+
+/// How long a read waits for another process's recovery of the log, between two tries.
+const RECOVERY_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
 
 fn no_read_mark(err: &Error) -> bool {
     match err {
@@ -551,9 +614,16 @@ impl CopyDir {
         };
         let mut log = real.as_os_str().to_owned();
         log.push("-wal");
-        std::fs::copy(real, &copy.db).map_err(failed)?;
-        std::fs::copy(PathBuf::from(log), copy.dir.join("copy.db-wal")).map_err(failed)?;
+        let copied = std::fs::copy(real, &copy.db)
+            .and_then(|_| std::fs::copy(PathBuf::from(log), copy.dir.join("copy.db-wal")));
         let after = look(real).map_err(|err| unreadable(path, err))?;
+        match copied {
+            // The last process to close the database removed its log meanwhile.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && after != beside => {
+                return Ok(Copied::Changed(after));
+            }
+            copied => copied.map_err(failed)?,
+        };
         Ok(if after == beside {
             Copied::Taken(copy)
         } else {

@@ -18,9 +18,9 @@ use std::{any::Any, sync::Arc, time::Duration};
 use serde_json::Value;
 
 use super::{
+    health::Space,
     listing::ListQuery,
     model::{ApprovalRow, LeaseRow, Now, Renewal, StepKind, StepRow, StepState},
-    retention::Space,
 };
 use crate::{
     clock::Clock,

@@ -57,3 +57,21 @@ impl Health {
             .map(|(_, value)| value.as_str())
     }
 }
+
+/// A database's size, and the space inside it that holds nothing. JSON: its fields by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Space {
+    /// Bytes the database took before its free space was given back.
+    pub bytes_before: u64,
+    /// Bytes it takes now.
+    pub bytes_after: u64,
+    /// Bytes inside it that hold nothing: kept for later writes, not given back to the disk.
+    /// Non-zero after a purge on a database that cannot shrink by itself
+    /// ([`returns_space`](Self::returns_space) false).
+    pub free_bytes: u64,
+    /// Whether the database gives the space of deleted rows back to the disk after a purge.
+    /// SQLite: whether it was created with `auto_vacuum = INCREMENTAL`, which agentrt does for
+    /// every new database; an older one switches with [`Store::vacuum`](crate::Store::vacuum).
+    pub returns_space: bool,
+}

@@ -17,10 +17,8 @@ pub mod sqlite;
 
 pub use self::{
     handle::Store,
-    health::{Health, SchemaStatus},
+    health::{Health, SchemaStatus, Space},
     listing::{DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT, RunPage, RunQuery},
-    retention::{
-        DEFAULT_PURGE_BATCH, MAX_PURGE_BATCH, PURGE_REPORT_IDS, Purge, PurgeReport, Space,
-    },
+    retention::{DEFAULT_PURGE_BATCH, MAX_PURGE_BATCH, PURGE_REPORT_IDS, Purge, PurgeReport},
     sqlite::SCHEMA_VERSION,
 };

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{
     Store,
     backend::{Purged, Reads},
+    health::Space,
 };
 use crate::{
     clock::{SystemClock, to_millis},
@@ -118,24 +119,6 @@ pub struct PurgeReport {
     pub batches: u64,
     /// The database's size and free space after the purge; `None` for a dry run.
     pub space: Option<Space>,
-}
-
-/// A database's size, and the space inside it that holds nothing. JSON: its fields by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct Space {
-    /// Bytes the database took before its free space was given back.
-    pub bytes_before: u64,
-    /// Bytes it takes now.
-    pub bytes_after: u64,
-    /// Bytes inside it that hold nothing: kept for later writes, not given back to the disk.
-    /// Non-zero after a purge on a database that cannot shrink by itself
-    /// ([`returns_space`](Self::returns_space) false).
-    pub free_bytes: u64,
-    /// Whether the database gives the space of deleted rows back to the disk after a purge.
-    /// SQLite: whether it was created with `auto_vacuum = INCREMENTAL`, which agentrt does for
-    /// every new database; an older one switches with [`Store::vacuum`].
-    pub returns_space: bool,
 }
 
 impl Store {

@@ -36,7 +36,7 @@ impl Backend for Sqlite {
     }
 
     fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
-        read(&mut Sql(&self.inspection()))?;
+        super::sql::in_snapshot(&self.inspection(), |sql| read(sql))?;
         // The connection is released: the sync holds nobody up. A reader must not act on a
         // move that a power loss would undo.
         self.sync_after_read()

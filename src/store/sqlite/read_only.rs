@@ -40,7 +40,7 @@ use super::{
         Role, configure, on_open, read_schema_version, refuse_other_schema, uri_path, user_version,
     },
     options::Options,
-    sql::Sql,
+    sql::in_snapshot,
 };
 use crate::{
     clock::Clock,
@@ -272,7 +272,7 @@ impl Backend for ReadOnly {
     }
 
     fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
-        self.on_connection(|opened| read(&mut Sql(&opened.conn)))
+        self.on_connection(|opened| in_snapshot(&opened.conn, |sql| read(sql)))
     }
 
     fn transact(

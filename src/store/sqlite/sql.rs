@@ -22,6 +22,19 @@ use crate::{
 /// connection, so the same statements serve inside a move and outside.
 pub(crate) struct Sql<'c>(pub &'c Connection);
 
+/// Runs `read` in one read transaction on `conn`, so that its statements see one snapshot: a
+/// run's row and its steps as one commit left them, never a row from before another writer's
+/// commit beside steps from after it.
+pub(super) fn in_snapshot<R>(
+    conn: &Connection,
+    read: impl FnOnce(&mut Sql<'_>) -> Result<R>,
+) -> Result<R> {
+    let tx = conn.unchecked_transaction().db()?;
+    let value = read(&mut Sql(&tx))?;
+    tx.commit().db()?;
+    Ok(value)
+}
+
 /// The step and attempt count of a run's call that waits for a decision, found through the
 /// index of waiting calls (`steps_waiting_call`): the literal state is what lets SQLite use
 /// it.

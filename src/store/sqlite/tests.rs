@@ -629,3 +629,31 @@ fn a_watcher_that_fell_behind_the_bounded_feed_reads_the_waiting_runs_instead() 
     assert_eq!(behind.changes[0].run_id, RunId::from("r77"));
     assert_eq!(watcher.poll().unwrap(), None);
 }
+
+#[test]
+fn a_read_sees_one_snapshot_while_another_connection_commits() {
+    let file = File::new();
+    let path = file.fresh_path();
+    let (store, other) = (Store::open(&path).unwrap(), Store::open(&path).unwrap());
+    lock(&Sqlite::of(&store).unwrap().writer)
+        .execute_batch(
+            "INSERT INTO runs (id, agent, input, state, created_at, updated_at)
+             VALUES ('r1', 'agent', '{}', 'RUNNING', 0, 0)",
+        )
+        .unwrap();
+    let id = RunId::from("r1");
+    let (before, during) = store
+        .read(|reads| {
+            let before = reads.run(&id)?.unwrap().state;
+            // Committed by another connection between two statements of the read.
+            other.cancel(&id, "elsewhere")?;
+            Ok((before, reads.run(&id)?.unwrap().state))
+        })
+        .unwrap();
+    assert_eq!(before, crate::RunState::Running);
+    assert_eq!(
+        during, before,
+        "the read's second statement sees its first's snapshot"
+    );
+    assert_eq!(store.run(&id).unwrap().state, crate::RunState::Cancelled);
+}

@@ -401,7 +401,9 @@ impl Writer for SqliteWriter {
 
     fn read(&mut self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
         self.wait_synced();
-        self.store.on_writer("a read", |sql| read(sql))?;
+        self.store.on_writer("a read", |sql| {
+            super::sql::in_snapshot(sql.0, |snapshot| read(snapshot))
+        })?;
         // What it read may be another process's group, committed and not yet synced: the
         // caller (a resume, say) decides on it.
         self.store.sync_after_read()

@@ -7,6 +7,9 @@
 //! cargo run --release --example bench -- --rounds 5
 //! ```
 
+#[path = "support/memory.rs"]
+mod memory;
+
 use std::{
     collections::HashMap,
     path::Path,
@@ -24,6 +27,7 @@ use agentrt::{
     sqlite::{Options, Synchronous},
 };
 use clap::Parser;
+use memory::status_kib;
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -564,19 +568,6 @@ fn workload_c(args: &Args, dir: &Path) {
         json!({ "moves": 20_000 }),
         &mut ratios,
     );
-}
-
-/// A memory figure of this process from /proc/self/status (`VmHWM`: peak RSS, `VmRSS`: RSS).
-fn status_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|line| {
-            line.strip_prefix(field)?
-                .strip_prefix(':')
-                .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
-        })
-        .unwrap_or(0)
 }
 
 fn peak_rss_kib() -> u64 {

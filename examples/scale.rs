@@ -11,6 +11,9 @@
 //! Each side of each round runs in a child process of its own, so that its memory figures are
 //! its own. Prints one JSON line per side and round, then a summary line of medians.
 
+#[path = "support/memory.rs"]
+mod memory;
+
 use std::{
     collections::HashMap,
     process::Command,
@@ -24,6 +27,7 @@ use agentrt::{
     Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
 };
 use clap::Parser;
+use memory::status_kib;
 use serde_json::{Value, json};
 
 // Thousands of runs allocate and free on several threads at once (a run's thread, the store's):
@@ -299,17 +303,4 @@ fn measure(args: &Args, side: &str) -> Value {
         "peak_rss_kib": peak_kib,
         "kib_per_run": (peak_kib.saturating_sub(base_kib)) as f64 / runs as f64,
     })
-}
-
-/// A memory figure of this process from /proc/self/status (`VmHWM`: peak RSS, `VmRSS`: RSS).
-fn status_kib(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|line| {
-            line.strip_prefix(field)?
-                .strip_prefix(':')
-                .map(|v| v.trim().trim_end_matches(" kB").parse().unwrap_or(0))
-        })
-        .unwrap_or(0)
 }

@@ -67,6 +67,29 @@ async fn cli(db: &Path, args: &[&str]) {
     );
 }
 
+/// What a subscriber has heard.
+type Inbox = tokio::sync::watch::Receiver<Vec<RunSettled>>;
+
+/// Starts a supervisor of `agent`, registered as `name`, subscribed to a new inbox.
+async fn subscribed(
+    store: Store,
+    config: Config,
+    name: &str,
+    agent: Agent,
+) -> (actix::Addr<Supervisor>, Inbox) {
+    let supervisor = Supervisor::builder(store)
+        .config(config)
+        .agent(name, agent)
+        .start()
+        .unwrap();
+    let (inbox, rx) = subscriber();
+    supervisor
+        .send(SubscribeRuns(inbox.recipient()))
+        .await
+        .unwrap();
+    (supervisor, rx)
+}
+
 /// Starts a watching supervisor of `agent` (as `billing`) subscribed to a new inbox, spawns
 /// run `run_id` and waits until it waits for its approval.
 async fn waiting_run(
@@ -74,20 +97,8 @@ async fn waiting_run(
     config: Config,
     agent: Agent,
     run_id: &str,
-) -> (
-    actix::Addr<Supervisor>,
-    tokio::sync::watch::Receiver<Vec<RunSettled>>,
-) {
-    let supervisor = Supervisor::builder(store)
-        .config(config)
-        .agent("billing", agent)
-        .start()
-        .unwrap();
-    let (inbox, mut rx) = subscriber();
-    supervisor
-        .send(SubscribeRuns(inbox.recipient()))
-        .await
-        .unwrap();
+) -> (actix::Addr<Supervisor>, Inbox) {
+    let (supervisor, mut rx) = subscribed(store, config, "billing", agent).await;
     supervisor
         .send(SpawnRun::new("billing", json!({})).with_id(run_id))
         .await
@@ -215,16 +226,7 @@ fn a_cancel_by_the_cli_fires_the_running_tools_cancellation_signal() {
         .watch(Watch::default());
 
     let settled = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(inbox.recipient()))
-            .await
-            .unwrap();
+        let (supervisor, mut rx) = subscribed(store, config, "billing", agent).await;
         supervisor
             .send(SpawnRun::new("billing", json!({})).with_id("r1"))
             .await
@@ -351,16 +353,7 @@ fn a_decision_recorded_while_no_supervisor_ran_is_picked_up_at_start() {
 
     let (store, agent) = (db.open(), approving(pay_then_answer(), pay.clone()));
     let settled = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(watching())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(inbox.recipient()))
-            .await
-            .unwrap();
+        let (_supervisor, mut rx) = subscribed(store, watching(), "billing", agent).await;
         heard(&mut rx, 1).await
     });
 
@@ -388,16 +381,7 @@ fn a_supervisor_without_the_watch_or_the_agent_leaves_the_decided_run_waiting() 
         // Executes billing runs, without the watch.
         let (_plain, _) = waiting_run(plain, Config::default(), billing, "billing-1").await;
         // Watches, and has only the shipping agent.
-        let supervisor = Supervisor::builder(watcher)
-            .config(watching())
-            .agent("shipping", shipping)
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(inbox.recipient()))
-            .await
-            .unwrap();
+        let (supervisor, mut rx) = subscribed(watcher, watching(), "shipping", shipping).await;
         supervisor
             .send(SpawnRun::new("shipping", json!({})).with_id("shipping-1"))
             .await
@@ -479,16 +463,13 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
     let ids: Vec<String> = (1..=RUNS).map(|n| format!("r{n:02}")).collect();
     let runs = ids.clone();
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(Config::default().watch(Watch::default()))
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(inbox.recipient()))
-            .await
-            .unwrap();
+        let (supervisor, mut rx) = subscribed(
+            store,
+            Config::default().watch(Watch::default()),
+            "billing",
+            agent,
+        )
+        .await;
         for (n, id) in runs.iter().enumerate() {
             supervisor
                 .send(SpawnRun::new("billing", json!({})).with_id(id.as_str()))

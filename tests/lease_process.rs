@@ -63,10 +63,12 @@ fn child_process_runs_until_killed() {
 fn killed_process_lease_is_taken_over_after_its_ttl() {
     let db = TempStore::new();
     drop(db.open());
-    let mut child = child::spawn("child_process_runs_until_killed", DB_VAR, &db.path());
-    let child_owner = child::report(&mut child, "READY ");
-    child.kill().unwrap(); // SIGKILL: no further write
-    child.wait().unwrap();
+    let child_owner = child::killed_after(
+        "child_process_runs_until_killed",
+        DB_VAR,
+        &db.path(),
+        "READY ",
+    );
 
     let tool = RecordingTool::new("provision").idempotent(true);
     let (store, parent_agent) = (db.open(), agent(&tool));

@@ -82,14 +82,12 @@ use settled::subscriber;
 fn runs_a_killed_process_left_are_recovered_without_a_resume() {
     let db = TempStore::new();
     drop(db.open());
-    let mut child = child::spawn(
+    child::killed_after(
         "child_process_leaves_runs_and_is_killed",
         DB_VAR,
         &db.path(),
+        "READY",
     );
-    child::report(&mut child, "READY");
-    child.kill().unwrap(); // SIGKILL: no further write
-    child.wait().unwrap();
 
     let store = db.open();
     for id in ["forked", "mid-tool", "just-started"] {
@@ -179,14 +177,12 @@ fn child_process_queues_runs_and_is_killed() {
 fn runs_waiting_their_turn_survive_a_kill_and_are_recovered() {
     let db = TempStore::new();
     drop(db.open());
-    let mut child = child::spawn(
+    child::killed_after(
         "child_process_queues_runs_and_is_killed",
         QUEUE_DB_VAR,
         &db.path(),
+        "READY",
     );
-    child::report(&mut child, "READY");
-    child.kill().unwrap(); // SIGKILL: no further write
-    child.wait().unwrap();
 
     let store = db.open();
     let left = store.runs(Some(RunState::Running)).unwrap();

@@ -51,3 +51,14 @@ pub fn report(child: &mut Child, word: &'static str) -> String {
         }
     }
 }
+
+/// Starts the ignored test `name` as a child process on the database at `db` (see [`spawn`]),
+/// waits for its report of `word`, and kills it with SIGKILL, so that it writes nothing more;
+/// answers what followed `word`.
+pub fn killed_after(name: &str, var: &str, db: &Path, word: &'static str) -> String {
+    let mut child = spawn(name, var, db);
+    let reported = report(&mut child, word);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    reported
+}

@@ -202,6 +202,7 @@ impl Supervisor {
                 .failed
                 .retain(|_, (_, until)| *until + MAX_FAILURE_BACKOFF > now);
             let mut slots = this.free_slots();
+            let mut takeovers = this.recovering.takeovers();
             for (run_id, lease) in found {
                 if slots == 0 {
                     this.recovering.more = true;
@@ -223,10 +224,11 @@ impl Supervisor {
                 // `concurrency` of those are taken over at once. One never executed (it
                 // waited for a slot, or is a fork) only needs a slot.
                 let takeover = lease.epoch > 0;
-                if takeover && this.recovering.takeovers() >= recovery.concurrency {
+                if takeover && takeovers >= recovery.concurrency {
                     this.recovering.more = true;
                     continue;
                 }
+                takeovers += usize::from(takeover);
                 slots -= 1;
                 this.recovering.now.insert(run_id.clone(), takeover);
                 let delay = random_up_to(recovery.jitter);

@@ -59,7 +59,12 @@ impl Sqlite {
                 left = free;
             }
         }
-        // The file shrinks once the log's copy reaches it.
+        self.measured(before, returns_space)
+    }
+
+    /// The space after a purge or a vacuum, once checkpointed: the file shrinks when the log's
+    /// copy reaches it.
+    fn measured(&self, before: u64, returns_space: bool) -> Result<Space> {
         self.checkpoint()?;
         let (after, free) = self.on_writer("reading the database's size", |sql| sizes(sql.0))?;
         Ok(Space {
@@ -84,13 +89,6 @@ impl Sqlite {
             vacuumed.and(restored)?;
             Ok(before)
         })?;
-        self.checkpoint()?;
-        let (after, free) = self.on_writer("reading the database's size", |sql| sizes(sql.0))?;
-        Ok(Space {
-            bytes_before: before,
-            bytes_after: after,
-            free_bytes: free,
-            returns_space: true,
-        })
+        self.measured(before, true)
     }
 }

@@ -368,15 +368,7 @@ impl Reads for Sql<'_> {
                  ORDER BY id",
             )
             .db()?
-            .query_map([wall], |row| {
-                let lease = LeaseRow {
-                    state: RunState::Running,
-                    owner: row.get(1)?,
-                    expires_at: row.get(2)?,
-                    epoch: row.get::<_, i64>(3)? as u64,
-                };
-                Ok((RunId::from(row.get::<_, String>(0)?), lease))
-            })
+            .query_map([wall], unleased_row)
             .db()?
             .collect::<rusqlite::Result<_>>()
             .db()
@@ -401,19 +393,23 @@ impl Reads for Sql<'_> {
                  LIMIT ?4",
             )
             .db()?
-            .query_map(params![wall, agents, executed, limit as i64], |row| {
-                let lease = LeaseRow {
-                    state: RunState::Running,
-                    owner: row.get(1)?,
-                    expires_at: row.get(2)?,
-                    epoch: row.get::<_, i64>(3)? as u64,
-                };
-                Ok((RunId::from(row.get::<_, String>(0)?), lease))
-            })
+            .query_map(params![wall, agents, executed, limit as i64], unleased_row)
             .db()?
             .collect::<rusqlite::Result<_>>()
             .db()
     }
+}
+
+/// A row of `SELECT id, lease_owner, lease_expires_at, lease_epoch` over RUNNING runs: the run
+/// and its lease.
+fn unleased_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(RunId, LeaseRow)> {
+    let lease = LeaseRow {
+        state: RunState::Running,
+        owner: row.get(1)?,
+        expires_at: row.get(2)?,
+        epoch: row.get::<_, i64>(3)? as u64,
+    };
+    Ok((RunId::from(row.get::<_, String>(0)?), lease))
 }
 
 impl Sql<'_> {

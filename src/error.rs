@@ -263,6 +263,16 @@ pub enum Error {
     )]
     DiskStateUnknown(String),
 
+    /// The database server could not be reached, or refused the connection. Nothing was
+    /// written.
+    #[error("the database server at {location} did not answer ({why}); nothing was written")]
+    ServerUnreachable {
+        /// The server, as given (without its password).
+        location: String,
+        /// What the connection attempt reported.
+        why: String,
+    },
+
     /// The database failed; its backend's error is the source.
     #[error("database error: {0}")]
     Database(#[source] DatabaseError),

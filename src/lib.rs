@@ -65,6 +65,8 @@ pub use store::{
     backend::{MoveInfo, MoveKind, MoveObserver},
     sqlite,
 };
+#[cfg(feature = "postgres")]
+pub use store::postgres;
 #[allow(deprecated)]
 pub use types::RunOutcome;
 pub use types::{

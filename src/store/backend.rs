@@ -30,6 +30,13 @@ use crate::{
 
 /// Reads of a run's rows, inside a transaction or outside.
 pub(crate) trait Reads {
+    /// The wall-clock time leases are stamped and judged by, in milliseconds: this host's
+    /// clock on a backend that lives on one host (SQLite), the database server's on one that
+    /// several hosts share (PostgreSQL), so that no two hosts' clocks need to agree. Read anew
+    /// at each call.
+    fn lease_wall(&mut self) -> Result<i64> {
+        Ok(super::model::wall_millis())
+    }
     /// A run's state and lease; `None` for an unknown run.
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>>;
     /// A run; `None` for an unknown run.
@@ -512,6 +519,11 @@ pub(crate) trait Watcher: Send {
     /// watched), with `resync` set. An error leaves the cursor where it was: the next poll
     /// reads the same changes again.
     fn poll(&mut self) -> Result<Option<Changes>>;
+
+    /// Waits up to `period` before the next poll: less when the backend is told of a commit.
+    fn wait(&mut self, period: Duration) {
+        std::thread::sleep(period);
+    }
 }
 
 /// A store's backend.

@@ -7,11 +7,14 @@
 pub(crate) mod backend;
 #[cfg(test)]
 pub(crate) mod conformance;
+mod feed;
 mod handle;
 mod health;
 mod listing;
 pub(crate) mod model;
 pub(crate) mod moves;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod retention;
 pub mod sqlite;
 

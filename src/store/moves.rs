@@ -149,7 +149,7 @@ impl<'a, 'c> Move<'a, 'c> {
         let unexpired_at = match need {
             Need::Held => None,
             Need::Margin if !grant.has_margin() => return Err(self.short_of_margin(grant, what)),
-            Need::Margin => Some(grant.holder.start_by(wall_millis())),
+            Need::Margin => Some(grant.holder.start_by(self.tx.lease_wall()?)),
         };
         let at = self.now.millis();
         let (owner, token) = (&grant.holder.owner, grant.token());
@@ -186,7 +186,10 @@ impl<'a, 'c> Move<'a, 'c> {
     fn move_run(&mut self, m: RunMove<'_>) -> Result<Option<i64>> {
         // Read before the wall clock: the grant's deadline is then no later than the expiry.
         let sent = m.take.map(|_| Instant::now());
-        let expires_at = m.take.map(|grant| grant.holder.expiry(wall_millis()));
+        let expires_at = match m.take {
+            Some(grant) => Some(grant.holder.expiry(self.tx.lease_wall()?)),
+            None => None,
+        };
         let update = RunUpdate {
             from: m.from,
             to: m.to,
@@ -294,7 +297,7 @@ impl<'a, 'c> Move<'a, 'c> {
             return Err(Error::RunExists(self.run_id.clone()));
         }
         let sent = Instant::now();
-        let expires_at = grant.holder.expiry(wall_millis());
+        let expires_at = grant.holder.expiry(self.tx.lease_wall()?);
         self.tx.insert_run(&NewRun {
             run_id: self.run_id,
             agent,
@@ -644,7 +647,7 @@ impl<'a, 'c> Move<'a, 'c> {
         if row.state != RunState::Running {
             return Err(self.refused(None, what));
         }
-        let wall = wall_millis();
+        let wall = self.tx.lease_wall()?;
         if let (Some(owner), Some(expires_at)) = (&row.owner, row.expires_at) {
             // This supervisor's own live lease is not refused: the caller checked that it
             // executes no call of this run, so that lease is a leftover.
@@ -658,7 +661,7 @@ impl<'a, 'c> Move<'a, 'c> {
         }
         // Read before the wall clock: the grant's deadline is then no later than the expiry.
         let sent = Instant::now();
-        let expires_at = holder.expiry(wall_millis());
+        let expires_at = holder.expiry(self.tx.lease_wall()?);
         let at = self.now.millis();
         if !self
             .tx
@@ -929,7 +932,7 @@ pub(crate) fn renew(
     held: &[(RunId, u64)],
     ttl: std::time::Duration,
 ) -> Result<Renewal> {
-    let wall = wall_millis();
+    let wall = conn.lease_wall()?;
     let expires_at = wall + ttl.as_millis() as i64;
     let renewed = conn.renew_leases(owner, held, wall, expires_at)?;
     let mut missing = Vec::new();
@@ -1027,7 +1030,8 @@ pub(crate) fn load(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunSnapshot>
 
 /// RUNNING runs whose lease expired by wall-clock time `wall`, with that lease; and RUNNING
 /// runs nobody holds.
-pub(crate) fn lease_report(reads: &mut dyn Reads, wall: i64) -> Result<LeaseReport> {
+pub(crate) fn lease_report(reads: &mut dyn Reads) -> Result<LeaseReport> {
+    let wall = reads.lease_wall()?;
     let (mut stale, mut unleased) = (Vec::new(), Vec::new());
     for (run_id, row) in reads.unleased_runs(wall)? {
         match row.lease() {

@@ -12,7 +12,6 @@ use super::Supervisor;
 use crate::{
     actors::{run::Job, store::ReadState},
     error::{Error, Result},
-    store::model::wall_millis,
     types::{RunId, RunReply},
 };
 
@@ -173,7 +172,7 @@ impl Supervisor {
         let limits = (takeovers + skipped, slots + skipped);
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
-            let wall = wall_millis();
+            let wall = reads.lease_wall()?;
             let mut found = if limits.0 > skipped {
                 reads.recoverable_runs(wall, &agents, true, limits.0)?
             } else {

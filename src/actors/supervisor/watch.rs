@@ -395,6 +395,6 @@ fn poll_until_stopped(
             Err(err) => tracing::debug!(%err, "the watch could not read the store"),
         }
         drop(addr);
-        std::thread::sleep(watch.every);
+        watcher.wait(watch.every);
     }
 }

@@ -18,7 +18,7 @@ use crate::{
     store::{
         Health, SCHEMA_VERSION, SchemaStatus, Space,
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
-        model::{Now, wall_millis},
+        model::Now,
         moves,
     },
 };
@@ -129,7 +129,7 @@ pub(super) fn health(
         "defensive".to_owned(),
         if defensive { "1" } else { "0" }.into(),
     ));
-    let (stale_leases, running_without_lease) = moves::lease_report(&mut Sql(conn), wall_millis())?;
+    let (stale_leases, running_without_lease) = moves::lease_report(&mut Sql(conn))?;
     Ok(Health {
         schema: SchemaStatus {
             found: user_version(conn).db()?,

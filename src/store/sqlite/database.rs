@@ -37,6 +37,24 @@ impl Store {
     pub fn in_memory() -> Result<Store> {
         Options::default().in_memory()
     }
+
+    /// Opens the store at `location` with its backend's default options: a PostgreSQL
+    /// database for a `postgres://` or `postgresql://` URL (with the `postgres` feature; see
+    /// [`postgres::Options`](crate::postgres::Options)), else the SQLite file at that path
+    /// ([`Store::open`]).
+    pub fn connect(location: &str) -> Result<Store> {
+        if location.starts_with("postgres://") || location.starts_with("postgresql://") {
+            #[cfg(feature = "postgres")]
+            return crate::postgres::Options::new().open(location);
+            #[cfg(not(feature = "postgres"))]
+            return Err(crate::Error::InvalidInput(format!(
+                "{} names a PostgreSQL database, and this build of agentrt has no PostgreSQL \
+                 backend (its `postgres` feature)",
+                location.split('@').next_back().unwrap_or(location)
+            )));
+        }
+        Store::open(location)
+    }
 }
 
 impl Options {

@@ -835,18 +835,34 @@ impl LeaseWrites for Sql<'_> {
 // ---------------------------------------------------------------------------------------------
 // The change feed (`run_changes`, filled by triggers), read by the watcher
 
-/// The id of the last change in the feed; 0 for an empty one. The largest rowid: one step
-/// down the table's tree.
-pub(crate) fn last_change(conn: &Connection) -> Result<i64> {
+impl crate::store::feed::Feed for Sql<'_> {
+    /// The largest rowid: one step down the table's tree.
+    fn last_change(&mut self) -> Result<i64> {
+        last_change(self.0)
+    }
+
+    /// A range of the primary key, so a poll reads only what is new.
+    fn changes_after(&mut self, cursor: i64) -> Result<Vec<(i64, Change)>> {
+        changes_after(self.0, cursor)
+    }
+
+    fn decided_waiting_runs(&mut self) -> Result<Vec<Change>> {
+        decided_waiting_runs(self.0)
+    }
+
+    fn waits_decided(&mut self, run_id: &RunId) -> Result<bool> {
+        waits_decided(self.0, run_id)
+    }
+}
+
+fn last_change(conn: &Connection) -> Result<i64> {
     conn.prepare_cached("SELECT COALESCE(MAX(id), 0) FROM run_changes")
         .db()?
         .query_row([], |row| row.get(0))
         .db()
 }
 
-/// The changes after `cursor`, in order, each with its id: a range of the primary key, so a
-/// poll reads only what is new.
-pub(crate) fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
+fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
     let rows: Vec<(i64, String, String, String)> = conn
         .prepare_cached("SELECT id, run_id, agent, kind FROM run_changes WHERE id > ?1 ORDER BY id")
         .db()?
@@ -887,8 +903,7 @@ const DECIDED_WAITING: &str = "FROM runs
                    AND approvals.attempt = steps.attempt + 1
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
 
-/// Every run that waits for approval with its decision recorded, as decided changes.
-pub(crate) fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
+fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     conn.prepare_cached(&format!(
         "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
     ))
@@ -905,9 +920,7 @@ pub(crate) fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     .db()
 }
 
-/// Whether `run_id` waits for approval with its decision recorded: a decision already acted
-/// on (the run resumed, and maybe paused again since) is no longer news.
-pub(crate) fn waits_decided(conn: &Connection, run_id: &RunId) -> Result<bool> {
+fn waits_decided(conn: &Connection, run_id: &RunId) -> Result<bool> {
     conn.prepare_cached(&format!("SELECT 1 {DECIDED_WAITING} AND runs.id = ?1"))
         .db()?
         .exists([run_id.as_str()])

@@ -2,7 +2,7 @@
 //! (it changes when any other connection, in this process or another, commits) and, when it
 //! changed, reads the change feed after its cursor.
 
-use std::{collections::HashSet, sync::Arc};
+use std::sync::Arc;
 
 use rusqlite::{Connection, OpenFlags, config::DbConfig};
 
@@ -10,11 +10,14 @@ use super::error::Db;
 use super::{
     database::Sqlite,
     open::{Role, configure},
-    sql,
+    sql::Sql,
 };
 use crate::{
     error::Result,
-    store::backend::{ChangeKind, Changes, Watcher},
+    store::{
+        backend::{Changes, Watcher},
+        feed,
+    },
 };
 
 /// Where the watcher reads.
@@ -95,53 +98,23 @@ impl Watcher for SqliteWatcher {
         // poll reads what this one missed.
         let version = self.data_version()?;
         let Some(cursor) = self.cursor else {
-            let (last, decided) =
-                self.read(|conn| Ok((sql::last_change(conn)?, sql::decided_waiting_runs(conn)?)))?;
+            let (last, decided) = self.read(|conn| feed::start(&mut Sql(conn)))?;
             (self.cursor, self.version) = (Some(last), version);
-            return Ok(Some(Changes {
-                changes: decided,
-                resync: true,
-            }));
+            return Ok(Some(decided));
         };
         if version.is_some() && version == self.version {
             return Ok(None);
         }
-        let read = self.read(|conn| {
-            let rows = sql::changes_after(conn, cursor)?;
-            let Some(&(last, _)) = rows.last() else {
-                // A commit that recorded no decision and cancelled no run.
-                return Ok(None);
-            };
-            // Ids are given one after the other (a rolled-back insert gives its id back): a
-            // first id past the next one means the trimming took changes this poll never read.
-            let behind = rows[0].0 > cursor + 1;
-            let mut changes = Vec::new();
-            let mut decided = HashSet::new();
-            for (_, change) in rows {
-                // The decisions as this snapshot has them: one acted on already (the run
-                // resumed, and maybe paused again since) is no news, nor is a run twice.
-                if change.kind == ChangeKind::Decided
-                    && (behind
-                        || !decided.insert(change.run_id.clone())
-                        || !sql::waits_decided(conn, &change.run_id)?)
-                {
-                    continue;
-                }
-                changes.push(change);
-            }
-            if behind {
-                changes.extend(sql::decided_waiting_runs(conn)?);
-            }
-            Ok(Some((last, changes, behind)))
-        })?;
+        // None: a commit that recorded no decision and cancelled no run.
+        let read = self.read(|conn| feed::after(&mut Sql(conn), cursor))?;
         self.version = version;
-        let Some((last, changes, resync)) = read else {
+        let Some((last, changes)) = read else {
             return Ok(None);
         };
         self.cursor = Some(last);
-        if changes.is_empty() && !resync {
+        if changes.changes.is_empty() && !changes.resync {
             return Ok(None);
         }
-        Ok(Some(Changes { changes, resync }))
+        Ok(Some(changes))
     }
 }

@@ -1,0 +1,58 @@
+//! The PostgreSQL backend: one database that the supervisors of several hosts share.
+//!
+//! Everything PostgreSQL-specific lives in this module: the connections and their timeouts,
+//! the migrations (applied under an advisory lock), the SQL of every primitive the moves are
+//! made of, the writer's lanes (moves of different runs commit in parallel over several
+//! connections, those of one run in order, each lane committing what queued behind it as one
+//! group), the lease keeper's connection, and the change feed read through LISTEN/NOTIFY.
+//!
+//! Leases are stamped and judged by the server's clock: a lease taken or renewed expires at
+//! the server's `now()` plus the TTL, and every guard and takeover compares with the server's
+//! `now()`, so no two hosts' clocks need to agree (see `docs/postgres.md`).
+//!
+//! ```no_run
+//! use agentrt::{Store, postgres::Options};
+//!
+//! let store: Store = Options::new()
+//!     .writers(4)
+//!     .open("postgres://agentrt@db.internal/agents")?;
+//! // Or, with the default options, by URL:
+//! let same = Store::connect("postgres://agentrt@db.internal/agents")?;
+//! # Ok::<(), agentrt::Error>(())
+//! ```
+
+mod boundary;
+mod conn;
+mod open;
+mod options;
+mod sql;
+#[cfg(any(test, feature = "testkit"))]
+pub(crate) mod testing;
+mod watcher;
+mod writer;
+
+pub use self::{
+    open::SCHEMA_VERSION,
+    options::{DEFAULT_WRITERS, Options},
+};
+
+/// Whether `location` names a PostgreSQL database (a `postgres://` or `postgresql://` URL)
+/// rather than an SQLite file.
+pub fn is_url(location: &str) -> bool {
+    location.starts_with("postgres://") || location.starts_with("postgresql://")
+}
+
+/// A PostgreSQL store's backend: its options and the connections it keeps for inspection.
+pub(crate) struct Postgres {
+    pub(super) options: Options,
+    pub(super) config: ::postgres::Config,
+    /// The URL without its password, for messages.
+    pub(super) shown: String,
+    /// The schema the store's tables are in (the connection's `search_path`).
+    pub(super) schema: String,
+    /// Idle connections for inspection reads and operators' moves.
+    pub(super) idle: std::sync::Mutex<Vec<conn::Conn>>,
+}
+
+#[cfg(test)]
+mod tests;

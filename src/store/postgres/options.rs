@@ -1,0 +1,110 @@
+//! How a PostgreSQL store is opened.
+
+use std::time::Duration;
+
+use crate::{Store, error::Result};
+
+/// The writer connections a supervisor commits through, unless told otherwise.
+pub const DEFAULT_WRITERS: usize = 4;
+
+/// How to open a PostgreSQL store: `Options::new().open(url)`.
+///
+/// The URL is libpq's (`postgres://user:password@host:port/database?options`), as the
+/// `postgres` crate reads it; a `search_path` given in its `options` parameter
+/// (`?options=-csearch_path%3Dagents`) puts the store's tables in that schema, which must
+/// exist.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub(super) writers: usize,
+    pub(super) group_commit: bool,
+    pub(super) migrate: bool,
+    pub(super) read_only: bool,
+    pub(super) connect_timeout: Duration,
+    pub(super) network_timeout: Duration,
+    pub(super) idle_in_transaction: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            writers: DEFAULT_WRITERS,
+            group_commit: true,
+            migrate: true,
+            read_only: false,
+            connect_timeout: Duration::from_secs(5),
+            network_timeout: Duration::from_secs(10),
+            idle_in_transaction: Duration::from_secs(10),
+        }
+    }
+}
+
+impl Options {
+    /// The defaults: [`DEFAULT_WRITERS`] writer connections with group commit, the database
+    /// migrated at open.
+    pub fn new() -> Self {
+        Options::default()
+    }
+
+    /// How many connections a supervisor's moves commit over (at least 1). A run's moves
+    /// always go through the same one, in order; moves of different runs commit in parallel.
+    pub fn writers(mut self, writers: usize) -> Self {
+        self.writers = writers.max(1);
+        self
+    }
+
+    /// Whether a writer connection commits every move that queued behind its last commit in
+    /// one transaction (the default), or each move in a transaction of its own.
+    pub fn group_commit(mut self, on: bool) -> Self {
+        self.group_commit = on;
+        self
+    }
+
+    /// Whether an empty or older database is migrated at open (the default), or refused
+    /// unchanged.
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// Opens the store for reading only: nothing is migrated, and every connection's
+    /// transactions are read-only, so that nothing is written, whatever is asked.
+    pub fn read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
+        if read_only {
+            self.migrate = false;
+        }
+        self
+    }
+
+    /// How long a connection may take to open (5 s by default).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long sent data may stay unacknowledged by the server before the connection is
+    /// given up (10 s by default; the socket's `TCP_USER_TIMEOUT`, with keep-alives at a
+    /// third of it): what bounds a call across a network that went away.
+    pub fn network_timeout(mut self, timeout: Duration) -> Self {
+        self.network_timeout = timeout.max(Duration::from_millis(100));
+        self
+    }
+
+    /// How long the server keeps a session that sits idle inside a transaction (10 s by
+    /// default): the row locks of a host that stalled or was cut off mid-transaction are
+    /// freed after it, so that the other hosts can take its runs over.
+    pub fn idle_in_transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_in_transaction = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Opens (and, unless told otherwise, migrates) the store at `url`.
+    ///
+    /// A database whose schema is newer than this build's is refused unchanged
+    /// ([`Error::SchemaTooNew`](crate::Error::SchemaTooNew)); an older one, with migrating
+    /// off, too ([`Error::SchemaOutdated`](crate::Error::SchemaOutdated)). Two processes
+    /// opening an empty database at once migrate it once.
+    pub fn open(self, url: &str) -> Result<Store> {
+        super::open::open(self, url)
+    }
+}

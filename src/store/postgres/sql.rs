@@ -1,0 +1,737 @@
+//! All of the PostgreSQL backend's SQL: the primitives of the moves, the reads, the lease's
+//! single-statement writes, and the change feed, each in a transaction of one connection.
+
+use std::collections::HashMap;
+
+use postgres::{Row, Statement, Transaction, types::ToSql};
+use serde_json::Value;
+
+use super::conn::Pg;
+use crate::{
+    error::{Error, Result},
+    store::{
+        backend::{
+            Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
+        },
+        listing::ListQuery,
+        model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
+        moves::FIRST_TOKEN,
+    },
+    types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
+};
+
+type Params<'p> = [&'p (dyn ToSql + Sync)];
+
+/// A transaction seen through the backend's primitives. In a move's transaction (`lock`), a
+/// read of a run's row locks it until the commit, so that the move writes on what it read
+/// while writers of other connections wait; an inspection's reads lock nothing.
+pub(super) struct PgTx<'a, 'c> {
+    pub tx: &'a mut Transaction<'c>,
+    pub statements: &'a mut HashMap<String, Statement>,
+    pub lock: bool,
+}
+
+const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
+
+const FINISHED: &str = "state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')";
+
+/// The server's clock in milliseconds since the Unix epoch: read when the statement runs, not
+/// when its transaction began.
+const SERVER_NOW: &str = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8";
+
+impl PgTx<'_, '_> {
+    fn statement(&mut self, sql: &str) -> Result<Statement> {
+        if let Some(statement) = self.statements.get(sql) {
+            return Ok(statement.clone());
+        }
+        let statement = self.tx.prepare(sql).pg()?;
+        self.statements.insert(sql.to_owned(), statement.clone());
+        Ok(statement)
+    }
+
+    fn rows(&mut self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
+        let statement = self.statement(sql)?;
+        self.tx.query(&statement, params).pg()
+    }
+
+    fn row(&mut self, sql: &str, params: &Params<'_>) -> Result<Option<Row>> {
+        let statement = self.statement(sql)?;
+        self.tx.query_opt(&statement, params).pg()
+    }
+
+    fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
+        let statement = self.statement(sql)?;
+        self.tx.execute(&statement, params).pg()
+    }
+
+    fn simple(&mut self, sql: &str) -> Result<()> {
+        self.tx.batch_execute(sql).pg()
+    }
+
+    fn locking(&self, sql: &str) -> String {
+        if self.lock {
+            format!("{sql} FOR UPDATE")
+        } else {
+            sql.to_owned()
+        }
+    }
+
+    fn count(&mut self, table: &str, ids: &[&str]) -> Result<u64> {
+        let sql = format!(
+            "SELECT count(*) FROM {table} WHERE run_id IN
+                 (SELECT id FROM runs WHERE id = ANY($1::text[]) AND {FINISHED})"
+        );
+        let row = self.rows(&sql, &[&ids])?;
+        Ok(get::<i64>(&row[0], 0)? as u64)
+    }
+
+    fn delete(&mut self, table: &str, ids: &[&str]) -> Result<u64> {
+        let sql = format!(
+            "DELETE FROM {table} WHERE run_id IN
+                 (SELECT id FROM runs WHERE id = ANY($1::text[]) AND {FINISHED})"
+        );
+        self.execute(&sql, &[&ids])
+    }
+}
+
+fn get<'r, T: postgres::types::FromSql<'r>>(row: &'r Row, index: usize) -> Result<T> {
+    row.try_get(index)
+        .map_err(|err| Error::Corrupt(format!("column {index}: {err}")))
+}
+
+fn run_from_row(row: &Row) -> Result<Run> {
+    let state: String = get(row, 3)?;
+    Ok(Run {
+        id: RunId::from(get::<String>(row, 0)?),
+        agent: get(row, 1)?,
+        input: get(row, 2)?,
+        state: state.parse().map_err(Error::Corrupt)?,
+        output: get(row, 4)?,
+        error: get(row, 5)?,
+        created_at: from_millis(get(row, 6)?),
+        updated_at: from_millis(get(row, 7)?),
+    })
+}
+
+fn unleased_row(row: &Row) -> Result<(RunId, LeaseRow)> {
+    let lease = LeaseRow {
+        state: RunState::Running,
+        owner: get(row, 1)?,
+        expires_at: get(row, 2)?,
+        epoch: get::<i64>(row, 3)? as u64,
+    };
+    Ok((RunId::from(get::<String>(row, 0)?), lease))
+}
+
+fn ids_of(ids: &[RunId]) -> Vec<&str> {
+    ids.iter().map(RunId::as_str).collect()
+}
+
+/// Those of `ids` found in `found`, in the order of `ids`.
+fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
+    let found: std::collections::HashSet<String> = found.into_iter().collect();
+    ids.iter()
+        .filter(|id| found.contains(id.as_str()))
+        .cloned()
+        .collect()
+}
+
+impl Reads for PgTx<'_, '_> {
+    fn lease_wall(&mut self) -> Result<i64> {
+        let rows = self.rows(SERVER_NOW, &[])?;
+        Ok(get::<i64>(&rows[0], 0)? + crate::clock::wall_shift())
+    }
+
+    fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
+        let sql = self.locking(
+            "SELECT state, lease_owner, lease_expires_at, lease_epoch FROM runs WHERE id = $1",
+        );
+        let Some(row) = self.row(&sql, &[&run_id.as_str()])? else {
+            return Ok(None);
+        };
+        Ok(Some(LeaseRow {
+            state: get::<String>(&row, 0)?.parse().map_err(Error::Corrupt)?,
+            owner: get(&row, 1)?,
+            expires_at: get(&row, 2)?,
+            epoch: get::<i64>(&row, 3)? as u64,
+        }))
+    }
+
+    fn run(&mut self, run_id: &RunId) -> Result<Option<Run>> {
+        let sql = self.locking(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"));
+        self.row(&sql, &[&run_id.as_str()])?
+            .as_ref()
+            .map(run_from_row)
+            .transpose()
+    }
+
+    fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>> {
+        let rows = match state {
+            Some(state) => self.rows(
+                &format!("SELECT {RUN_COLUMNS} FROM runs WHERE state = $1 ORDER BY created_at, id"),
+                &[&state.as_str()],
+            )?,
+            None => self.rows(
+                &format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY created_at, id"),
+                &[],
+            )?,
+        };
+        rows.iter().map(run_from_row).collect()
+    }
+
+    fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
+        let rows = self.rows(
+            "SELECT seq, kind, at, step, payload FROM events
+             WHERE run_id = $1 AND seq > $2 ORDER BY seq",
+            &[&run_id.as_str(), &(after as i64)],
+        )?;
+        rows.iter()
+            .map(|row| {
+                Ok(Event {
+                    run_id: run_id.clone(),
+                    seq: get::<i64>(row, 0)? as u64,
+                    kind: get::<String>(row, 1)?.parse().map_err(Error::Corrupt)?,
+                    at: from_millis(get(row, 2)?),
+                    step: get::<Option<i32>>(row, 3)?.map(|step| step as u32),
+                    payload: get(row, 4)?,
+                })
+            })
+            .collect()
+    }
+
+    fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
+        let rows = self.rows(
+            "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
+             FROM steps WHERE run_id = $1 ORDER BY step",
+            &[&run_id.as_str()],
+        )?;
+        rows.iter()
+            .map(|row| {
+                let call = match get::<Option<String>>(row, 4)? {
+                    Some(id) => Some(ToolCall {
+                        id,
+                        name: get::<Option<String>>(row, 5)?.unwrap_or_default(),
+                        args: get::<Option<Value>>(row, 6)?.unwrap_or(Value::Null),
+                    }),
+                    None => None,
+                };
+                Ok(StepRow {
+                    step: get::<i32>(row, 0)? as u32,
+                    kind: StepKind::parse(&get::<String>(row, 1)?)?,
+                    state: StepState::parse(&get::<String>(row, 2)?)?,
+                    attempt: get::<i32>(row, 3)? as u32,
+                    call,
+                    result: get(row, 7)?,
+                    waiting_for: match get::<Option<String>>(row, 8)?.as_deref() {
+                        Some("policy") => Some(ApprovalReason::Policy),
+                        Some("reconcile") => Some(ApprovalReason::Reconcile),
+                        _ => None,
+                    },
+                })
+            })
+            .collect()
+    }
+
+    fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>> {
+        let row = self.row(
+            "SELECT approved, decided_by, note FROM approvals
+             WHERE run_id = $1 AND step = $2 AND attempt = $3",
+            &[&run_id.as_str(), &(step as i32), &(attempt as i32)],
+        )?;
+        row.map(|row| {
+            Ok(ApprovalRow {
+                approved: get(&row, 0)?,
+                by: get(&row, 1)?,
+                note: get(&row, 2)?,
+            })
+        })
+        .transpose()
+    }
+
+    fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>> {
+        let rows = self.rows(
+            "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
+             WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= $1)
+             ORDER BY id",
+            &[&wall],
+        )?;
+        rows.iter().map(unleased_row).collect()
+    }
+
+    fn recoverable_runs(
+        &mut self,
+        wall: i64,
+        agents: &[&str],
+        executed: bool,
+        limit: usize,
+    ) -> Result<Vec<(RunId, LeaseRow)>> {
+        let rows = self.rows(
+            "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
+             WHERE state = 'RUNNING' AND (lease_owner IS NULL OR lease_expires_at <= $1)
+               AND agent = ANY($2::text[]) AND (lease_epoch > 0) = $3
+             ORDER BY created_at, id
+             LIMIT $4",
+            &[&wall, &agents, &executed, &(limit as i64)],
+        )?;
+        rows.iter().map(unleased_row).collect()
+    }
+
+    fn list_runs(&mut self, query: &ListQuery<'_>) -> Result<Vec<Run>> {
+        let (after_at, after_id) = match &query.after {
+            Some((at, id)) => (*at, id.as_str().to_owned()),
+            None => (i64::MIN, String::new()),
+        };
+        let since = query.since.unwrap_or(i64::MIN);
+        let limit = query.limit as i64;
+        let mut sql = format!(
+            "SELECT {RUN_COLUMNS} FROM runs
+             WHERE (created_at, id) > ($1::int8, $2::text) AND created_at >= $3::int8"
+        );
+        let agent = query.agent;
+        let state = query.state.map(RunState::as_str);
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&after_at, &after_id, &since, &limit];
+        if let Some(agent) = &agent {
+            params.push(agent);
+            sql.push_str(&format!(" AND agent = ${}", params.len()));
+        }
+        if let Some(state) = &state {
+            params.push(state);
+            sql.push_str(&format!(" AND state = ${}", params.len()));
+        }
+        sql.push_str(" ORDER BY created_at, id LIMIT $4");
+        let rows = self.rows(&sql, &params)?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    fn finished_runs(
+        &mut self,
+        before: i64,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, i64)>> {
+        let (after_at, after_id) = after.map_or((i64::MIN, ""), |(at, id)| (at, id.as_str()));
+        let rows = self.rows(
+            &format!(
+                "SELECT id, updated_at FROM runs
+                 WHERE {FINISHED} AND updated_at < $1 AND (updated_at, id) > ($2::int8, $3::text)
+                 ORDER BY updated_at, id LIMIT $4"
+            ),
+            &[&before, &after_at, &after_id, &(limit as i64)],
+        )?;
+        rows.iter()
+            .map(|row| Ok((RunId::from(get::<String>(row, 0)?), get(row, 1)?)))
+            .collect()
+    }
+
+    fn purge_counts(&mut self, ids: &[RunId]) -> Result<Purged> {
+        let names = ids_of(ids);
+        let rows = self.rows(
+            &format!("SELECT id FROM runs WHERE id = ANY($1::text[]) AND {FINISHED}"),
+            &[&names],
+        )?;
+        let found: Vec<String> = rows.iter().map(|row| get(row, 0)).collect::<Result<_>>()?;
+        Ok(Purged {
+            runs: found.len() as u64,
+            ids: in_order(ids, found),
+            steps: self.count("steps", &names)?,
+            events: self.count("events", &names)?,
+            approvals: self.count("approvals", &names)?,
+        })
+    }
+}
+
+impl Tx for PgTx<'_, '_> {
+    fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
+        let token: i64 = if run.lease.is_some() {
+            FIRST_TOKEN as i64
+        } else {
+            0
+        };
+        self.execute(
+            "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
+                               lease_expires_at, lease_epoch)
+             VALUES ($1, $2, $3, 'RUNNING', $4, $4, $5, $6, $7)",
+            &[
+                &run.run_id.as_str(),
+                &run.agent,
+                run.input,
+                &run.at,
+                &run.lease.map(|(owner, _)| owner),
+                &run.lease.map(|(_, expires_at)| expires_at),
+                &token,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn touch_run(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        token: u64,
+        unexpired_at: Option<i64>,
+    ) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE runs SET updated_at = $2
+             WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
+               AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)",
+            &[
+                &run_id.as_str(),
+                &at,
+                &owner,
+                &unexpired_at,
+                &(token as i64),
+            ],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
+        let (guard_owner, guard_token) =
+            m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
+        let row = self.row(
+            "UPDATE runs SET state = $2, output = $3, error = $4, updated_at = $5,
+                             lease_owner = $8::text, lease_expires_at = $9::int8,
+                             lease_epoch = lease_epoch
+                                 + CASE WHEN $8::text IS NULL THEN 0 ELSE 1 END
+             WHERE id = $1 AND state IN ($6, $7)
+               AND ($10::text IS NULL OR (lease_owner = $10::text AND lease_epoch = $11::int8))
+             RETURNING lease_epoch",
+            &[
+                &run_id.as_str(),
+                &m.to.as_str(),
+                &m.output,
+                &m.error,
+                &m.at,
+                &m.from[0].as_str(),
+                &m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+                &m.owner,
+                &m.expires_at,
+                &guard_owner,
+                &guard_token,
+            ],
+        )?;
+        row.map(|row| Ok(get::<i64>(&row, 0)? as u64)).transpose()
+    }
+
+    fn take_lease(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        expires_at: i64,
+        seen: &LeaseRow,
+    ) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE runs SET lease_owner = $2, lease_expires_at = $3, updated_at = $4,
+                             lease_epoch = lease_epoch + 1
+             WHERE id = $1 AND state = 'RUNNING'
+               AND lease_owner IS NOT DISTINCT FROM $5::text
+               AND lease_expires_at IS NOT DISTINCT FROM $6::int8 AND lease_epoch = $7",
+            &[
+                &run_id.as_str(),
+                &owner,
+                &expires_at,
+                &at,
+                &seen.owner,
+                &seen.expires_at,
+                &(seen.epoch as i64),
+            ],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn touch_waiting(&mut self, run_id: &RunId, at: i64) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE runs SET updated_at = $2 WHERE id = $1 AND state = 'WAITING_FOR_APPROVAL'",
+            &[&run_id.as_str(), &at],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn insert_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        kind: StepKind,
+        state: StepState,
+        attempt: u32,
+        call: Option<&ToolCall>,
+    ) -> Result<()> {
+        self.execute(
+            "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            &[
+                &run_id.as_str(),
+                &(step as i32),
+                &kind.as_str(),
+                &state.as_str(),
+                &(attempt as i32),
+                &call.map(|call| call.id.as_str()),
+                &call.map(|call| call.name.as_str()),
+                &call.map(|call| &call.args),
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()> {
+        let call = step.call.as_ref();
+        self.execute(
+            "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result,
+                                waiting_for)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            &[
+                &run_id.as_str(),
+                &(step.step as i32),
+                &step.kind.as_str(),
+                &step.state.as_str(),
+                &(step.attempt as i32),
+                &call.map(|call| call.id.as_str()),
+                &call.map(|call| call.name.as_str()),
+                &call.map(|call| &call.args),
+                &step.result.as_ref(),
+                &step.waiting_for.map(ApprovalReason::as_str),
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE steps SET state = $5, attempt = attempt + $6,
+                              result = COALESCE($7, result), waiting_for = $8
+             WHERE run_id = $1 AND step = $2 AND state = $3 AND attempt = $4",
+            &[
+                &run_id.as_str(),
+                &(step as i32),
+                &m.from.as_str(),
+                &(m.attempt as i32),
+                &m.to.as_str(),
+                &i32::from(m.starts),
+                &m.result,
+                &m.waiting_for.map(ApprovalReason::as_str),
+            ],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>> {
+        let rows = self.rows(
+            "UPDATE steps SET state = 'interrupted' WHERE run_id = $1 AND state = 'in_flight'
+             RETURNING step, kind, attempt",
+            &[&run_id.as_str()],
+        )?;
+        let mut interrupted: Vec<(u32, StepKind, u32)> = rows
+            .iter()
+            .map(|row| {
+                Ok((
+                    get::<i32>(row, 0)? as u32,
+                    StepKind::parse(&get::<String>(row, 1)?)?,
+                    get::<i32>(row, 2)? as u32,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        // RETURNING gives no order: the moves take the steps in theirs.
+        interrupted.sort_by_key(|(step, _, _)| *step);
+        Ok(interrupted)
+    }
+
+    fn waiting_call(&mut self, run_id: &RunId, call_id: &str) -> Result<Option<(u32, u32)>> {
+        let row = self.row(
+            "SELECT step, attempt FROM steps
+             WHERE run_id = $1 AND call_id = $2 AND state = 'waiting'",
+            &[&run_id.as_str(), &call_id],
+        )?;
+        row.map(|row| Ok((get::<i32>(&row, 0)? as u32, get::<i32>(&row, 1)? as u32)))
+            .transpose()
+    }
+
+    fn call_exists(&mut self, run_id: &RunId, call_id: &str) -> Result<bool> {
+        let row = self.row(
+            "SELECT 1 FROM steps WHERE run_id = $1 AND call_id = $2 LIMIT 1",
+            &[&run_id.as_str(), &call_id],
+        )?;
+        Ok(row.is_some())
+    }
+
+    fn insert_approval(
+        &mut self,
+        step: u32,
+        attempt: u32,
+        approval: &Approval,
+        at: i64,
+    ) -> Result<bool> {
+        let inserted = self.execute(
+            "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, note, at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+            &[
+                &approval.run_id.as_str(),
+                &(step as i32),
+                &(attempt as i32),
+                &approval.approved,
+                &approval.by,
+                &approval.note,
+                &at,
+            ],
+        )?;
+        Ok(inserted == 1)
+    }
+
+    fn append_event(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &Value,
+    ) -> Result<()> {
+        self.execute(
+            "INSERT INTO events (run_id, seq, kind, at, step, payload)
+             VALUES ($1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = $1),
+                     $2, $3, $4, $5)",
+            &[
+                &run_id.as_str(),
+                &kind.as_str(),
+                &at,
+                &step.map(|step| step as i32),
+                &payload,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged> {
+        let names = ids_of(ids);
+        // Children first: approvals refer to steps, steps and events to runs.
+        let approvals = self.delete("approvals", &names)?;
+        let steps = self.delete("steps", &names)?;
+        let events = self.delete("events", &names)?;
+        let rows = self.rows(
+            &format!("DELETE FROM runs WHERE id = ANY($1::text[]) AND {FINISHED} RETURNING id"),
+            &[&names],
+        )?;
+        let deleted: Vec<String> = rows.iter().map(|row| get(row, 0)).collect::<Result<_>>()?;
+        Ok(Purged {
+            runs: deleted.len() as u64,
+            ids: in_order(ids, deleted),
+            steps,
+            events,
+            approvals,
+        })
+    }
+
+    fn savepoint(&mut self, name: &str) -> Result<()> {
+        self.simple(&format!("SAVEPOINT {name}"))
+    }
+
+    fn rollback_to(&mut self, name: &str) -> Result<()> {
+        self.simple(&format!("ROLLBACK TO SAVEPOINT {name}"))
+    }
+
+    fn release_savepoint(&mut self, name: &str) -> Result<()> {
+        self.simple(&format!("RELEASE SAVEPOINT {name}"))
+    }
+}
+
+impl LeaseWrites for PgTx<'_, '_> {
+    fn renew_leases(
+        &mut self,
+        owner: &str,
+        held: &[(RunId, u64)],
+        wall: i64,
+        expires_at: i64,
+    ) -> Result<Vec<RunId>> {
+        let ids: Vec<&str> = held.iter().map(|(id, _)| id.as_str()).collect();
+        let tokens: Vec<i64> = held.iter().map(|(_, token)| *token as i64).collect();
+        let rows = self.rows(
+            "UPDATE runs SET lease_expires_at = $3
+             WHERE lease_owner = $1 AND state = 'RUNNING' AND lease_expires_at > $2
+               AND (id, lease_epoch) IN (SELECT * FROM unnest($4::text[], $5::int8[]))
+             RETURNING id",
+            &[&owner, &wall, &expires_at, &ids, &tokens],
+        )?;
+        rows.iter()
+            .map(|row| Ok(RunId::from(get::<String>(row, 0)?)))
+            .collect()
+    }
+
+    fn release_lease(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL
+             WHERE id = $1 AND lease_owner = $2 AND lease_epoch = $3",
+            &[&run_id.as_str(), &owner, &(token as i64)],
+        )?;
+        Ok(changed == 1)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The change feed (`run_changes`, filled by triggers), read by the watcher
+
+/// The runs waiting for approval whose waiting call has its decision recorded (for the
+/// attempt it would start: the step's attempts plus one, as `moves::load` reads it).
+const DECIDED_WAITING: &str = "FROM runs
+     JOIN steps ON steps.run_id = runs.id AND steps.state = 'waiting'
+     JOIN approvals ON approvals.run_id = steps.run_id AND approvals.step = steps.step
+                   AND approvals.attempt = steps.attempt + 1
+     WHERE runs.state = 'WAITING_FOR_APPROVAL'";
+
+impl crate::store::feed::Feed for PgTx<'_, '_> {
+    /// The counter row's: the id the last change took.
+    fn last_change(&mut self) -> Result<i64> {
+        let rows = self.rows("SELECT last FROM run_changes_head", &[])?;
+        rows.first().map_or(Ok(0), |row| get(row, 0))
+    }
+
+    fn changes_after(&mut self, cursor: i64) -> Result<Vec<(i64, Change)>> {
+        let rows = self.rows(
+            "SELECT id, run_id, agent, kind FROM run_changes WHERE id > $1 ORDER BY id",
+            &[&cursor],
+        )?;
+        rows.iter()
+            .map(|row| {
+                let kind = match get::<String>(row, 3)?.as_str() {
+                    "decided" => ChangeKind::Decided,
+                    "cancelled" => ChangeKind::Cancelled,
+                    other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
+                };
+                Ok((
+                    get(row, 0)?,
+                    Change {
+                        run_id: RunId::from(get::<String>(row, 1)?),
+                        agent: get(row, 2)?,
+                        kind,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    fn decided_waiting_runs(&mut self) -> Result<Vec<Change>> {
+        let rows = self.rows(
+            &format!(
+                "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
+            ),
+            &[],
+        )?;
+        rows.iter()
+            .map(|row| {
+                Ok(Change {
+                    run_id: RunId::from(get::<String>(row, 0)?),
+                    agent: get(row, 1)?,
+                    kind: ChangeKind::Decided,
+                })
+            })
+            .collect()
+    }
+
+    fn waits_decided(&mut self, run_id: &RunId) -> Result<bool> {
+        let row = self.row(
+            &format!("SELECT 1 {DECIDED_WAITING} AND runs.id = $1 LIMIT 1"),
+            &[&run_id.as_str()],
+        )?;
+        Ok(row.is_some())
+    }
+}

@@ -1,0 +1,507 @@
+//! The write side: an operator's move, and a supervisor's lanes of group commits and its
+//! lease keeper's connection.
+//!
+//! A supervisor's moves go to one of its writer connections (its lanes) by their run, so that
+//! one run's moves commit in the order they were submitted while other runs' commit in
+//! parallel. A lane commits every move that queued behind its last commit as one transaction,
+//! each move in a savepoint of its own should one be refused: one round trip to the disk for
+//! the whole group. A group whose callers all asked to be answered once written commits with
+//! `synchronous_commit = off`: the server answers before its log reaches the disk, and any
+//! later synchronous commit (whose flush covers every record before its own) makes it durable.
+
+use std::{
+    hash::{Hash, Hasher},
+    sync::{Arc, Mutex, mpsc},
+    time::Duration,
+};
+
+use super::{
+    Postgres,
+    conn::{Conn, Noted, Pg, take_noted},
+    sql::PgTx,
+};
+use crate::{
+    clock::Clock,
+    error::{Error, Result},
+    store::{
+        backend::{
+            Durability, GroupFailure, Isolation, LeaseWrites, MoveObserver, Pending, Reads,
+            Renewer, Session, Tx, Writer,
+        },
+        model::{Now, Renewal},
+        moves,
+    },
+    types::RunId,
+};
+
+/// How often a transaction that met another's (a deadlock, a key taken meanwhile) or a
+/// broken connection is applied again before its callers are told it failed.
+const TRIES: u32 = 20;
+
+impl Postgres {
+    /// A connection of the store's idle ones, or a new one.
+    pub(super) fn connection(&self) -> Result<Conn> {
+        let idle = self.idle.lock().expect("the idle connections").pop();
+        match idle {
+            Some(conn) if conn.is_usable() => Ok(conn),
+            _ => Conn::open(&self.config, &self.options)
+                .map_err(|err| super::open::unreachable(&self.shown, err)),
+        }
+    }
+
+    /// Keeps `conn` for the next inspection or operator's move, if it is still usable.
+    pub(super) fn give_back(&self, conn: Conn) {
+        if conn.is_usable() {
+            let mut idle = self.idle.lock().expect("the idle connections");
+            if idle.len() < 4 {
+                idle.push(conn);
+            }
+        }
+    }
+
+    /// Runs `read` in a read-only transaction that sees one snapshot.
+    pub(super) fn read_snapshot(
+        &self,
+        read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>,
+    ) -> Result<()> {
+        let mut conn = self.connection()?;
+        let result = read_on(&mut conn, read);
+        take_noted();
+        self.give_back(conn);
+        result
+    }
+
+    /// Applies `apply` in a transaction of its own on `conn`, committed when it returns `Ok`,
+    /// again after a conflict or on a new connection after a broken one (nothing committed).
+    fn transact_on(
+        &self,
+        conn: &mut Option<Conn>,
+        clock: &dyn Clock,
+        apply: &mut dyn FnMut(&mut PgTx<'_, '_>, &mut Now<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut reading = None;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let mut current = match conn.take() {
+                Some(current) if current.is_usable() => current,
+                _ => self.connection()?,
+            };
+            take_noted();
+            let attempt = (|| {
+                let (client, statements) = current.parts();
+                let mut tx = client.transaction().pg()?;
+                let mut now = Now::resume(clock, reading);
+                let mut pg = PgTx {
+                    tx: &mut tx,
+                    statements,
+                    lock: true,
+                };
+                let applied = apply(&mut pg, &mut now);
+                reading = now.reading();
+                if take_noted() != Noted::Nothing {
+                    return Ok(Err(applied.err()));
+                }
+                applied?;
+                match tx.commit().pg() {
+                    Ok(()) => Ok(Ok(())),
+                    // The commit was sent: it may have been applied.
+                    Err(err) if take_noted() == Noted::Broken => {
+                        Err(Error::CommitUnknown(err.to_string()))
+                    }
+                    Err(err) => Err(err),
+                }
+            })();
+            match attempt {
+                Ok(Ok(())) => {
+                    *conn = Some(current);
+                    return Ok(());
+                }
+                // Met another transaction, or the connection broke before the commit: nothing
+                // was committed.
+                Ok(Err(err)) if tries < TRIES => {
+                    if current.is_usable() {
+                        *conn = Some(current);
+                    }
+                    tracing::debug!(?err, tries, "a transaction is applied again");
+                    back_off(tries);
+                }
+                Ok(Err(err)) => {
+                    return Err(err.unwrap_or_else(|| {
+                        Error::CommitFailed("the transaction kept meeting others".into())
+                    }));
+                }
+                Err(err) => {
+                    if current.is_usable() {
+                        *conn = Some(current);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+    }
+}
+
+/// A short random pause, longer with each try, so that two transactions that met do not meet
+/// again at once.
+fn back_off(tries: u32) {
+    let millis = rand::random_range(1..=5 * u64::from(tries.min(10)));
+    std::thread::sleep(Duration::from_millis(millis));
+}
+
+/// `read` in a read-only repeatable-read transaction on `conn`: one snapshot for all of it.
+pub(super) fn read_on(conn: &mut Conn, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+    let (client, statements) = conn.parts();
+    let mut tx = client
+        .build_transaction()
+        .isolation_level(postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .pg()?;
+    read(&mut PgTx {
+        tx: &mut tx,
+        statements,
+        lock: false,
+    })?;
+    tx.commit().pg()
+}
+
+/// One move in a transaction of its own, outside any supervisor.
+pub(super) fn transact(
+    store: &Postgres,
+    clock: &dyn Clock,
+    apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+) -> Result<()> {
+    let mut conn = None;
+    let result = store.transact_on(&mut conn, clock, &mut |pg, now| apply(pg, now));
+    if let Some(conn) = conn {
+        store.give_back(conn);
+    }
+    result
+}
+
+/// Starts the write side of a supervisor: its lanes, each a thread with a connection of its
+/// own, and its lease keeper's connection.
+pub(super) fn session(
+    store: Arc<Postgres>,
+    clock: Arc<dyn Clock>,
+    observer: Option<Arc<dyn MoveObserver>>,
+) -> Result<Session> {
+    // The first connections open here, so that a server that does not answer fails the start.
+    let renewer = PgRenewer {
+        conn: Some(store.connection()?),
+        store: store.clone(),
+    };
+    let observed = Arc::new(Mutex::new(observer));
+    let mut lanes = Vec::new();
+    for index in 0..store.options.writers {
+        let (send, receive) = mpsc::channel();
+        let mut lane = Lane {
+            store: store.clone(),
+            clock: clock.clone(),
+            observed: observed.clone(),
+            conn: Some(store.connection()?),
+        };
+        std::thread::Builder::new()
+            .name(format!("agentrt-pg-writer-{index}"))
+            .spawn(move || lane.run(receive))
+            .map_err(|err| Error::CommitFailed(format!("starting a writer thread: {err}")))?;
+        lanes.push(send);
+    }
+    Ok(Session {
+        writer: Box::new(PgWriter {
+            store,
+            lanes,
+            conn: None,
+        }),
+        renewer: Some(Box::new(renewer)),
+    })
+}
+
+/// A supervisor's writer: it hands each move to its run's lane and returns; the lane answers.
+struct PgWriter {
+    store: Arc<Postgres>,
+    lanes: Vec<mpsc::Sender<Vec<Box<dyn Pending>>>>,
+    /// For the writer's reads and lease writes.
+    conn: Option<Conn>,
+}
+
+impl PgWriter {
+    fn lane_of(&self, pending: &dyn Pending) -> usize {
+        let mut hasher = std::hash::DefaultHasher::new();
+        if let Some(info) = pending.infos().first() {
+            info.run_id.hash(&mut hasher);
+        }
+        (hasher.finish() % self.lanes.len() as u64) as usize
+    }
+
+    fn conn(&mut self) -> Result<Conn> {
+        match self.conn.take() {
+            Some(conn) if conn.is_usable() => Ok(conn),
+            _ => self.store.connection(),
+        }
+    }
+}
+
+impl Writer for PgWriter {
+    fn commit(&mut self, batch: Vec<Box<dyn Pending>>, _more_queued: bool) {
+        let mut by_lane: Vec<Vec<Box<dyn Pending>>> = self.lanes.iter().map(|_| Vec::new()).collect();
+        for pending in batch {
+            let lane = self.lane_of(&*pending);
+            by_lane[lane].push(pending);
+        }
+        for (lane, moves) in by_lane.into_iter().enumerate() {
+            if moves.is_empty() {
+                continue;
+            }
+            if let Err(mpsc::SendError(moves)) = self.lanes[lane].send(moves) {
+                // The lane's thread died (it panicked): its callers are told so.
+                let failure = GroupFailure::Commit("the writer thread is gone".into());
+                moves
+                    .into_iter()
+                    .for_each(|pending| pending.answer(Some(&failure)));
+            }
+        }
+    }
+
+    fn watch(&self) -> Duration {
+        // A commit returns at once; the lanes gather what queues behind their own commits.
+        Duration::ZERO
+    }
+
+    fn idle(&mut self) {
+        // The server's log writer makes what was answered once written durable within a few
+        // of its delays (`wal_writer_delay`), and any synchronous commit at once.
+    }
+
+    fn read(&mut self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+        let mut conn = self.conn()?;
+        let result = read_on(&mut conn, read);
+        take_noted();
+        if conn.is_usable() {
+            self.conn = Some(conn);
+        }
+        result
+    }
+
+    fn renew(&mut self, owner: &str, held: &[(RunId, u64)], ttl: Duration) -> Result<Renewal> {
+        let mut renewal = None;
+        self.store
+            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+                renewal = Some(moves::renew(pg, owner, held, ttl)?);
+                Ok(())
+            })?;
+        renewal.ok_or_else(|| Error::CommitFailed("the renewal was not applied".into()))
+    }
+
+    fn release(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
+        let mut released = false;
+        self.store
+            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+                released = pg.release_lease(run_id, owner, token)?;
+                Ok(())
+            })?;
+        Ok(released)
+    }
+}
+
+/// One writer connection and the thread that commits through it.
+struct Lane {
+    store: Arc<Postgres>,
+    clock: Arc<dyn Clock>,
+    /// The observer, shared by the lanes: it hears of one group at a time.
+    observed: Arc<Mutex<Option<Arc<dyn MoveObserver>>>>,
+    conn: Option<Conn>,
+}
+
+/// What became of one attempt at a group.
+enum Attempt {
+    Committed,
+    /// Nothing was committed; applying it again may succeed.
+    Again(String),
+    Failed(GroupFailure),
+}
+
+impl Lane {
+    fn run(&mut self, receive: mpsc::Receiver<Vec<Box<dyn Pending>>>) {
+        while let Ok(mut batch) = receive.recv() {
+            if self.store.options.group_commit {
+                // Everything that queued while the last group committed goes in this one.
+                while let Ok(more) = receive.try_recv() {
+                    batch.extend(more);
+                }
+                self.commit(batch);
+            } else {
+                for pending in batch {
+                    self.commit(vec![pending]);
+                }
+            }
+        }
+    }
+
+    fn observer(&self) -> Option<Arc<dyn MoveObserver>> {
+        self.observed.lock().expect("the observer").clone()
+    }
+
+    /// Commits `batch` as one transaction and answers its callers.
+    fn commit(&mut self, mut batch: Vec<Box<dyn Pending>>) {
+        let observer = self.observer();
+        if let Some(observer) = &observer {
+            // Before the transaction opens: an observer that stops here holds no lock.
+            let _one_group = self.observed.lock().expect("the observer");
+            batch
+                .iter()
+                .flat_map(|pending| pending.infos())
+                .for_each(|info| observer.before_apply(info));
+        }
+        let mut tries = 0;
+        let failure = loop {
+            tries += 1;
+            match self.attempt(&mut batch) {
+                Attempt::Committed => break None,
+                Attempt::Again(why) if tries < TRIES => {
+                    tracing::debug!(why, tries, moves = batch.len(), "a group is applied again");
+                    back_off(tries);
+                }
+                Attempt::Again(why) => break Some(GroupFailure::Commit(why)),
+                Attempt::Failed(failure) => break Some(failure),
+            }
+        };
+        if let Some(observer) = &observer
+            && failure.is_none()
+        {
+            let _one_group = self.observed.lock().expect("the observer");
+            let committed: Vec<_> = batch.iter().flat_map(|pending| pending.applied()).collect();
+            committed.iter().for_each(|info| observer.after_commit(info));
+            if !committed.is_empty() {
+                observer.committed(&committed);
+            }
+        }
+        if let Some(failure) = &failure {
+            tracing::error!(?failure, moves = batch.len(), "a group commit failed");
+        }
+        for pending in batch {
+            pending.answer(failure.as_ref());
+        }
+    }
+
+    fn attempt(&mut self, batch: &mut [Box<dyn Pending>]) -> Attempt {
+        let mut conn = match self.conn.take() {
+            Some(conn) if conn.is_usable() => conn,
+            _ => match self.store.connection() {
+                Ok(conn) => conn,
+                Err(err) => return Attempt::Failed(GroupFailure::Commit(err.to_string())),
+            },
+        };
+        let attempt = attempt_on(&mut conn, batch, &*self.clock);
+        if conn.is_usable() {
+            self.conn = Some(conn);
+        }
+        attempt
+    }
+}
+
+/// One attempt at committing `batch` in one transaction on `conn`: straight in, then, should a
+/// move be refused, again with each move in a savepoint of its own.
+fn attempt_on(conn: &mut Conn, batch: &mut [Box<dyn Pending>], clock: &dyn Clock) -> Attempt {
+    let written = batch
+        .iter()
+        .all(|pending| pending.durability() == Durability::Written);
+    take_noted();
+    let (client, statements) = conn.parts();
+    let mut isolation = Isolation::Shared;
+    loop {
+        let mut tx = match client.transaction().pg() {
+            Ok(tx) => tx,
+            Err(err) => return again_or_failed(&err),
+        };
+        if written && let Err(err) = tx.batch_execute("SET LOCAL synchronous_commit = off").pg() {
+            return again_or_failed(&err);
+        }
+        let mut pg = PgTx {
+            tx: &mut tx,
+            statements,
+            lock: true,
+        };
+        let stands = match isolation {
+            Isolation::Shared => batch
+                .iter_mut()
+                .all(|pending| pending.apply(&mut pg, clock, Isolation::Shared)),
+            Isolation::Savepoint => {
+                let mut failed = None;
+                for pending in batch.iter_mut() {
+                    let step = (|| {
+                        pg.savepoint("agentrt_move")?;
+                        if !pending.apply(&mut pg, clock, Isolation::Savepoint) {
+                            pg.rollback_to("agentrt_move")?;
+                        }
+                        pg.release_savepoint("agentrt_move")
+                    })();
+                    if let Err(err) = step {
+                        failed = Some(err);
+                        break;
+                    }
+                }
+                if let Some(err) = failed {
+                    return again_or_failed(&err);
+                }
+                true
+            }
+        };
+        match take_noted() {
+            Noted::Nothing => {}
+            noted => return Attempt::Again(format!("{noted:?} while applying the group")),
+        }
+        if !stands {
+            // Rolled back as the transaction drops; each move in a savepoint of its own now.
+            isolation = Isolation::Savepoint;
+            continue;
+        }
+        return match tx.commit().pg() {
+            Ok(()) => Attempt::Committed,
+            Err(err) => match take_noted() {
+                // The commit was sent: it may have been applied.
+                Noted::Broken => Attempt::Failed(GroupFailure::Unknown(err.to_string())),
+                Noted::Conflict => Attempt::Again(err.to_string()),
+                Noted::Nothing => Attempt::Failed(GroupFailure::Commit(err.to_string())),
+            },
+        };
+    }
+}
+
+/// A statement failed outside any move: the group again, if the error asks for it.
+fn again_or_failed(err: &Error) -> Attempt {
+    match take_noted() {
+        Noted::Nothing => Attempt::Failed(GroupFailure::of(err)),
+        _ => Attempt::Again(err.to_string()),
+    }
+}
+
+/// The lease keeper's connection.
+struct PgRenewer {
+    store: Arc<Postgres>,
+    conn: Option<Conn>,
+}
+
+impl Renewer for PgRenewer {
+    fn renew(
+        &mut self,
+        owner: &str,
+        held: &[(RunId, u64)],
+        ttl: Duration,
+        patience: Duration,
+    ) -> Result<Renewal> {
+        let mut renewal = None;
+        let timeout = format!(
+            "SET LOCAL statement_timeout = {0}; SET LOCAL lock_timeout = {0}",
+            patience.as_millis().max(1)
+        );
+        self.store
+            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+                pg.tx.batch_execute(&timeout).pg()?;
+                renewal = Some(moves::renew(pg, owner, held, ttl)?);
+                Ok(())
+            })?;
+        renewal.ok_or_else(|| Error::CommitFailed("the renewal was not applied".into()))
+    }
+}

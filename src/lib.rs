@@ -58,6 +58,8 @@ pub use error::{DatabaseError, Error, Result};
 pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
 /// The `schemars` this crate derives schemas with (see [`schema_for`]).
 pub use schemars;
+#[cfg(feature = "postgres")]
+pub use store::postgres;
 pub use store::{
     DEFAULT_PAGE_LIMIT, DEFAULT_PURGE_BATCH, Health, MAX_PAGE_LIMIT, MAX_PURGE_BATCH,
     PURGE_REPORT_IDS, Purge, PurgeReport, RunPage, RunQuery, SCHEMA_VERSION, SchemaStatus, Space,
@@ -65,8 +67,6 @@ pub use store::{
     backend::{MoveInfo, MoveKind, MoveObserver},
     sqlite,
 };
-#[cfg(feature = "postgres")]
-pub use store::postgres;
 #[allow(deprecated)]
 pub use types::RunOutcome;
 pub use types::{

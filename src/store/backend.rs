@@ -532,13 +532,15 @@ pub(crate) trait Backend: Send + Sync + 'static {
     fn describe(&self) -> String;
     /// The schema version of the database.
     fn schema_version(&self) -> Result<u32>;
-    /// An inspection read, answered once every move it could have seen is durable.
-    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()>;
+    /// An inspection read, answered once every move it could have seen is durable. `Send`,
+    /// like `transact`'s move: a backend whose driver cannot block a thread that runs an async
+    /// runtime (an actix arbiter's) runs it on a thread of its own.
+    fn read(&self, read: &mut (dyn FnMut(&mut dyn Reads) -> Result<()> + Send)) -> Result<()>;
     /// One move, in a transaction of its own, outside any supervisor (an operator's).
     fn transact(
         &self,
         clock: &dyn Clock,
-        apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+        apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()>;
     /// The write side of a supervisor: `clock` stamps its moves, `observer` hears of them.
     fn session(

@@ -121,18 +121,18 @@ fn call(id: &str) -> ToolCall {
 }
 
 /// Applies one move in a transaction of its own.
-fn apply<R>(
+fn apply<R: Send>(
     store: &Store,
-    f: impl FnMut(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R>,
+    f: impl FnMut(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R> + Send,
 ) -> Result<R> {
     store.transact(&SystemClock, f)
 }
 
 /// Applies one move of `run_id` in a transaction of its own.
-fn on<R>(
+fn on<R: Send>(
     store: &Store,
     run_id: &RunId,
-    mut f: impl FnMut(&mut Move<'_, '_>) -> Result<R>,
+    mut f: impl FnMut(&mut Move<'_, '_>) -> Result<R> + Send,
 ) -> Result<R> {
     apply(store, |tx, now| f(&mut Move::new(tx, now, run_id)))
 }

@@ -64,7 +64,10 @@ impl Store {
     }
 
     /// An inspection read, returned once every move it could have seen is durable.
-    pub(crate) fn read<R>(&self, mut read: impl FnMut(&mut dyn Reads) -> Result<R>) -> Result<R> {
+    pub(crate) fn read<R: Send>(
+        &self,
+        mut read: impl FnMut(&mut dyn Reads) -> Result<R> + Send,
+    ) -> Result<R> {
         let mut value = None;
         // A backend may read again (after a conflict, say): the last reading stands.
         self.backend.read(&mut |reads| {
@@ -77,10 +80,10 @@ impl Store {
     /// One move in a transaction of its own, outside any supervisor: committed when `apply`
     /// returns `Ok`, rolled back otherwise. The clock is read at most once, when the move first
     /// asks for the time.
-    pub(crate) fn transact<R>(
+    pub(crate) fn transact<R: Send>(
         &self,
         clock: &dyn Clock,
-        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R>,
+        mut apply: impl FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R> + Send,
     ) -> Result<R> {
         let mut value = None;
         // A backend may apply the move again (a transaction retried after a conflict): the

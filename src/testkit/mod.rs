@@ -63,6 +63,12 @@ use crate::{
     types::{Message, ToolSpec},
 };
 
+/// PostgreSQL for tests: the server, and a schema of its own for each store.
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use crate::store::postgres::testing::{SERVER_VARIABLE, Schema, server};
+}
+
 /// Moves the wall clock that lease times are read from (never [`Config::clock`]'s), for this
 /// whole process, until dropped: how a test shows that a loop judges its own lease by the
 /// monotonic clock, whatever the wall clock does. Every thread sees it, so a test that uses it
@@ -104,22 +110,58 @@ where
     result
 }
 
-/// A database file in a temporary directory, removed when dropped.
+/// The variable that chooses the backend of every [`TempStore`]: `postgres` for a schema of
+/// its own on the server named by `AGENTRT_TEST_POSTGRES_URL` (with the `postgres` feature),
+/// anything else (or nothing) for an SQLite file.
+pub const BACKEND_VARIABLE: &str = "AGENTRT_TEST_BACKEND";
+
+/// Whether [`TempStore`]s are PostgreSQL schemas in this process (see [`BACKEND_VARIABLE`]).
+pub fn on_postgres() -> bool {
+    std::env::var(BACKEND_VARIABLE).is_ok_and(|backend| backend == "postgres")
+}
+
+/// A temporary store, removed when dropped: an SQLite file in a temporary directory, or, when
+/// [`BACKEND_VARIABLE`] says `postgres`, a schema of its own on the test server, so that a
+/// behaviour test runs unchanged on either backend.
 pub struct TempStore {
     dir: tempfile::TempDir,
+    #[cfg(feature = "postgres")]
+    schema: Option<postgres::Schema>,
 }
 
 impl TempStore {
-    /// A new temporary directory; the database is created at first [`TempStore::open`].
+    /// A new temporary directory (and schema, on PostgreSQL); the database is created at first
+    /// [`TempStore::open`].
+    ///
+    /// # Panics
+    ///
+    /// On PostgreSQL, when the test server does not answer.
     pub fn new() -> Self {
         TempStore {
             dir: tempfile::tempdir().expect("a temporary directory"),
+            #[cfg(feature = "postgres")]
+            schema: on_postgres().then(|| {
+                let server =
+                    postgres::server().expect("AGENTRT_TEST_BACKEND=postgres needs a test server");
+                postgres::Schema::new(&server)
+            }),
         }
     }
 
-    /// The database file's path.
+    /// The SQLite database file's path (a file beside the schema, on PostgreSQL, which
+    /// nothing opens unless a test does).
     pub fn path(&self) -> PathBuf {
         self.dir.path().join("agentrt.db")
+    }
+
+    /// Where the store is, as [`Store::connect`] and the command line take it: the file's
+    /// path, or the schema's URL.
+    pub fn location(&self) -> String {
+        #[cfg(feature = "postgres")]
+        if let Some(schema) = &self.schema {
+            return schema.url();
+        }
+        self.path().display().to_string()
     }
 
     /// The directory.
@@ -129,7 +171,7 @@ impl TempStore {
 
     /// Opens the database (each call is a new handle, as a new process would have).
     pub fn open(&self) -> Store {
-        Store::open(self.path()).expect("the temporary store opens")
+        Store::connect(&self.location()).expect("the temporary store opens")
     }
 }
 

@@ -4,7 +4,7 @@ use std::{any::Any, sync::Arc};
 
 use super::{
     Postgres, SCHEMA_VERSION,
-    conn::{Conn, Pg, take_noted},
+    conn::{Conn, Pg, off_runtime, take_noted},
     open::version,
     watcher::PgWatcher,
     writer::{self, read_on},
@@ -45,20 +45,22 @@ impl Backend for Postgres {
     }
 
     fn schema_version(&self) -> Result<u32> {
-        let mut conn = self.connection()?;
-        let found = version(&mut conn, &self.schema);
-        self.give_back(conn);
-        found
+        off_runtime(|| {
+            let mut conn = self.connection()?;
+            let found = version(&mut conn, &self.schema);
+            self.give_back(conn);
+            found
+        })
     }
 
-    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
-        self.read_snapshot(read)
+    fn read(&self, read: &mut (dyn FnMut(&mut dyn Reads) -> Result<()> + Send)) -> Result<()> {
+        off_runtime(|| self.read_snapshot(read))
     }
 
     fn transact(
         &self,
         clock: &dyn Clock,
-        apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+        apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()> {
         if self.options.read_only {
             return Err(crate::Error::ReadOnly {
@@ -66,7 +68,7 @@ impl Backend for Postgres {
                 why: "the store was opened for reading only".into(),
             });
         }
-        writer::transact(self, clock, apply)
+        off_runtime(|| writer::transact(self, clock, apply))
     }
 
     fn session(
@@ -82,19 +84,21 @@ impl Backend for Postgres {
     }
 
     fn health(&self) -> Result<Health> {
-        let mut conn = self.connection()?;
-        let report = self.health_on(&mut conn);
-        take_noted();
-        self.give_back(conn);
-        report
+        off_runtime(|| {
+            let mut conn = self.connection()?;
+            let report = self.health_on(&mut conn);
+            take_noted();
+            self.give_back(conn);
+            report
+        })
     }
 
     fn reclaim(&self) -> Result<Space> {
-        self.vacuum_tables("VACUUM (ANALYZE)")
+        off_runtime(|| self.vacuum_tables("VACUUM (ANALYZE)"))
     }
 
     fn vacuum(&self) -> Result<Space> {
-        self.vacuum_tables("VACUUM (FULL, ANALYZE)")
+        off_runtime(|| self.vacuum_tables("VACUUM (FULL, ANALYZE)"))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -193,7 +197,10 @@ impl Postgres {
         for table in ["runs", "steps", "events", "approvals", "run_changes"] {
             let size: i64 = conn
                 .client()
-                .query_one("SELECT pg_total_relation_size($1::text::regclass)", &[&table])
+                .query_one(
+                    "SELECT pg_total_relation_size($1::text::regclass)",
+                    &[&table],
+                )
                 .pg()?
                 .get(0);
             bytes += size;

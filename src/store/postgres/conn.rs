@@ -43,7 +43,8 @@ pub(super) fn pg_error(err: postgres::Error) -> Error {
             *code == SqlState::ADMIN_SHUTDOWN
                 || *code == SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT
         })
-        || (code.is_none() && std::error::Error::source(&err).is_some_and(|s| s.is::<std::io::Error>()));
+        || (code.is_none()
+            && std::error::Error::source(&err).is_some_and(|s| s.is::<std::io::Error>()));
     match (conflict, broken) {
         (_, true) => NOTED.set(Noted::Broken),
         (true, false) if NOTED.get() == Noted::Nothing => NOTED.set(Noted::Conflict),
@@ -74,8 +75,10 @@ pub(crate) struct Conn {
     pub(super) statements: HashMap<String, Statement>,
 }
 
-/// Runs `f` here, or on a thread of its own when this thread runs an async runtime.
-fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+/// Runs `f` here, or on a thread of its own when this thread runs an async runtime (an actix
+/// arbiter's, where a store's inspection may be called from), which the driver's own runtime
+/// cannot block.
+pub(super) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if tokio::runtime::Handle::try_current().is_err() {
         return f();
     }
@@ -117,9 +120,8 @@ impl Conn {
     fn open_here(config: &postgres::Config, options: &Options) -> Result<Conn> {
         let mut client = config.connect(NoTls).pg()?;
         let idle = options.idle_in_transaction.as_millis();
-        let mut settings = format!(
-            "SET idle_in_transaction_session_timeout = {idle}; SET TIME ZONE 'UTC';"
-        );
+        let mut settings =
+            format!("SET idle_in_transaction_session_timeout = {idle}; SET TIME ZONE 'UTC';");
         if options.read_only {
             settings.push_str(" SET default_transaction_read_only = on;");
         }
@@ -132,15 +134,17 @@ impl Conn {
 
     /// Whether the connection can still be used.
     pub(super) fn is_usable(&self) -> bool {
-        self.client.as_ref().is_some_and(|client| !client.is_closed())
+        self.client
+            .as_ref()
+            .is_some_and(|client| !client.is_closed())
     }
 }
 
 /// The driver's configuration for `url`, with the store's timeouts.
 pub(super) fn config(url: &str, options: &Options) -> Result<postgres::Config> {
-    let mut config: postgres::Config = url
-        .parse()
-        .map_err(|err| Error::InvalidInput(format!("{} is not a PostgreSQL URL: {err}", shown(url))))?;
+    let mut config: postgres::Config = url.parse().map_err(|err| {
+        Error::InvalidInput(format!("{} is not a PostgreSQL URL: {err}", shown(url)))
+    })?;
     let network = options.network_timeout;
     config
         .connect_timeout(options.connect_timeout)

@@ -42,7 +42,11 @@ impl Fixture for Server {
     }
 
     fn expire_lease(&self, store: &Store, run_id: &RunId) {
-        let backend = store.backend().as_any().downcast_ref::<super::Postgres>().unwrap();
+        let backend = store
+            .backend()
+            .as_any()
+            .downcast_ref::<super::Postgres>()
+            .unwrap();
         let mut conn = backend.connection().unwrap();
         let changed = conn
             .client()

@@ -69,7 +69,9 @@ impl PgWatcher {
 fn listen(store: &Postgres) -> Result<Conn> {
     let mut conn = store.connection()?;
     let channel = quote(&format!("agentrt_{}", store.schema));
-    conn.client().batch_execute(&format!("LISTEN {channel}")).pg()?;
+    conn.client()
+        .batch_execute(&format!("LISTEN {channel}"))
+        .pg()?;
     Ok(conn)
 }
 

@@ -17,7 +17,7 @@ use std::{
 
 use super::{
     Postgres,
-    conn::{Conn, Noted, Pg, take_noted},
+    conn::{Conn, Noted, Pg, off_runtime, take_noted},
     sql::PgTx,
 };
 use crate::{
@@ -62,7 +62,7 @@ impl Postgres {
     /// Runs `read` in a read-only transaction that sees one snapshot.
     pub(super) fn read_snapshot(
         &self,
-        read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>,
+        read: &mut (dyn FnMut(&mut dyn Reads) -> Result<()> + Send),
     ) -> Result<()> {
         let mut conn = self.connection()?;
         let result = read_on(&mut conn, read);
@@ -150,7 +150,10 @@ fn back_off(tries: u32) {
 }
 
 /// `read` in a read-only repeatable-read transaction on `conn`: one snapshot for all of it.
-pub(super) fn read_on(conn: &mut Conn, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+pub(super) fn read_on(
+    conn: &mut Conn,
+    read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>,
+) -> Result<()> {
     let (client, statements) = conn.parts();
     let mut tx = client
         .build_transaction()
@@ -170,7 +173,7 @@ pub(super) fn read_on(conn: &mut Conn, read: &mut dyn FnMut(&mut dyn Reads) -> R
 pub(super) fn transact(
     store: &Postgres,
     clock: &dyn Clock,
-    apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+    apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
 ) -> Result<()> {
     let mut conn = None;
     let result = store.transact_on(&mut conn, clock, &mut |pg, now| apply(pg, now));
@@ -245,7 +248,8 @@ impl PgWriter {
 
 impl Writer for PgWriter {
     fn commit(&mut self, batch: Vec<Box<dyn Pending>>, _more_queued: bool) {
-        let mut by_lane: Vec<Vec<Box<dyn Pending>>> = self.lanes.iter().map(|_| Vec::new()).collect();
+        let mut by_lane: Vec<Vec<Box<dyn Pending>>> =
+            self.lanes.iter().map(|_| Vec::new()).collect();
         for pending in batch {
             let lane = self.lane_of(&*pending);
             by_lane[lane].push(pending);
@@ -372,7 +376,9 @@ impl Lane {
         {
             let _one_group = self.observed.lock().expect("the observer");
             let committed: Vec<_> = batch.iter().flat_map(|pending| pending.applied()).collect();
-            committed.iter().for_each(|info| observer.after_commit(info));
+            committed
+                .iter()
+                .for_each(|info| observer.after_commit(info));
             if !committed.is_empty() {
                 observer.committed(&committed);
             }
@@ -491,17 +497,20 @@ impl Renewer for PgRenewer {
         ttl: Duration,
         patience: Duration,
     ) -> Result<Renewal> {
-        let mut renewal = None;
         let timeout = format!(
             "SET LOCAL statement_timeout = {0}; SET LOCAL lock_timeout = {0}",
             patience.as_millis().max(1)
         );
-        self.store
-            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+        let (store, conn) = (&self.store, &mut self.conn);
+        // The lease keeper ticks on an actix arbiter.
+        off_runtime(|| {
+            let mut renewal = None;
+            store.transact_on(conn, &crate::clock::SystemClock, &mut |pg, _| {
                 pg.tx.batch_execute(&timeout).pg()?;
                 renewal = Some(moves::renew(pg, owner, held, ttl)?);
                 Ok(())
             })?;
-        renewal.ok_or_else(|| Error::CommitFailed("the renewal was not applied".into()))
+            renewal.ok_or_else(|| Error::CommitFailed("the renewal was not applied".into()))
+        })
     }
 }

@@ -35,7 +35,7 @@ impl Backend for Sqlite {
         user_version(&self.inspection()).db()
     }
 
-    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+    fn read(&self, read: &mut (dyn FnMut(&mut dyn Reads) -> Result<()> + Send)) -> Result<()> {
         super::sql::in_snapshot(&self.inspection(), |sql| read(sql))?;
         // The connection is released: the sync holds nobody up. A reader must not act on a
         // move that a power loss would undo.
@@ -45,7 +45,7 @@ impl Backend for Sqlite {
     fn transact(
         &self,
         clock: &dyn Clock,
-        apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+        apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()> {
         writer::transact(self, clock, apply)
     }

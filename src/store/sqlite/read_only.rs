@@ -271,14 +271,14 @@ impl Backend for ReadOnly {
         user_version(&self.current()?.conn).db()
     }
 
-    fn read(&self, read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>) -> Result<()> {
+    fn read(&self, read: &mut (dyn FnMut(&mut dyn Reads) -> Result<()> + Send)) -> Result<()> {
         self.on_connection(|opened| in_snapshot(&opened.conn, |sql| read(sql)))
     }
 
     fn transact(
         &self,
         _: &dyn Clock,
-        _: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
+        _: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()> {
         Err(self.refused())
     }

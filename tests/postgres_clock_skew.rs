@@ -154,8 +154,14 @@ fn race(location: &str) -> HashMap<&'static str, String> {
     let go = dir.path().join("go");
     drop(Store::connect(location).unwrap());
     let mut children = [
-        ("behind", spawn(location, "behind", "ahead", &go, -SKEW_SECONDS)),
-        ("ahead", spawn(location, "ahead", "behind", &go, SKEW_SECONDS)),
+        (
+            "behind",
+            spawn(location, "behind", "ahead", &go, -SKEW_SECONDS),
+        ),
+        (
+            "ahead",
+            spawn(location, "ahead", "behind", &go, SKEW_SECONDS),
+        ),
     ];
     let reports: Vec<_> = children.iter_mut().map(|(_, child)| lines(child)).collect();
     let clocks: Vec<i64> = reports
@@ -164,7 +170,10 @@ fn race(location: &str) -> HashMap<&'static str, String> {
         .collect();
     // The clocks really disagree, by many TTLs.
     let apart = Duration::from_millis((clocks[1] - clocks[0]).unsigned_abs());
-    assert!(apart > TTL * 10, "the children's clocks are {apart:?} apart");
+    assert!(
+        apart > TTL * 10,
+        "the children's clocks are {apart:?} apart"
+    );
     reports.iter().for_each(|r| drop(next(r, "HOLDING")));
     std::fs::write(&go, b"").unwrap();
     let asked = children
@@ -180,8 +189,7 @@ fn race(location: &str) -> HashMap<&'static str, String> {
 }
 
 #[test]
-fn on_postgres_supervisors_whose_clocks_disagree_by_many_ttls_take_no_live_run_from_each_other()
-{
+fn on_postgres_supervisors_whose_clocks_disagree_by_many_ttls_take_no_live_run_from_each_other() {
     let Some(server) = server() else { return };
     let schema = Schema::new(&server);
     let asked = race(&schema.url());

@@ -38,6 +38,9 @@ mod models_md {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/production.md")]
 mod production_md {}
+#[cfg(all(doctest, feature = "postgres"))]
+#[doc = include_str!("../docs/postgres.md")]
+mod postgres_md {}
 
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},

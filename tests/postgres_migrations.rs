@@ -67,8 +67,7 @@ fn two_processes_opening_an_empty_database_at_once_migrate_it_once() {
         .iter_mut()
         .map(|child| BufReader::new(child.stdout.take().unwrap()).lines())
         .collect();
-    let mut said = |lines: &mut std::io::Lines<BufReader<std::process::ChildStdout>>,
-                    word: &str| {
+    let said = |lines: &mut std::io::Lines<BufReader<std::process::ChildStdout>>, word: &str| {
         lines
             .map_while(Result::ok)
             .find_map(|line| {

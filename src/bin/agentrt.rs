@@ -27,7 +27,8 @@ use serde::Serialize;
     about = "Inspect and operate an agentrt database"
 )]
 struct Cli {
-    /// The database file (it is never created by this tool).
+    /// The database: an SQLite file (never created by this tool), or a PostgreSQL URL
+    /// (`postgres://user@host/db`).
     #[arg(long, env = "AGENTRT_DB", global = true)]
     db: Option<PathBuf>,
     /// Print JSON (one document, or one line per event) instead of tables.
@@ -308,11 +309,11 @@ fn run(cli: Cli) -> Outcome {
             if let Some(after) = after {
                 query = query.after(after);
             }
-            let store = Store::open_read_only(&path).map_err(|e| e.to_string())?;
+            let store = open_reading(&path)?;
             runs(&store, &query, json)
         }
         command => {
-            let store = Store::open_read_only(&path).map_err(|e| e.to_string())?;
+            let store = open_reading(&path)?;
             match command {
                 Command::Show { run } => show(&store, &run.into(), json),
                 Command::Events { run, after, follow } => {
@@ -325,9 +326,39 @@ fn run(cli: Cli) -> Outcome {
     }
 }
 
+/// The PostgreSQL URL `path` is, if it is one.
+fn url(path: &Path) -> Option<&str> {
+    path.to_str().filter(|path| agentrt::postgres::is_url(path))
+}
+
+/// Opens the database for a command that only reads: nothing is created, migrated or written.
+fn open_reading(path: &Path) -> Result<Store, Failure> {
+    let store = match url(path) {
+        Some(url) => agentrt::postgres::Options::new().read_only(true).open(url),
+        None => Store::open_read_only(path),
+    };
+    store.map_err(|e| e.to_string().into())
+}
+
+/// The schema version of the database, read without writing.
+fn schema_status(path: &Path) -> Result<agentrt::SchemaStatus, Failure> {
+    let status = match url(path) {
+        Some(url) => agentrt::postgres::schema_status(url),
+        None => sqlite::schema_status(path),
+    };
+    status.map_err(|e| e.to_string().into())
+}
+
 /// Opens the database for a command that writes, once the checks found nothing that makes
-/// writing it impossible or unwise; each refusal names the file and changes nothing.
+/// writing it impossible or unwise; each refusal names the file and changes nothing. A
+/// PostgreSQL database is not migrated by it (`migrate --apply` does that).
 fn open_for_writing(path: &Path) -> Result<Store, Failure> {
+    if let Some(url) = url(path) {
+        return agentrt::postgres::Options::new()
+            .migrate(false)
+            .open(url)
+            .map_err(|e| e.to_string().into());
+    }
     // A missing file, a directory, a file that is not a database or was cut short.
     sqlite::schema_status(path).map_err(|e| e.to_string())?;
     refuse_read_only(path)?;
@@ -561,8 +592,11 @@ fn age_or_time(flag: &str, value: &str) -> Result<SystemTime, Failure> {
     })
 }
 
-/// The size of a file, 0 when it is missing.
+/// The size of a file, 0 when it is missing (and for a PostgreSQL URL, which names no file).
 fn file_size(path: &Path) -> u64 {
+    if url(path).is_some() {
+        return 0;
+    }
     std::fs::metadata(path).map_or(0, |metadata| metadata.len())
 }
 
@@ -618,7 +652,7 @@ fn purge(
     let before = file_size(path);
     let store = if dry_run {
         // A dry run reads as the read commands do: nothing created, no byte changed.
-        Store::open_read_only(path).map_err(|e| e.to_string())?
+        open_reading(path)?
     } else {
         open_for_writing(path)?
     };
@@ -944,7 +978,7 @@ fn record(store: &Store, path: &Path, decide: Decide, approved: bool, json: bool
 }
 
 fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
-    let before = sqlite::schema_status(path).map_err(|e| e.to_string())?;
+    let before = schema_status(path)?;
     if before.found > before.supported {
         return Err(Failure::Message(format!(
             "{} has schema version {}, newer than the {} this agentrt knows; it was left unchanged",
@@ -954,13 +988,18 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
         )));
     }
     if apply && before.pending() > 0 {
-        sqlite::Options::new()
-            .create(false)
-            .open(path)
-            .map_err(|e| e.to_string())?;
+        match url(path) {
+            Some(url) => drop(agentrt::postgres::Options::new().open(url)),
+            None => drop(sqlite::Options::new().create(false).open(path)),
+        }
     }
-    let after = sqlite::schema_status(path).map_err(|e| e.to_string())?;
-    let text = match (before.pending(), apply) {
+    let after = schema_status(path)?;
+    // A PostgreSQL schema goes to the current version in one migration.
+    let pending = match url(path) {
+        Some(_) => u32::from(before.pending() > 0),
+        None => before.pending(),
+    };
+    let text = match (pending, apply) {
         (0, _) => format!("schema version {}: up to date", after.found),
         (n, false) => format!(
             "schema version {}, this agentrt writes {}: {n} migration(s) pending; run `agentrt migrate --apply`",
@@ -984,12 +1023,12 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
 }
 
 fn doctor(path: &Path, json: bool) -> Outcome {
-    let status = sqlite::schema_status(path).map_err(|e| e.to_string())?;
+    let status = schema_status(path)?;
     if status.found != status.supported {
         return migrate(path, false, json)
             .and_then(|()| Err("the schema is not current; nothing else was checked".into()));
     }
-    let store = Store::open_read_only(path).map_err(|e| e.to_string())?;
+    let store = open_reading(path)?;
     let health = store.health().map_err(|e| e.to_string())?;
     if json {
         print_json(&DoctorReport {
@@ -1022,14 +1061,13 @@ fn doctor(path: &Path, json: bool) -> Outcome {
         {
             out!("{name:<15} {value}");
         }
-        out!(
-            "defensive       {}",
-            if health.setting("defensive") == Some("1") {
-                "on"
-            } else {
-                "off"
-            }
-        );
+        // SQLite's defensive mode, which a PostgreSQL store has no such thing as.
+        if let Some(defensive) = health.setting("defensive") {
+            out!(
+                "defensive       {}",
+                if defensive == "1" { "on" } else { "off" }
+            );
+        }
         if health.setting("auto_vacuum") == Some("none")
             && health
                 .setting("freelist_count")

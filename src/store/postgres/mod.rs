@@ -32,7 +32,7 @@ mod watcher;
 mod writer;
 
 pub use self::{
-    open::SCHEMA_VERSION,
+    open::{SCHEMA_VERSION, schema_status},
     options::{DEFAULT_WRITERS, Options},
 };
 

@@ -76,13 +76,44 @@ pub(super) fn open(options: Options, url: &str) -> Result<Store> {
     Ok(Store::from_backend(Arc::new(backend)))
 }
 
+/// The schema version of the store at `url`, as found and as this build writes it, read on a
+/// read-only connection: nothing is migrated or written.
+pub fn schema_status(url: &str) -> Result<crate::SchemaStatus> {
+    let options = Options::new().read_only(true);
+    let config = conn::config(url, &options)?;
+    let shown = conn::shown(url);
+    let mut conn = Conn::open(&config, &options).map_err(|err| unreachable(&shown, err))?;
+    let schema: Option<String> = conn
+        .client()
+        .query_one("SELECT current_schema()", &[])
+        .pg()?
+        .get(0);
+    let found = match schema {
+        Some(schema) => version(&mut conn, &schema)?,
+        None => 0,
+    };
+    Ok(crate::SchemaStatus {
+        found,
+        supported: SCHEMA_VERSION,
+    })
+}
+
 /// The error of a server that could not be reached, or refused the connection.
 pub(super) fn unreachable(shown: &str, err: Error) -> Error {
     match err {
-        Error::Database(err) => Error::ServerUnreachable {
-            location: shown.to_owned(),
-            why: err.to_string(),
-        },
+        Error::Database(err) => {
+            // The driver's error says "error connecting to server"; its sources say why.
+            let mut why = err.to_string();
+            let mut source = std::error::Error::source(&err).and_then(std::error::Error::source);
+            while let Some(cause) = source {
+                why = format!("{why}: {cause}");
+                source = cause.source();
+            }
+            Error::ServerUnreachable {
+                location: shown.to_owned(),
+                why,
+            }
+        }
         err => err,
     }
 }

@@ -29,15 +29,25 @@ const HISTORY: &str = "CREATE TABLE IF NOT EXISTS agentrt_migrations (
     backend    INTEGER     NOT NULL DEFAULT pg_backend_pid()
 )";
 
-pub(super) fn open(options: Options, url: &str) -> Result<Store> {
-    let config = conn::config(url, &options)?;
+/// A first connection to `url`: the driver's configuration, the URL as shown, the connection,
+/// and the schema its tables are in (`None`: no schema of the `search_path` exists).
+fn connect(
+    url: &str,
+    options: &Options,
+) -> Result<(postgres::Config, String, Conn, Option<String>)> {
+    let config = conn::config(url, options)?;
     let shown = conn::shown(url);
-    let mut conn = Conn::open(&config, &options).map_err(|err| unreachable(&shown, err))?;
-    let schema: Option<String> = conn
+    let mut conn = Conn::open(&config, options).map_err(|err| unreachable(&shown, err))?;
+    let schema = conn
         .client()
         .query_one("SELECT current_schema()", &[])
         .pg()?
         .get(0);
+    Ok((config, shown, conn, schema))
+}
+
+pub(super) fn open(options: Options, url: &str) -> Result<Store> {
+    let (config, shown, mut conn, schema) = connect(url, &options)?;
     let schema = schema.ok_or_else(|| {
         Error::InvalidInput(format!(
             "{shown}: no schema of the connection's search_path exists; create it first"

@@ -8,7 +8,7 @@ use super::{
     Postgres,
     conn::{Conn, Pg, take_noted},
     open::quote,
-    sql::PgTx,
+    writer::in_snapshot,
 };
 use crate::{
     error::Result,
@@ -37,21 +37,7 @@ impl PgWatcher {
     }
 
     fn read<R>(&mut self, read: impl FnOnce(&mut dyn Feed) -> Result<R>) -> Result<R> {
-        let conn = self.conn()?;
-        let (client, statements) = conn.parts();
-        let mut tx = client
-            .build_transaction()
-            .isolation_level(postgres::IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .pg()?;
-        let value = read(&mut PgTx {
-            tx: &mut tx,
-            statements,
-            lock: false,
-        })?;
-        tx.commit().pg()?;
-        Ok(value)
+        in_snapshot(self.conn()?, |pg| read(pg))
     }
 
     /// The listening connection, opened again if it broke (changes may have been missed

@@ -150,10 +150,10 @@ fn back_off(tries: u32) {
 }
 
 /// `read` in a read-only repeatable-read transaction on `conn`: one snapshot for all of it.
-pub(super) fn read_on(
+pub(super) fn in_snapshot<R>(
     conn: &mut Conn,
-    read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>,
-) -> Result<()> {
+    read: impl FnOnce(&mut PgTx<'_, '_>) -> Result<R>,
+) -> Result<R> {
     let (client, statements) = conn.parts();
     let mut tx = client
         .build_transaction()
@@ -161,12 +161,21 @@ pub(super) fn read_on(
         .read_only(true)
         .start()
         .pg()?;
-    read(&mut PgTx {
+    let value = read(&mut PgTx {
         tx: &mut tx,
         statements,
         lock: false,
     })?;
-    tx.commit().pg()
+    tx.commit().pg()?;
+    Ok(value)
+}
+
+/// An inspection read in one snapshot on `conn`.
+pub(super) fn read_on(
+    conn: &mut Conn,
+    read: &mut dyn FnMut(&mut dyn Reads) -> Result<()>,
+) -> Result<()> {
+    in_snapshot(conn, |pg| read(pg))
 }
 
 /// One move in a transaction of its own, outside any supervisor.

@@ -64,12 +64,14 @@ CREATE TABLE approvals (
 );
 
 -- The guards: events are append-only, and nothing of a run that has not finished is deleted.
-CREATE FUNCTION agentrt_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+-- Every function runs with the search_path it was created with (the store's schema), whatever
+-- the writing session's: the feed and the channel are always this store's.
+CREATE FUNCTION agentrt_refuse() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     RAISE EXCEPTION '%', TG_ARGV[0] USING ERRCODE = 'restrict_violation';
 END $$;
 
-CREATE FUNCTION agentrt_keep_unfinished() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION agentrt_keep_unfinished() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM runs WHERE id = OLD.run_id
                    AND state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')) THEN
@@ -112,7 +114,7 @@ CREATE TABLE run_changes (
 );
 
 CREATE FUNCTION agentrt_change(run_id TEXT, agent TEXT, kind TEXT) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     n BIGINT;
 BEGIN
@@ -122,13 +124,13 @@ BEGIN
     PERFORM pg_notify('agentrt_' || current_schema(), '');
 END $$;
 
-CREATE FUNCTION agentrt_decided() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION agentrt_decided() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM agentrt_change(runs.id, runs.agent, 'decided') FROM runs WHERE runs.id = NEW.run_id;
     RETURN NULL;
 END $$;
 
-CREATE FUNCTION agentrt_cancelled() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION agentrt_cancelled() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     PERFORM agentrt_change(NEW.id, NEW.agent, 'cancelled');
     RETURN NULL;

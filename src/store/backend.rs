@@ -139,6 +139,14 @@ pub(crate) struct StepUpdate<'a> {
 /// first, or runs its transactions serializable and applies a move again after a conflict
 /// (which is why a move's closure may be called more than once, with the same clock reading).
 pub(crate) trait Tx: Reads {
+    /// Waits for, and takes until the commit, the right to write the run's row: what a move
+    /// does before it reads the clock a guard compares with, so that a wait for another
+    /// writer comes before the reading, not between it and the guard. Nothing to do where a
+    /// transaction already holds every row (SQLite's write lock).
+    fn lock_run(&mut self, run_id: &RunId) -> Result<()> {
+        let _ = run_id;
+        Ok(())
+    }
     /// Inserts a run that does not exist (the move checked).
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()>;
     /// Stamps a RUNNING run under `owner`'s lease of fencing token `token` as moved at `at`;

@@ -112,11 +112,11 @@ fn me() -> Grant {
     holder(OWNER, Duration::from_secs(30))
 }
 
-fn run(n: &str) -> RunId {
+pub(crate) fn run(n: &str) -> RunId {
     RunId::from(n)
 }
 
-fn call(id: &str) -> ToolCall {
+pub(crate) fn call(id: &str) -> ToolCall {
     ToolCall::new(id, "send", json!({"to": "a@example.com"}))
 }
 
@@ -129,7 +129,7 @@ fn apply<R: Send>(
 }
 
 /// Applies one move of `run_id` in a transaction of its own.
-fn on<R: Send>(
+pub(crate) fn on<R: Send>(
     store: &Store,
     run_id: &RunId,
     mut f: impl FnMut(&mut Move<'_, '_>) -> Result<R> + Send,
@@ -137,7 +137,7 @@ fn on<R: Send>(
     apply(store, |tx, now| f(&mut Move::new(tx, now, run_id)))
 }
 
-fn create(store: &Store, run_id: &RunId, holder: &Grant) {
+pub(crate) fn create(store: &Store, run_id: &RunId, holder: &Grant) {
     on(store, run_id, |m| {
         m.create_run("agent", &json!({"n": 1}), holder)
     })
@@ -169,7 +169,12 @@ fn model_answered(store: &Store, run_id: &RunId, calls: Vec<ToolCall>) {
 }
 
 /// Model step 1 reserved and answered with `calls` under `holder`'s lease.
-fn model_answered_by(store: &Store, run_id: &RunId, holder: &Grant, calls: Vec<ToolCall>) {
+pub(crate) fn model_answered_by(
+    store: &Store,
+    run_id: &RunId,
+    holder: &Grant,
+    calls: Vec<ToolCall>,
+) {
     on(store, run_id, |m| m.begin_model_step(holder, 1)).unwrap();
     let response = ModelResponse::calls(calls);
     let outcome = ModelOutcome::Answered {
@@ -198,7 +203,7 @@ fn decide(store: &Store, run_id: &RunId, step: u32, c: &ToolCall, d: &ToolDecisi
     on(store, run_id, |m| m.decide_tool(&me, step, c, d))
 }
 
-fn allow() -> ToolDecision {
+pub(crate) fn allow() -> ToolDecision {
     ToolDecision::Allow {
         reason: None,
         by: None,

@@ -149,7 +149,10 @@ impl<'a, 'c> Move<'a, 'c> {
         let unexpired_at = match need {
             Need::Held => None,
             Need::Margin if !grant.has_margin() => return Err(self.short_of_margin(grant, what)),
-            Need::Margin => Some(grant.holder.start_by(self.tx.lease_wall()?)),
+            Need::Margin => {
+                self.tx.lock_run(self.run_id)?;
+                Some(grant.holder.start_by(self.tx.lease_wall()?))
+            }
         };
         let at = self.now.millis();
         let (owner, token) = (&grant.holder.owner, grant.token());

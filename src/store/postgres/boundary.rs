@@ -62,12 +62,7 @@ impl Backend for Postgres {
         clock: &dyn Clock,
         apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()> {
-        if self.options.read_only {
-            return Err(crate::Error::ReadOnly {
-                path: self.shown.clone().into(),
-                why: "the store was opened for reading only".into(),
-            });
-        }
+        self.refuse_read_only()?;
         off_runtime(|| writer::transact(self, clock, apply))
     }
 
@@ -76,11 +71,14 @@ impl Backend for Postgres {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
-        writer::session(self, clock, observer)
+        self.refuse_read_only()?;
+        off_runtime(|| writer::session(self, clock, observer))
     }
 
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {
-        Ok(Box::new(PgWatcher::open(self)?))
+        self.refuse_read_only()?;
+        // A supervisor starts its watch on an actix arbiter.
+        off_runtime(|| Ok(Box::new(PgWatcher::open(self)?) as Box<dyn Watcher>))
     }
 
     fn health(&self) -> Result<Health> {
@@ -208,13 +206,19 @@ impl Postgres {
         Ok(bytes.max(0) as u64)
     }
 
-    fn vacuum_tables(&self, command: &str) -> Result<Space> {
+    /// A store opened for reading only refuses every write, before it is tried.
+    fn refuse_read_only(&self) -> Result<()> {
         if self.options.read_only {
             return Err(crate::Error::ReadOnly {
                 path: self.shown.clone().into(),
                 why: "the store was opened for reading only".into(),
             });
         }
+        Ok(())
+    }
+
+    fn vacuum_tables(&self, command: &str) -> Result<Space> {
+        self.refuse_read_only()?;
         let mut conn = self.connection()?;
         let result = (|| {
             let before = self.size(&mut conn)?;

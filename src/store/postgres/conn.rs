@@ -31,7 +31,7 @@ pub(super) fn take_noted() -> Noted {
 }
 
 /// agentrt's error for a driver's, noting what it asks of the transaction.
-pub(super) fn pg_error(err: postgres::Error) -> Error {
+pub(crate) fn pg_error(err: postgres::Error) -> Error {
     let code = err.code();
     let conflict = code.is_some_and(|code| {
         *code == SqlState::T_R_SERIALIZATION_FAILURE
@@ -78,7 +78,7 @@ pub(crate) struct Conn {
 /// Runs `f` here, or on a thread of its own when this thread runs an async runtime (an actix
 /// arbiter's, where a store's inspection may be called from), which the driver's own runtime
 /// cannot block.
-pub(super) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+pub(crate) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if tokio::runtime::Handle::try_current().is_err() {
         return f();
     }
@@ -160,16 +160,34 @@ pub(super) fn config(url: &str, options: &Options) -> Result<postgres::Config> {
     Ok(config)
 }
 
-/// `url` without its password, for messages.
+/// `url` without its password (in the user part, or as a `password` parameter), for messages.
 pub(super) fn shown(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    match rest.split_once('@') {
+    let (location, query) = match rest.split_once('?') {
+        Some((location, query)) => (location, Some(query)),
+        None => (rest, None),
+    };
+    let location = match location.split_once('@') {
         Some((user, host)) if user.contains(':') => {
             let user = user.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
+            format!("{user}:***@{host}")
         }
-        _ => url.to_owned(),
+        _ => location.to_owned(),
+    };
+    let query = query.map(|query| {
+        query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some(("password", _)) => "password=***".to_owned(),
+                _ => pair.to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join("&")
+    });
+    match query {
+        Some(query) => format!("{scheme}://{location}?{query}"),
+        None => format!("{scheme}://{location}"),
     }
 }

@@ -22,6 +22,10 @@ const MIGRATIONS: &[(u32, &str)] = &[(
     include_str!("../../../migrations/postgres/0010_schema.sql"),
 )];
 
+/// The longest schema name a store may live in: its change feed's channel is `agentrt_` and
+/// the name.
+const MAX_SCHEMA_NAME: usize = 55;
+
 /// What records each migration applied: by whom (the server process) and when.
 const HISTORY: &str = "CREATE TABLE IF NOT EXISTS agentrt_migrations (
     version    INTEGER     NOT NULL PRIMARY KEY,
@@ -47,12 +51,24 @@ fn connect(
 }
 
 pub(super) fn open(options: Options, url: &str) -> Result<Store> {
+    // A store may be opened on an actix arbiter, which the driver cannot block.
+    conn::off_runtime(|| open_here(options, url))
+}
+
+fn open_here(options: Options, url: &str) -> Result<Store> {
     let (config, shown, mut conn, schema) = connect(url, &options)?;
     let schema = schema.ok_or_else(|| {
         Error::InvalidInput(format!(
             "{shown}: no schema of the connection's search_path exists; create it first"
         ))
     })?;
+    // The change feed's channel is named after the schema, and a channel name has at most 63
+    // bytes.
+    if schema.len() > MAX_SCHEMA_NAME {
+        return Err(Error::InvalidInput(format!(
+            "{shown}: the schema name {schema:?} is longer than {MAX_SCHEMA_NAME} bytes"
+        )));
+    }
     let found = version(&mut conn, &schema)?;
     let path = || std::path::PathBuf::from(&shown);
     if found > SCHEMA_VERSION {

@@ -341,6 +341,14 @@ impl Reads for PgTx<'_, '_> {
 }
 
 impl Tx for PgTx<'_, '_> {
+    fn lock_run(&mut self, run_id: &RunId) -> Result<()> {
+        self.rows(
+            "SELECT 1 FROM runs WHERE id = $1 FOR UPDATE",
+            &[&run_id.as_str()],
+        )?;
+        Ok(())
+    }
+
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
         let token: i64 = if run.lease.is_some() {
             FIRST_TOKEN as i64

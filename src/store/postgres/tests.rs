@@ -75,3 +75,67 @@ impl Fixture for Server {
 }
 
 conformance_suite!(on_postgres, Server::new());
+
+/// A start that waited for the run's row (another transaction held it) past its lease's
+/// expiry is refused: the server's clock is read once the row is held, not before the wait.
+#[test]
+fn a_start_that_waited_for_the_runs_row_past_its_lease_is_refused() {
+    use crate::store::{
+        conformance::{allow, call, create, model_answered_by, on, run},
+        model::{Grant, Holder},
+        moves::FIRST_TOKEN,
+    };
+    use std::time::Duration;
+
+    let server = Server::new();
+    if !server.available() {
+        return;
+    }
+    let store = server.store();
+    let grant = Grant::held(
+        Holder {
+            owner: "me/000000000001".into(),
+            ttl: Duration::from_millis(1500),
+            margin: Duration::from_millis(200),
+        },
+        FIRST_TOKEN,
+    );
+    create(&store, &run("r"), &grant);
+    model_answered_by(&store, &run("r"), &grant, vec![call("c1")]);
+    let backend = store
+        .backend()
+        .as_any()
+        .downcast_ref::<super::Postgres>()
+        .unwrap();
+    let mut holder = backend.connection().unwrap();
+    let mut held = holder.client().transaction().unwrap();
+    held.query("SELECT 1 FROM runs WHERE id = 'r' FOR UPDATE", &[])
+        .unwrap();
+    let (started, outcome) = std::sync::mpsc::channel();
+    let starter = {
+        let (store, grant) = (store.clone(), grant.clone());
+        std::thread::spawn(move || {
+            // The loop's own deadline has the margin when it asks.
+            started.send(()).unwrap();
+            on(&store, &run("r"), |m| {
+                m.decide_tool(&grant, 2, &call("c1"), &allow())
+            })
+        })
+    };
+    outcome.recv().unwrap();
+    // Held past the lease's expiry by the server's clock.
+    std::thread::sleep(Duration::from_millis(1700));
+    held.rollback().unwrap();
+    let err = starter.join().unwrap().unwrap_err();
+    assert!(
+        matches!(err, crate::Error::LeaseLost { .. }) || err.is_run_state(),
+        "{err}"
+    );
+    let events = store.events(&run("r")).unwrap();
+    assert!(
+        !events
+            .iter()
+            .any(|event| event.kind == crate::EventKind::ToolStarted),
+        "{events:?}"
+    );
+}

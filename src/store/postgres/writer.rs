@@ -12,7 +12,7 @@
 use std::{
     hash::{Hash, Hasher},
     sync::{Arc, Mutex, mpsc},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use super::{
@@ -72,17 +72,22 @@ impl Postgres {
     }
 
     /// Applies `apply` in a transaction of its own on `conn`, committed when it returns `Ok`,
-    /// again after a conflict or on a new connection after a broken one (nothing committed).
+    /// again after a conflict or on a new connection after a broken one (nothing committed),
+    /// until `deadline` if one is given. `lock`: the reads of runs lock them (a move's), or not
+    /// (a renewal's, which must not wait for a row another transaction holds).
     fn transact_on(
         &self,
         conn: &mut Option<Conn>,
         clock: &dyn Clock,
+        lock: bool,
+        deadline: Option<Instant>,
         apply: &mut dyn FnMut(&mut PgTx<'_, '_>, &mut Now<'_>) -> Result<()>,
     ) -> Result<()> {
         let mut reading = None;
         let mut tries = 0;
         loop {
             tries += 1;
+            let out_of_time = deadline.is_some_and(|deadline| Instant::now() >= deadline);
             let mut current = match conn.take() {
                 Some(current) if current.is_usable() => current,
                 _ => self.connection()?,
@@ -95,7 +100,7 @@ impl Postgres {
                 let mut pg = PgTx {
                     tx: &mut tx,
                     statements,
-                    lock: true,
+                    lock,
                 };
                 let applied = apply(&mut pg, &mut now);
                 reading = now.reading();
@@ -103,13 +108,12 @@ impl Postgres {
                     return Ok(Err(applied.err()));
                 }
                 applied?;
-                match tx.commit().pg() {
+                match tx.commit() {
                     Ok(()) => Ok(Ok(())),
-                    // The commit was sent: it may have been applied.
-                    Err(err) if take_noted() == Noted::Broken => {
-                        Err(Error::CommitUnknown(err.to_string()))
-                    }
-                    Err(err) => Err(err),
+                    Err(err) => match commit_failure(err) {
+                        CommitError::Again(err) => Ok(Err(Some(err))),
+                        CommitError::Failed(failure) => Err(failure.error()),
+                    },
                 }
             })();
             match attempt {
@@ -119,7 +123,7 @@ impl Postgres {
                 }
                 // Met another transaction, or the connection broke before the commit: nothing
                 // was committed.
-                Ok(Err(err)) if tries < TRIES => {
+                Ok(Err(err)) if tries < TRIES && !out_of_time => {
                     if current.is_usable() {
                         *conn = Some(current);
                     }
@@ -185,7 +189,7 @@ pub(super) fn transact(
     apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
 ) -> Result<()> {
     let mut conn = None;
-    let result = store.transact_on(&mut conn, clock, &mut |pg, now| apply(pg, now));
+    let result = store.transact_on(&mut conn, clock, true, None, &mut |pg, now| apply(pg, now));
     if let Some(conn) = conn {
         store.give_back(conn);
     }
@@ -299,8 +303,9 @@ impl Writer for PgWriter {
 
     fn renew(&mut self, owner: &str, held: &[(RunId, u64)], ttl: Duration) -> Result<Renewal> {
         let mut renewal = None;
+        let clock = &crate::clock::SystemClock;
         self.store
-            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+            .transact_on(&mut self.conn, clock, false, None, &mut |pg, _| {
                 renewal = Some(moves::renew(pg, owner, held, ttl)?);
                 Ok(())
             })?;
@@ -309,8 +314,9 @@ impl Writer for PgWriter {
 
     fn release(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
         let mut released = false;
+        let clock = &crate::clock::SystemClock;
         self.store
-            .transact_on(&mut self.conn, &crate::clock::SystemClock, &mut |pg, _| {
+            .transact_on(&mut self.conn, clock, true, None, &mut |pg, _| {
                 released = pg.release_lease(run_id, owner, token)?;
                 Ok(())
             })?;
@@ -472,15 +478,36 @@ fn attempt_on(conn: &mut Conn, batch: &mut [Box<dyn Pending>], clock: &dyn Clock
             isolation = Isolation::Savepoint;
             continue;
         }
-        return match tx.commit().pg() {
+        return match tx.commit() {
             Ok(()) => Attempt::Committed,
-            Err(err) => match take_noted() {
-                // The commit was sent: it may have been applied.
-                Noted::Broken => Attempt::Failed(GroupFailure::Unknown(err.to_string())),
-                Noted::Conflict => Attempt::Again(err.to_string()),
-                Noted::Nothing => Attempt::Failed(GroupFailure::Commit(err.to_string())),
+            Err(err) => match commit_failure(err) {
+                CommitError::Again(err) => Attempt::Again(err.to_string()),
+                CommitError::Failed(failure) => Attempt::Failed(failure),
             },
         };
+    }
+}
+
+/// What a failed COMMIT means.
+enum CommitError {
+    /// The server refused it and rolled it back (a serialization failure, a deferred
+    /// constraint): applying it again may succeed.
+    Again(Error),
+    Failed(GroupFailure),
+}
+
+/// A COMMIT that failed: rolled back only when the server says so with an error of a class
+/// that rolls back (40: transaction rollback; 23: a deferred constraint); any other error, a
+/// broken connection or a server shutting down among them, leaves it unknown whether the
+/// commit reached the disk.
+fn commit_failure(err: postgres::Error) -> CommitError {
+    let class = err.code().map(|code| code.code()[..2].to_owned());
+    let err = super::conn::pg_error(err);
+    take_noted();
+    match class.as_deref() {
+        Some("40") => CommitError::Again(err),
+        Some("23") => CommitError::Failed(GroupFailure::of(&err)),
+        _ => CommitError::Failed(GroupFailure::Unknown(err.to_string())),
     }
 }
 
@@ -511,10 +538,14 @@ impl Renewer for PgRenewer {
             patience.as_millis().max(1)
         );
         let (store, conn) = (&self.store, &mut self.conn);
+        // A tick gives up after its patience, tries and reconnections included, so that it
+        // cannot outlive the leases it renews.
+        let deadline = Instant::now() + patience;
         // The lease keeper ticks on an actix arbiter.
         off_runtime(|| {
             let mut renewal = None;
-            store.transact_on(conn, &crate::clock::SystemClock, &mut |pg, _| {
+            let clock = &crate::clock::SystemClock;
+            store.transact_on(conn, clock, false, Some(deadline), &mut |pg, _| {
                 pg.tx.batch_execute(&timeout).pg()?;
                 renewal = Some(moves::renew(pg, owner, held, ttl)?);
                 Ok(())

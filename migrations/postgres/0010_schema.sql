@@ -136,8 +136,12 @@ BEGIN
     RETURN NULL;
 END $$;
 
-CREATE TRIGGER run_changes_decided AFTER INSERT ON approvals
+-- Deferred to the commit: the counter row is the last lock a transaction takes, after every
+-- run's row, so two transactions that record changes never wait for each other in a cycle.
+CREATE CONSTRAINT TRIGGER run_changes_decided AFTER INSERT ON approvals
+    DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW EXECUTE FUNCTION agentrt_decided();
-CREATE TRIGGER run_changes_cancelled AFTER UPDATE OF state ON runs
+CREATE CONSTRAINT TRIGGER run_changes_cancelled AFTER UPDATE OF state ON runs
+    DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW WHEN (NEW.state = 'CANCELLED' AND OLD.state <> 'CANCELLED')
     EXECUTE FUNCTION agentrt_cancelled();

@@ -1059,6 +1059,16 @@ impl RunLoop {
     async fn call_tool(&mut self, step: &StepRow) -> Result<Next> {
         let call = step.call.clone().expect("tool steps have a call");
         let (number, attempt) = (step.step, step.attempt);
+        // The start was written under the lease, but its answer came back after the deadline
+        // (the process stalled, or the network held the answer up): by now another process may
+        // have taken the run over. The call is not made; the takeover reconciles the step.
+        if self.env.grant.remaining().is_zero() {
+            tracing::warn!(step = number, tool = %call.name, "the lease expired before the tool could start");
+            return Err(Error::LeaseLost {
+                run_id: self.run_id.clone(),
+                reason: LeaseLostReason::Expired,
+            });
+        }
         let span = tracing::info_span!("tool", step = number, tool = %call.name, attempt);
         let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.

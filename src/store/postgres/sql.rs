@@ -29,6 +29,27 @@ pub(super) struct PgTx<'a, 'c> {
     pub tx: &'a mut Transaction<'c>,
     pub statements: &'a mut HashMap<String, Statement>,
     pub lock: bool,
+    /// The server's clock as read once the last `lock_run` held the row: what the next
+    /// `lease_wall` answers, saving it a round trip.
+    locked_at: Option<i64>,
+    /// The last reading `lease_wall` answered (without the tests' shift).
+    last_wall: Option<i64>,
+}
+
+impl<'a, 'c> PgTx<'a, 'c> {
+    pub(super) fn new(
+        tx: &'a mut Transaction<'c>,
+        statements: &'a mut HashMap<String, Statement>,
+        lock: bool,
+    ) -> Self {
+        PgTx {
+            tx,
+            statements,
+            lock,
+            locked_at: None,
+            last_wall: None,
+        }
+    }
 }
 
 const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
@@ -138,8 +159,12 @@ fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
 
 impl Reads for PgTx<'_, '_> {
     fn lease_wall(&mut self) -> Result<i64> {
-        let rows = self.rows(SERVER_NOW, &[])?;
-        Ok(get::<i64>(&rows[0], 0)? + crate::clock::wall_shift())
+        let wall = match self.locked_at.take() {
+            Some(wall) => wall,
+            None => get::<i64>(&self.rows(SERVER_NOW, &[])?[0], 0)?,
+        };
+        self.last_wall = Some(wall);
+        Ok(wall + crate::clock::wall_shift())
     }
 
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
@@ -380,16 +405,25 @@ impl Tx for PgTx<'_, '_> {
         token: u64,
         unexpired_at: Option<i64>,
     ) -> Result<bool> {
+        // The lease must outlast the server's clock as the statement runs, plus what the move
+        // asked beyond its last reading of it: a process that stalled between that reading
+        // and this statement is judged by the time after the stall.
+        let beyond = unexpired_at
+            .zip(self.last_wall)
+            .map(|(unexpired_at, wall)| unexpired_at - wall);
         let changed = self.execute(
             "UPDATE runs SET updated_at = $2
              WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
-               AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)",
+               AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)
+               AND ($6::int8 IS NULL OR lease_expires_at >
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 + $6::int8)",
             &[
                 &run_id.as_str(),
                 &at,
                 &owner,
                 &unexpired_at,
                 &(token as i64),
+                &beyond,
             ],
         )?;
         Ok(changed == 1)
@@ -654,9 +688,14 @@ impl LeaseWrites for PgTx<'_, '_> {
         let ids: Vec<&str> = held.iter().map(|(id, _)| id.as_str()).collect();
         let tokens: Vec<i64> = held.iter().map(|(_, token)| *token as i64).collect();
         let rows = self.rows(
+            // The rows are locked in the order of their ids, as a writer's group locks them.
             "UPDATE runs SET lease_expires_at = $3
-             WHERE lease_owner = $1 AND state = 'RUNNING' AND lease_expires_at > $2
-               AND (id, lease_epoch) IN (SELECT * FROM unnest($4::text[], $5::int8[]))
+             WHERE id IN (SELECT id FROM runs
+                          WHERE lease_owner = $1 AND state = 'RUNNING' AND lease_expires_at > $2
+                            AND (id, lease_epoch) IN
+                                (SELECT * FROM unnest($4::text[], $5::int8[]))
+                          ORDER BY id FOR UPDATE)
+               AND lease_owner = $1 AND state = 'RUNNING' AND lease_expires_at > $2
              RETURNING id",
             &[&owner, &wall, &expires_at, &ids, &tokens],
         )?;

@@ -97,11 +97,7 @@ impl Postgres {
                 let (client, statements) = current.parts();
                 let mut tx = client.transaction().pg()?;
                 let mut now = Now::resume(clock, reading);
-                let mut pg = PgTx {
-                    tx: &mut tx,
-                    statements,
-                    lock,
-                };
+                let mut pg = PgTx::new(&mut tx, statements, lock);
                 let applied = apply(&mut pg, &mut now);
                 reading = now.reading();
                 if take_noted() != Noted::Nothing {
@@ -165,11 +161,7 @@ pub(super) fn in_snapshot<R>(
         .read_only(true)
         .start()
         .pg()?;
-    let value = read(&mut PgTx {
-        tx: &mut tx,
-        statements,
-        lock: false,
-    })?;
+    let value = read(&mut PgTx::new(&mut tx, statements, false))?;
     tx.commit().pg()?;
     Ok(value)
 }
@@ -333,6 +325,11 @@ struct Lane {
     conn: Option<Conn>,
 }
 
+/// The run a pending move moves.
+fn run_of(pending: &dyn Pending) -> Option<&RunId> {
+    pending.infos().first().map(|info| &info.run_id)
+}
+
 /// What became of one attempt at a group.
 enum Attempt {
     Committed,
@@ -364,6 +361,10 @@ impl Lane {
 
     /// Commits `batch` as one transaction and answers its callers.
     fn commit(&mut self, mut batch: Vec<Box<dyn Pending>>) {
+        // Each move locks its run's row first: in the order of the runs' ids, as a renewal
+        // locks them, two transactions that lock several runs cannot deadlock on each other.
+        // The sort is stable, so one run's moves keep their order.
+        batch.sort_by(|a, b| run_of(&**a).cmp(&run_of(&**b)));
         let observer = self.observer();
         if let Some(observer) = &observer {
             // Before the transaction opens: an observer that stops here holds no lock.
@@ -439,11 +440,7 @@ fn attempt_on(conn: &mut Conn, batch: &mut [Box<dyn Pending>], clock: &dyn Clock
         if written && let Err(err) = tx.batch_execute("SET LOCAL synchronous_commit = off").pg() {
             return again_or_failed(&err);
         }
-        let mut pg = PgTx {
-            tx: &mut tx,
-            statements,
-            lock: true,
-        };
+        let mut pg = PgTx::new(&mut tx, statements, true);
         let stands = match isolation {
             Isolation::Shared => batch
                 .iter_mut()

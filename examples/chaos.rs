@@ -1030,10 +1030,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     );
     drop(store);
     // The database stays beside the files when they do.
-    if args.dir.is_none() {
-        if let Err(err) = db.psql(&format!("DROP DATABASE {} WITH (FORCE)", db.name())) {
-            eprintln!("{err}");
-        }
+    if args.dir.is_none()
+        && let Err(err) = db.psql(&format!("DROP DATABASE {} WITH (FORCE)", db.name()))
+    {
+        eprintln!("{err}");
     }
     Ok(fenced_applied_twice == 0 && unexplained == 0 && lost_events == 0 && runs_left_leased == 0)
 }

@@ -158,10 +158,10 @@ impl Drop for Hosts {
         // process ends: the parent kills the workers first.
         for i in 0..self.count {
             let _ = ip(&["link", "del", &self.outer(i)]);
-            if let Err(err) = ip(&["netns", "del", &self.namespace(i)]) {
-                if !err.contains("No such file") {
-                    eprintln!("{err}");
-                }
+            if let Err(err) = ip(&["netns", "del", &self.namespace(i)])
+                && !err.contains("No such file")
+            {
+                eprintln!("{err}");
             }
         }
     }

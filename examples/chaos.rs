@@ -149,9 +149,10 @@ fn sqlite_location(dir: &Path) -> String {
     dir.join("chaos.db").display().to_string()
 }
 
-/// Opens the store at `location`: an SQLite path, or a PostgreSQL URL.
+/// Opens the store at `location`: an SQLite path, or a PostgreSQL URL (with the `postgres`
+/// feature).
 fn open_store(location: &str) -> Store {
-    Store::open(location).expect("the database opens")
+    Store::connect(location).unwrap_or_else(|err| panic!("{location}: {err}"))
 }
 
 /// Where the runs are stored.

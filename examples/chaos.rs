@@ -247,6 +247,14 @@ impl Db {
         }
     }
 
+    /// Drops a PostgreSQL database unless it is to be kept (beside the files, when they are).
+    fn discard(&self, keep: bool) {
+        if !keep && let Err(err) = self.psql(&format!("DROP DATABASE {} WITH (FORCE)", self.name()))
+        {
+            eprintln!("{err}");
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             Db::Sqlite(_) => "sqlite",
@@ -899,6 +907,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     drop(hosts);
     drop(spinners);
     if chaos_hosts::interrupted() {
+        db.discard(args.dir.is_some());
         return Err("interrupted: the workers are killed and the hosts removed".into());
     }
     chaos_hosts::release_interrupts();
@@ -1030,12 +1039,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         runs.len(),
     );
     drop(store);
-    // The database stays beside the files when they do.
-    if args.dir.is_none()
-        && let Err(err) = db.psql(&format!("DROP DATABASE {} WITH (FORCE)", db.name()))
-    {
-        eprintln!("{err}");
-    }
+    db.discard(args.dir.is_some());
     Ok(fenced_applied_twice == 0 && unexplained == 0 && lost_events == 0 && runs_left_leased == 0)
 }
 

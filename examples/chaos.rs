@@ -555,6 +555,14 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
         "worker-{index} pid {} starts: wall clock {wall} µs, skew {skew_ms} ms, {location}",
         std::process::id()
     );
+    // A worker outlives no parent, even one killed with SIGKILL: it is then adopted.
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || {
+        while std::os::unix::process::parent_id() == parent {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        std::process::exit(0);
+    });
     let store = open_store(location);
     let agent = agent(dir);
     with_system(|| async move {

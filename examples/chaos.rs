@@ -47,7 +47,7 @@ mod chaos_classes;
 #[path = "support/chaos_hosts.rs"]
 mod chaos_hosts;
 
-use chaos_classes::{Class, Execution, Fence, classify};
+use chaos_classes::{Class, Execution, Fence, classify, late_starts};
 use chaos_hosts::Hosts;
 
 const AGENT: &str = "chaos";
@@ -973,12 +973,28 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
 
     let runs = store.runs(None).expect("runs");
     let mut count = Count::default();
+    // On SQLite under skew, each host writes lease expiries by its own shifted clock: they
+    // cannot be compared with the events' true stamps.
+    let one_clock = !(mode == Mode::Skew && matches!(db, Db::Sqlite(_)));
     for run in &runs {
         let events = store.events(&run.id).expect("the events");
         count.takeovers += events
             .iter()
             .filter(|e| e.kind == EventKind::LeaseTakenOver)
             .count();
+        for (start, expired) in late_starts(&events).into_iter().filter(|_| one_clock) {
+            eprintln!(
+                "run {}: {} of step {} at {} ms, after its lease expired at {expired} ms",
+                run.id,
+                start.kind,
+                start.step.unwrap_or_default(),
+                start
+                    .at
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis())
+            );
+            count.late_starts += 1;
+        }
         // The structure of the log: gapless, finished, every started call with an outcome,
         // every interruption reconciled once.
         for violation in check_invariants(&store, &run.id, &[]) {
@@ -1028,8 +1044,14 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         lost_events,
         runs_left_leased,
         takeovers,
+        late_starts,
         ..
     } = count;
+    let late = if one_clock {
+        late_starts.to_string()
+    } else {
+        "n/a".to_owned()
+    };
     let zombies = zombies_unfenced + zombies_fenced_refused + zombies_fenced_applied;
     let mode_name = mode.to_possible_value().expect("a named mode");
     let skews = match mode {
@@ -1040,7 +1062,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         _ => String::new(),
     };
     println!(
-        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased}{skews}",
+        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late}{skews}",
         mode_name.get_name(),
         db.kind(),
         args.hosts.unwrap_or(0),
@@ -1048,7 +1070,11 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     );
     drop(store);
     db.discard(args.dir.is_some());
-    Ok(fenced_applied_twice == 0 && unexplained == 0 && lost_events == 0 && runs_left_leased == 0)
+    Ok(fenced_applied_twice == 0
+        && unexplained == 0
+        && lost_events == 0
+        && runs_left_leased == 0
+        && late_starts == 0)
 }
 
 /// A refused fenced write whose process was killed before its line: its attempt is the one
@@ -1145,6 +1171,8 @@ struct Count {
     lost_events: usize,
     runs_left_leased: usize,
     takeovers: usize,
+    /// Starts of a side effect after the expiry of their lease (`late_starts`).
+    late_starts: usize,
 }
 
 impl Count {

@@ -1,6 +1,9 @@
-//! A chaos run with real processes: workers share one database file and start and resume runs
-//! in a loop, while the parent kills them with SIGKILL, stops them with SIGSTOP, starves them of
-//! CPU, or runs them on a very short lease. Afterwards every run is driven to its end, and
+//! A chaos run with real processes: workers share one database (an SQLite file, or a PostgreSQL
+//! database) and start and resume runs in a loop, while the parent kills them with SIGKILL,
+//! stops them with SIGSTOP, starves them of CPU, runs them on a very short lease, cuts their
+//! hosts off the network or shifts their wall clocks. With `--hosts N` every worker is a host
+//! of its own: a network namespace that reaches the database server over TCP through a veth
+//! link (`support/chaos_hosts.rs`). Afterwards every run is driven to its end, and
 //! every tool execution, as the tools logged it when they acted, is sorted into one class: the
 //! first for its idempotency key, an approved re-run, an idempotent retry, a retry after "not
 //! applied", a zombie (an owner whose lease was taken over, acting anyway), or unexplained.
@@ -9,17 +12,20 @@
 //!
 //! ```text
 //! cargo run --release --features testkit --example chaos -- --seconds 60 --workers 4 --mode stop
+//! cargo run --release --features testkit,postgres --example chaos -- --seconds 60 --hosts 3 \
+//!     --mode partition --db postgres://postgres@127.0.0.1:5432
 //! ```
 
 use std::{
     collections::{HashMap, HashSet},
     fs::{File, OpenOptions},
     io::{self, Write},
+    net::{Ipv4Addr, SocketAddr, ToSocketAddrs},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, Command},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicI64, Ordering},
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -38,8 +44,11 @@ use serde_json::{Value, json};
 
 #[path = "support/chaos_classes.rs"]
 mod chaos_classes;
+#[path = "support/chaos_hosts.rs"]
+mod chaos_hosts;
 
-use chaos_classes::{Class, Execution, Fence, classify};
+use chaos_classes::{Class, Execution, Fence, classify, late_starts};
+use chaos_hosts::Hosts;
 
 const AGENT: &str = "chaos";
 
@@ -53,6 +62,12 @@ enum Mode {
     Starve,
     /// An 80 ms lease with a start margin of a third, and the kills.
     ShortTtl,
+    /// Cut a host off the network for 1 to 5 TTLs, then join it again; some kills too
+    /// (needs `--hosts`).
+    Partition,
+    /// Every host's wall clock off by a random amount within 10 TTLs either way, for the whole
+    /// run (libfaketime), and the kills.
+    Skew,
 }
 
 impl Mode {
@@ -73,35 +88,218 @@ struct Args {
     /// How many worker processes share the database.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(2..=8))]
     workers: u8,
+    /// Runs each of N workers as a host of its own, in a network namespace (needs root and
+    /// iproute2); replaces `--workers`.
+    #[arg(long, conflicts_with = "workers", value_parser = clap::value_parser!(u8).range(3..=8))]
+    hosts: Option<u8>,
+    /// The PostgreSQL server to run against, `postgres://USER@HOST:PORT` (trust auth): the
+    /// run makes a database of its own there with psql. Without it, an SQLite file in the
+    /// directory.
+    #[arg(long)]
+    db: Option<String>,
     /// What is done to the workers.
     #[arg(long, value_enum, default_value_t = Mode::Kill)]
     mode: Mode,
     /// The directory for the database and the logs (a new temporary one if absent).
     #[arg(long)]
     dir: Option<PathBuf>,
-    /// Runs a worker (used by the parent process).
+    /// Runs a worker (used by the parent process), on the database `--db` names exactly.
     #[arg(long, hide = true)]
     worker: Option<u8>,
+    /// How far the worker's wall clock is off, in milliseconds (used by the parent process).
+    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+    skew_ms: i64,
+    /// Prints the wall clock in microseconds and exits (used by the parent process).
+    #[arg(long, hide = true)]
+    probe_clock: bool,
 }
 
 fn main() {
     let args = Args::parse();
+    if args.probe_clock {
+        println!("{}", now_us());
+        return;
+    }
     let temp = tempfile::tempdir().expect("a temporary directory");
     let dir = args
         .dir
         .clone()
         .unwrap_or_else(|| temp.path().to_path_buf());
     match args.worker {
-        Some(index) => worker(&dir, index, args.mode),
+        Some(index) => {
+            let location = args.db.clone().unwrap_or_else(|| sqlite_location(&dir));
+            worker(&dir, &location, index, args.mode, args.skew_ms)
+        }
         None => {
-            let clean = parent(&args, &dir);
-            std::process::exit(if clean { 0 } else { 1 });
+            let code = match parent(&args, &dir) {
+                Ok(true) => 0,
+                Ok(false) => 1,
+                Err(err) => {
+                    eprintln!("chaos: {err}");
+                    2
+                }
+            };
+            drop(temp);
+            std::process::exit(code);
         }
     }
 }
 
-fn db_path(dir: &Path) -> PathBuf {
-    dir.join("chaos.db")
+fn sqlite_location(dir: &Path) -> String {
+    dir.join("chaos.db").display().to_string()
+}
+
+/// Opens the store at `location`: an SQLite path, or a PostgreSQL URL (with the `postgres`
+/// feature).
+fn open_store(location: &str) -> Store {
+    Store::connect(location).unwrap_or_else(|err| panic!("{location}: {err}"))
+}
+
+/// Where the runs are stored.
+enum Db {
+    /// An SQLite file every worker opens (namespaces do not change file access).
+    Sqlite(String),
+    /// A database made for this run on a PostgreSQL server.
+    Postgres {
+        user: String,
+        host: String,
+        port: u16,
+        name: String,
+    },
+}
+
+impl Db {
+    /// The run's database: a new one, `chaos_<pid>`, on the server `--db` names, or the
+    /// SQLite file in `dir`.
+    fn create(url: Option<&str>, dir: &Path) -> Result<Db, String> {
+        let Some(url) = url else {
+            return Ok(Db::Sqlite(sqlite_location(dir)));
+        };
+        let rest = url
+            .strip_prefix("postgres://")
+            .or_else(|| url.strip_prefix("postgresql://"))
+            .ok_or_else(|| format!("--db {url}: not a postgres:// URL"))?;
+        let authority = rest.split(['/', '?']).next().unwrap_or_default();
+        let (user, address) = authority
+            .rsplit_once('@')
+            .unwrap_or(("postgres", authority));
+        let user = user.split(':').next().unwrap_or(user);
+        let (host, port) = match address.rsplit_once(':') {
+            Some((host, port)) => (
+                host,
+                port.parse()
+                    .map_err(|_| format!("--db {url}: a bad port"))?,
+            ),
+            None => (address, 5432),
+        };
+        let db = Db::Postgres {
+            user: user.to_owned(),
+            host: host.to_owned(),
+            port,
+            name: format!("chaos_{}", std::process::id()),
+        };
+        db.psql(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            db.name()
+        ))?;
+        db.psql(&format!("CREATE DATABASE {}", db.name()))?;
+        Ok(db)
+    }
+
+    fn name(&self) -> &str {
+        match self {
+            Db::Sqlite(path) => path,
+            Db::Postgres { name, .. } => name,
+        }
+    }
+
+    /// Runs one statement with psql on the server's `postgres` database.
+    fn psql(&self, sql: &str) -> Result<(), String> {
+        let Db::Postgres {
+            user, host, port, ..
+        } = self
+        else {
+            return Ok(());
+        };
+        let output = Command::new("psql")
+            .args([
+                "-X",
+                "-q",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-d",
+                "postgres",
+                "-h",
+                host,
+                "-U",
+                user,
+            ])
+            .args(["-p", &port.to_string(), "-c", sql])
+            .output()
+            .map_err(|err| format!("psql: {err} (is the PostgreSQL client installed?)"))?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "psql -c {sql:?}: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    }
+
+    /// Drops a PostgreSQL database unless it is to be kept (beside the files, when they are).
+    fn discard(&self, keep: bool) {
+        if !keep && let Err(err) = self.psql(&format!("DROP DATABASE {} WITH (FORCE)", self.name()))
+        {
+            eprintln!("{err}");
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Db::Sqlite(_) => "sqlite",
+            Db::Postgres { .. } => "postgres",
+        }
+    }
+
+    /// The server, for the forwarders.
+    fn server(&self) -> Result<Option<SocketAddr>, String> {
+        let Db::Postgres { host, port, .. } = self else {
+            return Ok(None);
+        };
+        let mut addresses = (host.as_str(), *port)
+            .to_socket_addrs()
+            .map_err(|err| format!("{host}:{port}: {err}"))?;
+        match addresses.find(|a| a.ip().is_loopback()) {
+            Some(address) => Ok(Some(address)),
+            None => Err(format!(
+                "{host}:{port}: a multi-host run forwards to loopback only"
+            )),
+        }
+    }
+
+    /// The database as the parent reaches it.
+    fn location(&self) -> String {
+        match self {
+            Db::Sqlite(path) => path.clone(),
+            Db::Postgres {
+                user,
+                host,
+                port,
+                name,
+            } => format!("postgres://{user}@{host}:{port}/{name}"),
+        }
+    }
+
+    /// The database as a host reaches it: through the forwarder at `gateway`.
+    fn location_via(&self, gateway: Ipv4Addr) -> String {
+        match self {
+            Db::Sqlite(path) => path.clone(),
+            Db::Postgres {
+                user, port, name, ..
+            } => format!("postgres://{user}@{gateway}:{port}/{name}"),
+        }
+    }
 }
 
 fn log_path(dir: &Path) -> PathBuf {
@@ -117,8 +315,25 @@ fn disturbances_path(dir: &Path) -> PathBuf {
     dir.join("disturbances.log")
 }
 
+/// How far this process's wall clock is off (libfaketime), in milliseconds: 0 but in a
+/// skewed worker.
+static SKEW_MS: AtomicI64 = AtomicI64::new(0);
+
+/// The true time: this process's wall clock, less its skew. What the side-effect log and the
+/// events are stamped with, so that the executions of every host and the acquisitions of every
+/// lease share one timeline; lease times are read from the skewed clock all the same.
+fn true_now() -> SystemTime {
+    let skew = SKEW_MS.load(Ordering::Relaxed);
+    let magnitude = Duration::from_millis(skew.unsigned_abs());
+    if skew >= 0 {
+        SystemTime::now() - magnitude
+    } else {
+        SystemTime::now() + magnitude
+    }
+}
+
 fn now_us() -> u64 {
-    SystemTime::now()
+    true_now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_micros() as u64)
 }
@@ -324,14 +539,31 @@ fn agent(dir: &Path) -> Agent {
 
 fn config(owner: &str, mode: Mode) -> Config {
     Config::default()
+        .clock(true_now)
         .lease_owner(owner)
         .lease_ttl(mode.ttl())
         .start_margin(mode.ttl() / 3)
 }
 
 /// Starts or resumes runs forever, several at once, until killed.
-fn worker(dir: &Path, index: u8, mode: Mode) {
-    let store = Store::open(db_path(dir)).expect("the database opens");
+fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
+    SKEW_MS.store(skew_ms, Ordering::Relaxed);
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
+    println!(
+        "worker-{index} pid {} starts: wall clock {wall} µs, skew {skew_ms} ms, {location}",
+        std::process::id()
+    );
+    // A worker outlives no parent, even one killed with SIGKILL: it is then adopted.
+    let parent = std::os::unix::process::parent_id();
+    std::thread::spawn(move || {
+        while std::os::unix::process::parent_id() == parent {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        std::process::exit(0);
+    });
+    let store = open_store(location);
     let agent = agent(dir);
     with_system(|| async move {
         let sup = Supervisor::builder(store.clone())
@@ -406,21 +638,83 @@ async fn drive(sup: &actix::Addr<Supervisor>, run_id: Option<RunId>) -> agentrt:
     }
 }
 
-fn spawn_worker(dir: &Path, index: u8, mode: Mode) -> Child {
-    let mode = mode.to_possible_value().expect("a named mode");
-    Command::new(std::env::current_exe().expect("this executable"))
-        .args([
-            "--worker",
-            &index.to_string(),
-            "--mode",
-            mode.get_name(),
-            "--dir",
-        ])
-        .arg(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("a worker starts")
+/// How the parent starts its workers.
+struct Launcher<'a> {
+    dir: &'a Path,
+    mode: Mode,
+    db: &'a Db,
+    hosts: Option<&'a Hosts>,
+    /// Each worker's skew, in milliseconds.
+    skews: Vec<i64>,
+}
+
+impl Launcher<'_> {
+    /// Worker `index`'s command: in its host's namespace, with its clock skewed, if so.
+    fn command(&self, index: u8) -> Command {
+        let exe = std::env::current_exe().expect("this executable");
+        let mut command = match self.hosts {
+            Some(hosts) => hosts.command(index, &exe),
+            None => Command::new(exe),
+        };
+        let skew = self.skews[usize::from(index)];
+        if skew != 0 {
+            command.envs(chaos_hosts::skew_env(skew));
+        }
+        command
+    }
+
+    fn spawn(&self, index: u8) -> Child {
+        let location = match self.hosts {
+            Some(_) => self.db.location_via(chaos_hosts::gateway(index)),
+            None => self.db.location(),
+        };
+        let mode = self.mode.to_possible_value().expect("a named mode");
+        let output = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("workers.log"))
+            .expect("the workers' log");
+        self.command(index)
+            .args(["--worker", &index.to_string(), "--mode", mode.get_name()])
+            .args(["--skew-ms", &self.skews[usize::from(index)].to_string()])
+            .args(["--db", &location, "--dir"])
+            .arg(self.dir)
+            .stdout(output.try_clone().expect("the workers' log"))
+            .stderr(output)
+            .spawn()
+            .expect("a worker starts")
+    }
+
+    /// Checks that worker `index` would start where it should and read the wall clock it
+    /// should: a process started as it is prints its clock.
+    fn probe(&self, index: u8) -> Result<(), String> {
+        let before = now_us();
+        let output = self
+            .command(index)
+            .arg("--probe-clock")
+            .output()
+            .map_err(|err| format!("a probe of worker-{index}: {err}"))?;
+        let after = now_us();
+        let text = String::from_utf8_lossy(&output.stdout);
+        let Ok(wall) = text.trim().parse::<i64>() else {
+            return Err(format!(
+                "a probe of worker-{index} failed: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            ));
+        };
+        let offset_ms = (wall - ((before + after) / 2) as i64) / 1000;
+        let skew = self.skews[usize::from(index)];
+        // The probe's start takes a few milliseconds; a clock libfaketime missed is off by
+        // the whole skew.
+        if (offset_ms - skew).abs() > 250 {
+            return Err(format!(
+                "worker-{index}'s wall clock is off by {offset_ms} ms, not {skew} ms: is \
+                 libfaketime ({}) installed (apt-get install faketime)?",
+                chaos_hosts::LIBFAKETIME
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Sends `signal` (`STOP`, `CONT`) to a worker: with kill(1), as agentrt has no libc of its own.
@@ -437,6 +731,16 @@ struct Worker {
     child: Child,
     /// When a stopped worker is continued.
     stopped_until: Option<Instant>,
+    /// When a host cut off the network is joined again.
+    cut_until: Option<Instant>,
+}
+
+/// A worker is killed when dropped, on a panic too: a stopped one as well.
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Busy-looping threads, until dropped.
@@ -471,23 +775,63 @@ impl Drop for Spinners {
     }
 }
 
-/// Disturbs the workers for the given time, then finishes every run and checks them all.
-fn parent(args: &Args, dir: &Path) -> bool {
-    drop(Store::open(db_path(dir)).expect("the database is created"));
-    let resource = FencedResource::open(fences_path(dir)).expect("the fenced resource opens");
+/// How long the drive to the end and the check may take before the run counts as hung.
+const CHECK_LIMIT: Duration = Duration::from_secs(600);
+
+/// Disturbs the workers for the given time, then finishes every run and checks them all;
+/// whether all is well.
+fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     let mode = args.mode;
+    if mode == Mode::Partition && args.hosts.is_none() {
+        return Err("--mode partition needs --hosts".into());
+    }
+    let db = Db::create(args.db.as_deref(), dir)?;
+    let location = db.location();
+    drop(open_store(&location));
+    let resource = FencedResource::open(fences_path(dir)).expect("the fenced resource opens");
+    let workers_count = args.hosts.unwrap_or(args.workers);
+    let skews: Vec<i64> = (0..workers_count)
+        .map(|_| match mode {
+            Mode::Skew => {
+                let ttls = mode.ttl().as_millis() as i64 * 10;
+                rand::random_range(-ttls..=ttls)
+            }
+            _ => 0,
+        })
+        .collect();
+    if mode == Mode::Skew {
+        eprintln!("skews (ms): {skews:?}");
+    }
+    chaos_hosts::catch_interrupts();
+    let hosts = match args.hosts {
+        Some(count) => Some(Hosts::create(count, db.server()?).map_err(|err| {
+            format!("{err}\nthe hosts are network namespaces: run as root, with iproute2")
+        })?),
+        None => None,
+    };
+    let launcher = Launcher {
+        dir,
+        mode,
+        db: &db,
+        hosts: hosts.as_ref(),
+        skews: skews.clone(),
+    };
+    for index in 0..workers_count {
+        launcher.probe(index)?;
+    }
     let started = Instant::now();
     let end = started + Duration::from_secs(args.seconds);
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let spinners = (mode == Mode::Starve).then(|| Spinners::start(2 * cores));
-    let mut workers: Vec<Worker> = (0..args.workers)
+    let mut workers: Vec<Worker> = (0..workers_count)
         .map(|i| Worker {
-            child: spawn_worker(dir, i, mode),
+            child: launcher.spawn(i),
             stopped_until: None,
+            cut_until: None,
         })
         .collect();
     let gap = || Duration::from_millis(rand::random_range(300..2500));
-    let (mut kills, mut stops) = (0, 0);
+    let (mut kills, mut stops, mut cuts) = (0, 0, 0);
     let mut next = Instant::now() + gap();
     let mut disturbances = File::create(disturbances_path(dir)).expect("the disturbances log");
     let mut note = |what: &str, index: usize, child: &Child| {
@@ -498,7 +842,18 @@ fn parent(args: &Args, dir: &Path) -> bool {
         );
         let _ = disturbances.write_all(line.as_bytes());
     };
-    loop {
+    let hosts_ref = hosts.as_ref();
+    let link = |index: usize, up: bool| {
+        let hosts = hosts_ref.expect("a partition needs hosts");
+        let index = index as u8;
+        let done = if up {
+            hosts.restore(index)
+        } else {
+            hosts.cut(index)
+        };
+        done.expect("the link changes");
+    };
+    while !chaos_hosts::interrupted() {
         let now = Instant::now();
         for (index, worker) in workers.iter_mut().enumerate() {
             if worker.stopped_until.is_some_and(|at| at <= now) {
@@ -506,48 +861,73 @@ fn parent(args: &Args, dir: &Path) -> bool {
                 signal(&worker.child, "CONT");
                 worker.stopped_until = None;
             }
+            if worker.cut_until.is_some_and(|at| at <= now) {
+                note("RESTORE", index, &worker.child);
+                link(index, true);
+                worker.cut_until = None;
+            }
         }
         if now >= end {
             break;
         }
         if now >= next {
             next = now + gap();
-            let running: Vec<usize> = (0..workers.len())
+            // A host cut off the network may still be killed: a host that dies in a partition.
+            let candidates: Vec<usize> = (0..workers.len())
                 .filter(|&i| workers[i].stopped_until.is_none())
                 .collect();
-            if !running.is_empty() {
-                let victim = running[rand::random_range(0..running.len())];
+            if !candidates.is_empty() {
+                let victim = candidates[rand::random_range(0..candidates.len())];
                 let worker = &mut workers[victim];
+                let connected = worker.cut_until.is_none();
                 if mode == Mode::Stop && rand::random_bool(0.7) {
                     note("STOP", victim, &worker.child);
                     signal(&worker.child, "STOP");
                     stops += 1;
                     let ttls = rand::random_range(1.0..=6.0);
                     worker.stopped_until = Some(now + mode.ttl().mul_f64(ttls));
+                } else if mode == Mode::Partition && connected && rand::random_bool(0.7) {
+                    note("CUT", victim, &worker.child);
+                    link(victim, false);
+                    cuts += 1;
+                    let ttls = rand::random_range(1.0..=5.0);
+                    worker.cut_until = Some(now + mode.ttl().mul_f64(ttls));
                 } else {
                     note("KILL", victim, &worker.child);
                     worker.child.kill().expect("SIGKILL"); // Child::kill is SIGKILL on Unix
                     worker.child.wait().expect("reaped");
                     kills += 1;
-                    worker.child = spawn_worker(dir, victim as u8, mode);
+                    worker.child = launcher.spawn(victim as u8);
                 }
             }
         }
         let wake = workers
             .iter()
-            .filter_map(|w| w.stopped_until)
+            .flat_map(|w| [w.stopped_until, w.cut_until])
+            .flatten()
             .fold(next.min(end), Instant::min);
-        std::thread::sleep(wake.saturating_duration_since(Instant::now()));
+        // Short sleeps, so that an interrupt is seen soon.
+        let sleep = wake.saturating_duration_since(Instant::now());
+        std::thread::sleep(sleep.min(Duration::from_millis(100)));
     }
-    // SIGKILL ends a stopped process too.
-    for worker in &mut workers {
-        let _ = worker.child.kill();
-        let _ = worker.child.wait();
-    }
+    // Every worker is killed before its host goes away.
+    drop(workers);
+    drop(hosts);
     drop(spinners);
+    if chaos_hosts::interrupted() {
+        db.discard(args.dir.is_some());
+        return Err("interrupted: the workers are killed and the hosts removed".into());
+    }
+    chaos_hosts::release_interrupts();
     let seconds = started.elapsed().as_secs();
+    // A hang is a finding: bounded, and said so.
+    std::thread::spawn(|| {
+        std::thread::sleep(CHECK_LIMIT);
+        eprintln!("chaos: the drive to the end and the check took over {CHECK_LIMIT:?}: a hang");
+        std::process::exit(3);
+    });
 
-    let store = Store::open(db_path(dir)).expect("the database opens");
+    let store = open_store(&location);
     finish_every_run(&store, dir, mode);
 
     // Every execution: the log's lines, and the fenced writes a kill kept out of it.
@@ -593,12 +973,28 @@ fn parent(args: &Args, dir: &Path) -> bool {
 
     let runs = store.runs(None).expect("runs");
     let mut count = Count::default();
+    // On SQLite under skew, each host writes lease expiries by its own shifted clock: they
+    // cannot be compared with the events' true stamps.
+    let one_clock = !(mode == Mode::Skew && matches!(db, Db::Sqlite(_)));
     for run in &runs {
         let events = store.events(&run.id).expect("the events");
         count.takeovers += events
             .iter()
             .filter(|e| e.kind == EventKind::LeaseTakenOver)
             .count();
+        for (start, expired) in late_starts(&events).into_iter().filter(|_| one_clock) {
+            eprintln!(
+                "run {}: {} of step {} at {} ms, after its lease expired at {expired} ms",
+                run.id,
+                start.kind,
+                start.step.unwrap_or_default(),
+                start
+                    .at
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis())
+            );
+            count.late_starts += 1;
+        }
         // The structure of the log: gapless, finished, every started call with an outcome,
         // every interruption reconciled once.
         for violation in check_invariants(&store, &run.id, &[]) {
@@ -648,17 +1044,37 @@ fn parent(args: &Args, dir: &Path) -> bool {
         lost_events,
         runs_left_leased,
         takeovers,
+        late_starts,
         ..
     } = count;
+    let late = if one_clock {
+        late_starts.to_string()
+    } else {
+        "n/a".to_owned()
+    };
     let zombies = zombies_unfenced + zombies_fenced_refused + zombies_fenced_applied;
-    let mode = mode.to_possible_value().expect("a named mode");
+    let mode_name = mode.to_possible_value().expect("a named mode");
+    let skews = match mode {
+        Mode::Skew => {
+            let skews: Vec<String> = skews.iter().map(|s| format!("{s:+}")).collect();
+            format!(" skews_ms={}", skews.join(","))
+        }
+        _ => String::new(),
+    };
     println!(
-        "chaos: mode={} seconds={seconds} workers={} runs={} kills={kills} stops={stops} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased}",
-        mode.get_name(),
-        args.workers,
+        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late}{skews}",
+        mode_name.get_name(),
+        db.kind(),
+        args.hosts.unwrap_or(0),
         runs.len(),
     );
-    fenced_applied_twice == 0 && unexplained == 0 && lost_events == 0 && runs_left_leased == 0
+    drop(store);
+    db.discard(args.dir.is_some());
+    Ok(fenced_applied_twice == 0
+        && unexplained == 0
+        && lost_events == 0
+        && runs_left_leased == 0
+        && late_starts == 0)
 }
 
 /// A refused fenced write whose process was killed before its line: its attempt is the one
@@ -755,6 +1171,8 @@ struct Count {
     lost_events: usize,
     runs_left_leased: usize,
     takeovers: usize,
+    /// Starts of a side effect after the expiry of their lease (`late_starts`).
+    late_starts: usize,
 }
 
 impl Count {

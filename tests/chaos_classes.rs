@@ -8,7 +8,7 @@ mod chaos_classes;
 use std::time::{Duration, UNIX_EPOCH};
 
 use agentrt::{Event, EventKind, RunId};
-use chaos_classes::{Class, Execution, Fence, classify};
+use chaos_classes::{Class, Execution, Fence, classify, late_starts};
 use serde_json::{Value, json};
 
 /// A run's log, built event by event.
@@ -202,4 +202,29 @@ fn an_execution_no_attempt_started_is_unexplained() {
     log.started(1000).tool_started(1000, 1, 1);
     let classes = classes(&log, &[execution(1, 2, Some(1_001_000))], false);
     assert!(matches!(classes[0], Class::Unexplained(_)), "{classes:?}");
+}
+
+#[test]
+fn a_start_after_the_expiry_its_takeover_recorded_is_late() {
+    let takeover = |log: &mut Log, at_ms: u64, expired_ms: u64| {
+        log.push(
+            at_ms,
+            EventKind::RunResumed,
+            None,
+            json!({"fencing_token": 2}),
+        );
+        let payload = json!({"previous_owner": "a", "previous_expires_at": expired_ms});
+        log.push(at_ms, EventKind::LeaseTakenOver, None, payload);
+    };
+    let mut log = Log::default();
+    log.started(1000).tool_started(1400, 1, 1);
+    takeover(&mut log, 2000, 1500);
+    assert!(late_starts(&log.0).is_empty());
+
+    let mut log = Log::default();
+    log.started(1000).tool_started(1600, 1, 1);
+    takeover(&mut log, 2000, 1500);
+    let late = late_starts(&log.0);
+    assert_eq!(late.len(), 1);
+    assert_eq!((late[0].0.seq, late[0].1), (2, 1500));
 }

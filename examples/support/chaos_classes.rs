@@ -207,3 +207,35 @@ fn rerun<'e>(
         )),
     }
 }
+
+/// The starts of a side effect (`step.tool_started`, `step.model_started`) stamped after the
+/// expiry of the lease they were made under, as the takeover that ended that lease recorded it
+/// (`lease.taken_over`'s `previous_expires_at`, renewals included). A move that starts a side
+/// effect needs the start margin left by the stored expiry, so none should be: one is a start
+/// the lease did not cover. Meaningful where event times and lease times are read from one
+/// clock: one host, or the server's clock and hosts whose stamps are true.
+pub fn late_starts(events: &[Event]) -> Vec<(&Event, u64)> {
+    let (mut current, mut previous) = (Vec::new(), Vec::new());
+    let mut late = Vec::new();
+    for e in events {
+        match e.kind {
+            EventKind::RunStarted | EventKind::RunResumed => {
+                previous = std::mem::take(&mut current);
+            }
+            EventKind::LeaseTakenOver => {
+                if let Some(expired) = e.payload["previous_expires_at"].as_u64() {
+                    late.extend(
+                        previous
+                            .iter()
+                            .filter(|s: &&&Event| millis(s.at) > expired)
+                            .map(|s| (*s, expired)),
+                    );
+                }
+                previous.clear();
+            }
+            EventKind::ToolStarted | EventKind::ModelStarted => current.push(e),
+            _ => {}
+        }
+    }
+    late
+}

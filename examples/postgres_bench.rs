@@ -192,6 +192,7 @@ fn summarize(args: &Args, runs: usize, processes: usize, seen: &[(Side, Vec<Valu
             "moves_per_s": of("moves_per_s"), "runs_per_s": of("runs_per_s"),
             "moves_per_commit": of("moves_per_commit"), "p50_ms": of("p50_ms"),
             "p99_ms": of("p99_ms"), "kib_per_run": of("kib_per_run"),
+            "failed_runs": lines.iter().map(|l| l["failed_runs"].as_f64().unwrap()).sum::<f64>(),
         })
     };
     let shape = json!({ "runs": runs, "processes": processes, "steps": args.steps, "writers": args.writers });

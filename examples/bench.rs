@@ -7,6 +7,8 @@
 //! cargo run --release --example bench -- --rounds 5
 //! ```
 
+#[path = "support/loop_agent.rs"]
+mod loop_agent;
 #[path = "support/memory.rs"]
 mod memory;
 
@@ -14,19 +16,19 @@ use std::{
     collections::HashMap,
     path::Path,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicUsize, Ordering},
     },
     time::{Duration, Instant},
 };
 
 use agentrt::{
-    Agent, Config, Model, ModelError, ModelRequest, ModelResponse, MoveInfo, MoveObserver, Outcome,
-    RequireApprovalFor, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError,
-    async_trait,
+    Agent, Config, Outcome, RequireApprovalFor, StartRun, Store, Supervisor, Tool, ToolContext,
+    ToolError, async_trait,
     sqlite::{Options, Synchronous},
 };
 use clap::Parser;
+use loop_agent::{Commits, LoopModel, median, summary};
 use memory::status_kib;
 use serde_json::{Value, json};
 
@@ -82,59 +84,6 @@ struct Args {
     fresh_child: Option<String>,
 }
 
-/// Asks for the no-op tool `steps` times, then answers: one step is one model call and one
-/// tool call. Records, per run, the time between its model calls: the step latency.
-#[derive(Clone)]
-struct LoopModel {
-    steps: u32,
-    last: Arc<Mutex<HashMap<String, Instant>>>,
-    latencies: Arc<Mutex<Vec<Duration>>>,
-}
-
-impl LoopModel {
-    fn new(steps: u32) -> Self {
-        LoopModel {
-            steps,
-            last: Arc::default(),
-            latencies: Arc::default(),
-        }
-    }
-
-    /// The step latency (in ms) at percentiles `p50` and `p99` of the steps so far, and
-    /// forgets them.
-    fn take_p50_p99(&self) -> (f64, f64) {
-        let mut latencies: Vec<f64> = std::mem::take(&mut *self.latencies.lock().unwrap())
-            .iter()
-            .map(|d| d.as_secs_f64() * 1000.0)
-            .collect();
-        latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p) as usize];
-        (pct(0.5), pct(0.99))
-    }
-}
-
-#[async_trait(?Send)]
-impl Model for LoopModel {
-    async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let now = Instant::now();
-        if let Some(before) = self
-            .last
-            .lock()
-            .unwrap()
-            .insert(request.run_id.to_string(), now)
-        {
-            self.latencies.lock().unwrap().push(now - before);
-        }
-        // Each turn is a model step and one tool step: turn t is step 2t + 1.
-        let turn = (request.step - 1) / 2;
-        Ok(if turn < self.steps {
-            ModelResponse::calls(vec![ToolCall::new(format!("c{turn}"), "noop", json!({}))])
-        } else {
-            ModelResponse::answer("done")
-        })
-    }
-}
-
 /// Does nothing: the step's cost is agentrt's.
 struct Noop;
 
@@ -165,30 +114,6 @@ impl Tool for Hold {
     }
 }
 
-/// Counts committed transactions and the moves they made durable.
-#[derive(Clone, Default)]
-struct Commits {
-    transactions: Arc<AtomicUsize>,
-    moves: Arc<AtomicUsize>,
-}
-
-impl MoveObserver for Commits {
-    fn committed(&self, moves: &[&MoveInfo]) {
-        self.transactions.fetch_add(1, Ordering::Relaxed);
-        self.moves.fetch_add(moves.len(), Ordering::Relaxed);
-    }
-}
-
-impl Commits {
-    /// (commits, moves) per step.
-    fn per_step(&self, steps: usize) -> (f64, f64) {
-        (
-            self.transactions.load(Ordering::SeqCst) as f64 / steps as f64,
-            self.moves.load(Ordering::SeqCst) as f64 / steps as f64,
-        )
-    }
-}
-
 /// A supervisor running `agent` as `"bench"`.
 fn bench_supervisor(store: Store, config: Config, agent: Agent) -> actix::Addr<Supervisor> {
     Supervisor::builder(store)
@@ -208,7 +133,7 @@ fn agentrt_run(dir: &Path, sync: Synchronous, steps: u32, ttl: Duration) -> (f64
     let store = options(sync).open(&path).unwrap();
     let commits = Commits::default();
     let config = Config::default().lease_ttl(ttl).observer(commits.clone());
-    let agent = Agent::new(LoopModel::new(steps))
+    let agent = Agent::new(LoopModel::new(steps, "noop"))
         .tool(Noop)
         .max_steps(u32::MAX);
     let elapsed = actix::System::new().block_on(async move {
@@ -423,23 +348,6 @@ fn syncs(args: &Args) -> Vec<Synchronous> {
         .collect()
 }
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    values[values.len() / 2]
-}
-
-fn summary(name: &str, extra: Value, ratios: &mut [f64]) {
-    let (min, max) = (
-        ratios.iter().cloned().fold(f64::MAX, f64::min),
-        ratios.iter().cloned().fold(0.0, f64::max),
-    );
-    let mut line = json!({ "summary": name, "median_ratio": median(ratios), "min_ratio": min, "max_ratio": max, "rounds": ratios.len() });
-    line.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    println!("{line}");
-}
-
 /// a: one run against the baseline, at FULL then NORMAL.
 fn workload_a(args: &Args, dir: &Path) {
     if args.profile_a {
@@ -599,7 +507,7 @@ fn concurrent(
         .group_commit(group_commit)
         .open(&path)
         .unwrap();
-    let model = LoopModel::new(steps);
+    let model = LoopModel::new(steps, "noop");
     let agent = Agent::new(model.clone())
         .tool(Noop)
         .max_steps(2 * steps + 2);
@@ -702,10 +610,11 @@ fn workload_e(dir: &Path) {
     let store = Store::open(&path).unwrap();
     let release = Arc::new(tokio::sync::Notify::new());
     let entered = Arc::new(AtomicUsize::new(0));
-    let waiting_agent = Agent::new(LoopModel::new(1))
+    let waiting_agent = Agent::new(LoopModel::new(1, "noop"))
         .tool(Noop)
         .policy(RequireApprovalFor::tools(["noop"]));
-    let running_agent = Agent::new(LoopModel::new(1)).tool(Hold(release.clone(), entered.clone()));
+    let running_agent =
+        Agent::new(LoopModel::new(1, "noop")).tool(Hold(release.clone(), entered.clone()));
     actix::System::new().block_on(async move {
         let sup = Supervisor::builder(store).agent("waits", waiting_agent).agent("runs", running_agent).start().unwrap();
         let before = rss_kib();
@@ -739,7 +648,7 @@ fn takeover_child(path: &Path) {
     let store = Store::open(path).unwrap();
     let release = Arc::new(tokio::sync::Notify::new());
     let entered = Arc::new(AtomicUsize::new(0));
-    let agent = Agent::new(LoopModel::new(2)).tool(Hold(release, entered.clone()));
+    let agent = Agent::new(LoopModel::new(2, "noop")).tool(Hold(release, entered.clone()));
     actix::System::new().block_on(async move {
         let config = Config::default().lease_ttl(TAKEOVER_TTL);
         let sup = bench_supervisor(store, config, agent);
@@ -785,7 +694,7 @@ fn workload_f(args: &Args, dir: &Path) {
             .unwrap()
             .expect("the dead child's lease")
             .expires_at;
-        let agent = Agent::new(LoopModel::new(2)).tool(Noop);
+        let agent = Agent::new(LoopModel::new(2, "noop")).tool(Noop);
         let reader = store.clone();
         actix::System::new().block_on(async move {
             let config = Config::default().lease_ttl(TAKEOVER_TTL);
@@ -887,7 +796,7 @@ fn main() {
 fn workload_growth(args: &Args, dir: &Path) {
     let path = dir.join("growth.db");
     let store = options(Synchronous::Full).open(&path).unwrap();
-    let model = LoopModel::new(args.run_steps);
+    let model = LoopModel::new(args.run_steps, "noop");
     let agent = Agent::new(model.clone())
         .tool(Noop)
         .max_steps(2 * args.run_steps + 2);
@@ -1144,7 +1053,7 @@ fn fresh_child(args: &Args, workload: &str) {
     let open_ms = opened.elapsed().as_secs_f64() * 1000.0;
     let commits = Commits::default();
     let config = Config::default().observer(commits.clone());
-    let model = LoopModel::new(steps);
+    let model = LoopModel::new(steps, "noop");
     let agent = Agent::new(model.clone()).tool(Noop).max_steps(u32::MAX);
     let rounds: Vec<Value> = actix::System::new().block_on(async move {
         let started = Instant::now();

@@ -16,7 +16,7 @@ mod cli_seed;
 /// A database with a finished run `done`, a run `wait` waiting for approval of call `pay-1`,
 /// and a run `crashed` whose process died mid-run (its short lease already stale).
 fn fixture() -> TempStore {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     cli_seed::seed(&db.path());
     db
 }
@@ -306,7 +306,7 @@ fn doctor_reports_schema_settings_integrity_and_stale_leases() {
 
 #[test]
 fn migrate_reports_and_applies_only_on_request() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     database_at_schema(&db.path(), 4);
     let bytes = std::fs::read(db.path()).unwrap();
     agentrt(&db.path())
@@ -352,7 +352,7 @@ fn migrate_reports_and_applies_only_on_request() {
 
 #[test]
 fn a_missing_path_is_refused_and_nothing_is_created() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     for command in [
         vec!["runs"],
         vec!["doctor"],
@@ -371,7 +371,7 @@ fn a_missing_path_is_refused_and_nothing_is_created() {
 
 #[test]
 fn a_file_that_is_not_sqlite_or_is_newer_is_refused_unchanged() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     std::fs::write(
         db.path(),
         b"this is a text file, not a database; it is long enough to look like one",
@@ -387,7 +387,7 @@ fn a_file_that_is_not_sqlite_or_is_newer_is_refused_unchanged() {
     }
     assert_eq!(std::fs::read(db.path()).unwrap(), bytes);
 
-    let newer = TempStore::new();
+    let newer = TempStore::sqlite();
     rusqlite::Connection::open(newer.path())
         .unwrap()
         .execute_batch("CREATE TABLE t (x); PRAGMA user_version = 99")

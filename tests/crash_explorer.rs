@@ -32,6 +32,11 @@ fn every_crash_point_of_three_concurrent_runs_keeps_the_invariants_including_def
         .explore();
     exploration.assert_holds();
     assert!(exploration.moves >= 30, "{}", exploration.moves);
+    // Deferred syncs are the SQLite backend's: a PostgreSQL store's writer threads answer a
+    // group once its commit returned, durable.
+    if agentrt::testkit::on_postgres() {
+        return;
+    }
     let on_sync_thread = exploration
         .cases
         .iter()

@@ -1,4 +1,5 @@
-//! Decisions and cancels recorded by another process (here the `agentrt` binary) reach a
+//! Decisions and cancels recorded by another process (here the `agentrt` binary, or on
+//! PostgreSQL, which the binary does not open, a handle of the test's own) reach a
 //! supervisor built with `Config::watch`: an approval or a denial resumes the waiting run, a
 //! cancel fires the running tool's cancellation signal; of two watching supervisors one
 //! resumes the run; a decision recorded while no supervisor ran is picked up at start; a
@@ -6,7 +7,6 @@
 //! that fails is tried again.
 
 use std::{
-    path::{Path, PathBuf},
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -45,26 +45,60 @@ fn watching() -> Config {
         .watch(Watch::default())
 }
 
-/// Runs the operator binary on the database at `db`, off the actix thread (the supervisor
-/// keeps running meanwhile), and checks that it succeeded.
-async fn cli(db: &Path, args: &[&str]) {
-    let (db, args): (PathBuf, Vec<String>) =
-        (db.to_owned(), args.iter().map(|a| a.to_string()).collect());
-    let output = actix_rt::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_agentrt"))
+/// Runs the operator binary on the store at `location`, off the actix thread (the supervisor
+/// keeps running meanwhile), and checks that it succeeded. The binary opens SQLite files only:
+/// on PostgreSQL, the command's operator move (`approve`, `deny` or `cancel`) is made through a
+/// handle of its own, as the binary makes it on a file.
+async fn cli(location: &str, args: &[&str]) {
+    let (location, args): (String, Vec<String>) = (
+        location.to_owned(),
+        args.iter().map(|a| a.to_string()).collect(),
+    );
+    actix_rt::task::spawn_blocking(move || {
+        if agentrt::testkit::on_postgres() {
+            return operator_move(&Store::connect(&location).unwrap(), &args);
+        }
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_agentrt"))
             .arg("--db")
-            .arg(&db)
+            .arg(&location)
             .args(&args)
             .output()
-            .unwrap()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "agentrt failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
     })
     .await
     .unwrap();
-    assert!(
-        output.status.success(),
-        "agentrt failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+}
+
+/// The operator move of the command line `args` (`approve RUN CALL --by WHO [--note NOTE]`,
+/// `deny ...`, `cancel RUN --reason REASON`), made on `store`.
+fn operator_move(store: &Store, args: &[String]) {
+    let flag = |name: &str| {
+        args.iter()
+            .position(|arg| arg == name)
+            .map(|at| args[at + 1].clone())
+    };
+    let run_id = RunId::from(args[1].as_str());
+    match args[0].as_str() {
+        "cancel" => store.cancel(&run_id, &flag("--reason").unwrap()).unwrap(),
+        decide @ ("approve" | "deny") => {
+            let (call, by) = (args[2].as_str(), flag("--by").unwrap());
+            let mut approval = if decide == "approve" {
+                Approval::approve(run_id, call, by)
+            } else {
+                Approval::deny(run_id, call, by)
+            };
+            if let Some(note) = flag("--note") {
+                approval = approval.note(note);
+            }
+            store.record_approval(&approval).unwrap()
+        }
+        other => panic!("no operator move for {other}"),
+    }
 }
 
 /// What a subscriber has heard.
@@ -125,16 +159,16 @@ fn kinds(store: &Store, run_id: &RunId) -> Vec<EventKind> {
 fn an_approval_by_the_cli_resumes_the_waiting_run_and_the_tool_runs_once() {
     let db = TempStore::new();
     let pay = RecordingTool::new("pay");
-    let (store, path, agent) = (
+    let (store, location, agent) = (
         db.open(),
-        db.path(),
+        db.location(),
         approving(pay_then_answer(), pay.clone()),
     );
 
     let (settled, took) = with_system(|| async move {
         let (_supervisor, mut rx) = waiting_run(store, watching(), agent, "r1").await;
         let asked = Instant::now();
-        cli(&path, &["approve", "r1", "pay-1", "--by", "alice"]).await;
+        cli(&location, &["approve", "r1", "pay-1", "--by", "alice"]).await;
         let settled = heard(&mut rx, 2).await;
         (settled, asked.elapsed())
     });
@@ -168,12 +202,16 @@ fn an_approval_by_the_cli_resumes_the_waiting_run_and_the_tool_runs_once() {
 fn a_denial_by_the_cli_resumes_the_run_and_the_model_is_told() {
     let db = TempStore::new();
     let (pay, model) = (RecordingTool::new("pay"), pay_then_answer());
-    let (store, path, agent) = (db.open(), db.path(), approving(model.clone(), pay.clone()));
+    let (store, location, agent) = (
+        db.open(),
+        db.location(),
+        approving(model.clone(), pay.clone()),
+    );
 
     let settled = with_system(|| async move {
         let (_supervisor, mut rx) = waiting_run(store, watching(), agent, "r1").await;
         cli(
-            &path,
+            &location,
             &[
                 "deny",
                 "r1",
@@ -217,7 +255,7 @@ fn a_cancel_by_the_cli_fires_the_running_tools_cancellation_signal() {
     let db = TempStore::new();
     // Waits until its cancellation signal fires, then fails saying so.
     let pay = RecordingTool::new("pay").behaviour(Behaviour::Block);
-    let (store, path, probe) = (db.open(), db.path(), pay.clone());
+    let (store, location, probe) = (db.open(), db.location(), pay.clone());
     let agent = Agent::new(pay_then_answer()).tool(pay.clone());
     // A lease renewed every 100 s: the renewal, which also finds a run cancelled, cannot be
     // what tells the tool within the minute `heard` waits.
@@ -233,7 +271,7 @@ fn a_cancel_by_the_cli_fires_the_running_tools_cancellation_signal() {
             .unwrap()
             .unwrap();
         probe.wait_executions(1).await;
-        cli(&path, &["cancel", "r1", "--reason", "change freeze"]).await;
+        cli(&location, &["cancel", "r1", "--reason", "change freeze"]).await;
         heard(&mut rx, 1).await
     });
 
@@ -265,7 +303,7 @@ fn a_cancel_by_the_cli_fires_the_running_tools_cancellation_signal() {
 fn of_two_watching_supervisors_one_resumes_each_decided_run() {
     let db = TempStore::new();
     let pay = RecordingTool::new("pay");
-    let (path, stores) = (db.path(), [db.open(), db.open()]);
+    let (location, stores) = (db.location(), [db.open(), db.open()]);
     let agents = [
         approving(pay_then_answer(), pay.clone()),
         approving(pay_then_answer(), pay.clone()),
@@ -297,7 +335,7 @@ fn of_two_watching_supervisors_one_resumes_each_decided_run() {
         }
         heard(&mut rx, runs.len()).await;
         for id in &runs {
-            cli(&path, &["approve", id, "pay-1", "--by", "alice"]).await;
+            cli(&location, &["approve", id, "pay-1", "--by", "alice"]).await;
         }
         heard(&mut rx, 2 * runs.len()).await
     });
@@ -370,7 +408,7 @@ fn a_decision_recorded_while_no_supervisor_ran_is_picked_up_at_start() {
 fn a_supervisor_without_the_watch_or_the_agent_leaves_the_decided_run_waiting() {
     let db = TempStore::new();
     let pay = RecordingTool::new("pay");
-    let path = db.path();
+    let location = db.location();
     let (plain, watcher) = (db.open(), db.open());
     let (billing, shipping) = (
         approving(pay_then_answer(), pay.clone()),
@@ -388,8 +426,16 @@ fn a_supervisor_without_the_watch_or_the_agent_leaves_the_decided_run_waiting() 
             .unwrap()
             .unwrap();
         heard(&mut rx, 1).await;
-        cli(&path, &["approve", "billing-1", "pay-1", "--by", "alice"]).await;
-        cli(&path, &["approve", "shipping-1", "pay-1", "--by", "alice"]).await;
+        cli(
+            &location,
+            &["approve", "billing-1", "pay-1", "--by", "alice"],
+        )
+        .await;
+        cli(
+            &location,
+            &["approve", "shipping-1", "pay-1", "--by", "alice"],
+        )
+        .await;
         // The watch has read past the billing decision once it resumed the shipping run.
         heard(&mut rx, 2).await
     });
@@ -439,9 +485,9 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
     const RUNS: usize = 20;
     let db = TempStore::new();
     let stamped = Stamped::default();
-    let (store, path, agent) = (
+    let (store, location, agent) = (
         db.open(),
-        db.path(),
+        db.location(),
         approving(
             ScriptedModel::new(
                 (0..RUNS)
@@ -482,7 +528,7 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
             // follow each other at the loop's own pace would fall at one point of every period.
             let spread = (n as f64 * 0.618_033_988_75).fract();
             actix_rt::time::sleep(Duration::from_millis(50).mul_f64(spread)).await;
-            cli(&path, &["approve", id, "pay-1", "--by", "alice"]).await;
+            cli(&location, &["approve", id, "pay-1", "--by", "alice"]).await;
             heard(&mut rx, 2 * n + 2).await;
         }
     });
@@ -532,15 +578,10 @@ fn a_resume_that_fails_is_tried_again_and_the_decided_run_finishes() {
     let agent = Agent::new(pay_then_answer())
         .tool(pay.clone())
         .policy(policy);
-    let (store, path) = (db.open(), db.path());
+    let (store, location) = (db.open(), db.location());
     let settled = with_system(|| async move {
         let (_supervisor, mut rx) = waiting_run(store, watching(), agent, "r1").await;
-        let path = path.to_str().unwrap().to_owned();
-        cli(
-            Path::new(&path),
-            &["approve", "r1", "pay-1", "--by", "alice"],
-        )
-        .await;
+        cli(&location, &["approve", "r1", "pay-1", "--by", "alice"]).await;
         let finished = actix_rt::time::timeout(
             Duration::from_secs(60),
             rx.wait_for(|seen| {

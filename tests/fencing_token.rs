@@ -158,10 +158,10 @@ fn charge_model() -> ScriptedModel {
 #[test]
 #[ignore = "the child process of a_stopped_process_taken_over_has_its_late_attempt_refused"]
 fn child_process_charges_after_its_gate() {
-    let path = std::env::var(DB_VAR).expect("run by the parent test");
+    let location = std::env::var(DB_VAR).expect("run by the parent test");
     let resource = FencedResource::open(std::env::var(RESOURCE_VAR).unwrap()).unwrap();
     let gate = PathBuf::from(std::env::var(GATE_VAR).unwrap());
-    let store = agentrt::Store::open(&path).unwrap();
+    let store = agentrt::Store::connect(&location).unwrap();
     let reply = with_system(move || async move {
         let agent = Agent::new(charge_model()).tool(StallingCharge { resource, gate });
         let sup = Supervisor::builder(store)
@@ -232,16 +232,14 @@ impl Drop for ChildGuard {
 }
 
 /// Stops the child where it holds no lock of the database: stopped in the middle of a renewal's
-/// write (a third of the TTL apart, each a few milliseconds), it would keep the write lock, and
-/// nobody could take its run over.
-fn stop_outside_a_write(pid: u32, db: &Path) {
-    let probe = rusqlite::Connection::open(db).unwrap();
-    probe.busy_timeout(Duration::from_millis(50)).unwrap();
+/// write (a third of the TTL apart, each a few milliseconds), it would keep the write lock (the
+/// locks of its transaction), and nobody could take its run over.
+fn stop_outside_a_write(pid: u32, db: &TempStore) {
     for _ in 0..100 {
         signal(pid, "-STOP");
-        match probe.execute_batch("BEGIN IMMEDIATE; ROLLBACK") {
-            Ok(()) => return,
-            Err(_) => {
+        match db.try_block_writes() {
+            Some(_free) => return,
+            None => {
                 signal(pid, "-CONT");
                 std::thread::sleep(Duration::from_millis(7));
             }
@@ -264,7 +262,7 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(DB_VAR, db.path())
+        .env(DB_VAR, db.location())
         .env(RESOURCE_VAR, &resource_path)
         .env(GATE_VAR, &gate)
         .stdout(Stdio::piped())
@@ -276,7 +274,7 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
     assert_eq!(wait_for(&lines, "STARTED "), "1");
     // The child has written its `step.tool_started` and is inside the call: it stalls there.
     let pid = child.0.id();
-    stop_outside_a_write(pid, &db.path());
+    stop_outside_a_write(pid, &db);
 
     // Another process's supervisor takes the run over once the stopped one's lease expires; the
     // hook asks the resource with token 2, which fences token 1 off; the charge runs under 2.

@@ -54,35 +54,12 @@ fn copied_from(event: &Event) -> Option<(String, u64)> {
     ))
 }
 
-/// Every row the database holds of `run_id`, as SQLite stores it.
+/// Every row the database holds of `run_id`, as its backend stores it.
 fn rows(db: &TempStore, run_id: &str) -> Vec<String> {
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    let mut all = Vec::new();
-    for (table, key) in [
-        ("runs", "id"),
-        ("steps", "run_id"),
-        ("events", "run_id"),
-        ("approvals", "run_id"),
-    ] {
-        let mut statement = conn
-            .prepare(&format!(
-                "SELECT * FROM {table} WHERE {key} = ?1 ORDER BY 1, 2"
-            ))
-            .unwrap();
-        let columns = statement.column_count();
-        let found = statement
-            .query_map([run_id], |row| {
-                let values: Vec<String> = (0..columns)
-                    .map(|i| format!("{:?}", row.get_ref(i).unwrap()))
-                    .collect();
-                Ok(format!("{table}: {}", values.join(" | ")))
-            })
-            .unwrap()
-            .collect::<rusqlite::Result<Vec<_>>>()
-            .unwrap();
-        all.extend(found);
-    }
-    all
+    db.rows_of(run_id)
+        .into_iter()
+        .flat_map(|(table, rows)| rows.into_iter().map(move |row| format!("{table}: {row}")))
+        .collect()
 }
 
 /// Run `origin`: the model asks for `lookup` (step 2), then fails for good at step 3.

@@ -190,7 +190,8 @@ impl MoveObserver for PanicsOnceWhenSynced {
 
 #[test]
 fn an_observer_that_panics_on_the_log_sync_thread_fails_its_groups_runs_and_hangs_nothing() {
-    let db = TempStore::new();
+    // An SQLite file on either pass: its log-sync thread is the SQLite backend's.
+    let db = TempStore::sqlite();
     let store = db.open();
     let observer = PanicsOnceWhenSynced::default();
     let panicked = observer.0.clone();

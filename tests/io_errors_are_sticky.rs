@@ -128,7 +128,8 @@ struct Failed {
 /// Runs `r1` (of `steps` steps) with `fault` armed at its first tool call, then tries later
 /// writes; then reopens the database, checks that it is consistent, and resumes the run.
 fn case(fault: Fault, arm: Arm, ttl: Duration, steps: usize) -> Failed {
-    let db = TempStore::new();
+    // An SQLite file on either pass: the faults are injected in the SQLite backend's I/O.
+    let db = TempStore::sqlite();
     let store = db.open();
     let recording = RecordingTool::new("t").reconcile_hook(ReconcileHook::FromLog);
     let began_after = Arc::new(Mutex::new(Vec::new()));

@@ -44,21 +44,33 @@ fn two_calls(first: &str, second: &str) -> ScriptedModel {
     ])
 }
 
-/// Reads a run's lease from another connection, off the actix thread.
-async fn lease_of(db_path: std::path::PathBuf, run_id: &str) -> Option<Lease> {
+/// Reads a run's lease through another handle, off the actix thread.
+async fn lease_of(location: String, run_id: &str) -> Option<Lease> {
     let run_id = RunId::from(run_id);
-    actix_rt::task::spawn_blocking(move || Store::open(db_path).unwrap().lease(&run_id).unwrap())
-        .await
-        .unwrap()
+    actix_rt::task::spawn_blocking(move || {
+        Store::connect(&location).unwrap().lease(&run_id).unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// Reads a run's events through another handle, off the actix thread.
+async fn events_of(location: String, run_id: &str) -> Vec<agentrt::Event> {
+    let run_id = RunId::from(run_id);
+    actix_rt::task::spawn_blocking(move || {
+        Store::connect(&location).unwrap().events(&run_id).unwrap()
+    })
+    .await
+    .unwrap()
 }
 
 /// Waits until the stored lease of `run_id` was renewed past its first expiry: proof that the
 /// heartbeat runs.
-async fn wait_renewed_past_first_expiry(db_path: std::path::PathBuf, run_id: &str) -> Lease {
-    let first = lease_of(db_path.clone(), run_id).await.expect("leased");
+async fn wait_renewed_past_first_expiry(location: String, run_id: &str) -> Lease {
+    let first = lease_of(location.clone(), run_id).await.expect("leased");
     let deadline = SystemTime::now() + PATIENCE;
     loop {
-        let now = lease_of(db_path.clone(), run_id)
+        let now = lease_of(location.clone(), run_id)
             .await
             .expect("still leased");
         if SystemTime::now() > first.expires_at && now.expires_at > SystemTime::now() {
@@ -70,30 +82,12 @@ async fn wait_renewed_past_first_expiry(db_path: std::path::PathBuf, run_id: &st
     }
 }
 
-/// Blocks every write to the database file (as a busy writer elsewhere would), so renewals
-/// fail until it is dropped.
-struct WriteLock(rusqlite::Connection);
-
-impl WriteLock {
-    fn take(path: &std::path::Path) -> Self {
-        let conn = rusqlite::Connection::open(path).unwrap();
-        conn.busy_timeout(PATIENCE).unwrap();
-        conn.execute_batch("BEGIN IMMEDIATE").unwrap();
-        WriteLock(conn)
-    }
-}
-
-impl Drop for WriteLock {
-    fn drop(&mut self) {
-        self.0.execute_batch("ROLLBACK").unwrap();
-    }
-}
-
-/// Starts run `r1` on `sup`, waits until `tool` is executing, then blocks renewals until the
-/// supervisor reports the lease lost by expiry. Returns the pending call.
+/// Starts run `r1` on `sup`, waits until `tool` is executing, then blocks renewals (every write
+/// to `db`, as a busy writer elsewhere would) until the supervisor reports the lease lost by
+/// expiry. Returns the pending call.
 async fn start_and_let_the_lease_lapse(
     sup: &Addr<Supervisor>,
-    db_path: &std::path::Path,
+    db: &TempStore,
     tool: &RecordingTool,
 ) -> (
     tokio::task::JoinHandle<agentrt::Result<RunReply>>,
@@ -104,7 +98,7 @@ async fn start_and_let_the_lease_lapse(
     let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
     let call = actix_rt::spawn(async move { call.await.unwrap() });
     tool.wait_executions(1).await;
-    let lock = WriteLock::take(db_path);
+    let lock = db.block_writes();
     log.wait_for(1).await;
     drop(lock);
     let lost = &log.seen()[0];
@@ -119,14 +113,14 @@ fn heartbeat_renews_while_a_call_runs_and_stops_on_return_and_on_panic() {
     let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
     let boom = RecordingTool::new("boom").behaviour(Behaviour::Panic);
     let model = two_calls("slow", "boom");
-    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let agent = Agent::new(model).tool(slow.clone()).tool(boom);
     let (result, held) = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
-        wait_renewed_past_first_expiry(path, "r1").await;
+        wait_renewed_past_first_expiry(location, "r1").await;
         assert_eq!(sup.send(HeldLeases).await.unwrap(), [RunId::from("r1")]);
         probe.release();
         let result = call.await.unwrap();
@@ -176,7 +170,7 @@ fn a_run_resumed_after_an_approval_has_its_lease_renewed() {
     let agent = Agent::new(model)
         .tool(slow.clone())
         .policy(RequireApprovalFor::tools(["slow"]));
-    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let (outcome, held) = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         let first = sup.send(StartRun::new("a", json!({})).with_id("r1"));
@@ -191,7 +185,7 @@ fn a_run_resumed_after_an_approval_has_its_lease_renewed() {
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
         // The tool runs past the expiry the resume stamped: only renewals keep the run.
-        wait_renewed_past_first_expiry(path, "r1").await;
+        wait_renewed_past_first_expiry(location, "r1").await;
         let held = sup.send(HeldLeases).await.unwrap();
         probe.release();
         (call.await.unwrap(), held)
@@ -210,11 +204,12 @@ fn a_run_resumed_after_an_approval_has_its_lease_renewed() {
 
 #[test]
 fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
-    let db = TempStore::new();
+    // An SQLite file on either pass: the consumer's connection is the SQLite backend's.
+    let db = TempStore::sqlite();
     let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
     let model = two_calls("slow", "slow");
     let consumer_store = db.open();
-    let (store, other, path, probe) = (db.open(), db.open(), db.path(), slow.clone());
+    let (store, other, location, probe) = (db.open(), db.open(), db.location(), slow.clone());
     let agent = Agent::new(model).tool(slow.clone());
     let other_agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
     let outcome = with_system(|| async move {
@@ -243,7 +238,7 @@ fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
             .unwrap();
 
         // Renewals go on past the first expiry, and another supervisor cannot take the run.
-        let lease = wait_renewed_past_first_expiry(path, "r1").await;
+        let lease = wait_renewed_past_first_expiry(location, "r1").await;
         let rival = supervisor(other, fast_lease(), other_agent);
         let refused = rival.send(ResumeRun::new("r1")).await.unwrap().unwrap_err();
         assert!(
@@ -274,11 +269,11 @@ fn a_lapsed_lease_starts_no_side_effect() {
     let agent = Agent::new(two_calls("first", "second"))
         .tool(first.clone())
         .tool(second.clone());
-    let (store, path, probe) = (db.open(), db.path(), first.clone());
+    let (store, db_ref, probe) = (db.open(), &db, first.clone());
     let result = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         // Nobody takes the run: the lease only lapses, and the loop stalls past its expiry.
-        let (call, _) = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        let (call, _) = start_and_let_the_lease_lapse(&sup, db_ref, &probe).await;
         call.await.unwrap()
     });
 
@@ -335,10 +330,10 @@ fn no_model_call_after_the_lease_is_lost() {
         ModelResponse::answer("done"),
     ]);
     let agent = Agent::new(model.clone()).tool(tool.clone());
-    let (store, path, probe) = (db.open(), db.path(), tool.clone());
+    let (store, db_ref, probe) = (db.open(), &db, tool.clone());
     let result = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
-        let (call, _) = start_and_let_the_lease_lapse(&sup, &path, &probe).await;
+        let (call, _) = start_and_let_the_lease_lapse(&sup, db_ref, &probe).await;
         call.await.unwrap()
     });
 
@@ -388,15 +383,15 @@ fn lapse_then_take_over() -> Takeover {
         .behaviour(Behaviour::BlockIgnoringCancel)
         .reconcile_hook(ReconcileHook::FromLog);
     let notify = RecordingTool::new("notify");
-    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
+    let (store_a, store_b, db_ref, probe) = (db.open(), db.open(), &db, charge.clone());
     let (agent_a, agent_b) = (
         charge_then_notify(&charge, &notify),
         charge_then_notify(&charge, &notify),
     );
     let (first, second, owner_a) = with_system(|| async move {
         let a = supervisor(store_a, fast_lease(), agent_a);
-        let (call_a, log) = start_and_let_the_lease_lapse(&a, &path, &probe).await;
-        let owner_a = lease_of(path.clone(), "r1")
+        let (call_a, log) = start_and_let_the_lease_lapse(&a, db_ref, &probe).await;
+        let owner_a = lease_of(db_ref.location(), "r1")
             .await
             .expect("stale, not released")
             .owner;
@@ -510,7 +505,7 @@ fn a_call_that_returns_with_an_error_releases_its_lease() {
             .send(StartRun::new("a", json!({})).with_id("r1"))
             .await
             .unwrap();
-        let lease_after = lease_of(db.path(), "r1").await;
+        let lease_after = lease_of(db.location(), "r1").await;
         let b = supervisor(other, Config::default(), agent_b);
         (
             failed,
@@ -534,28 +529,20 @@ fn a_second_start_or_resume_of_a_run_this_supervisor_executes_is_refused_naming_
     let db = TempStore::new();
     let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
     let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
-    let (store, path, probe) = (db.open(), db.path(), slow.clone());
+    let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let (resumed, started, lease, events_during, events_after) = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
-        let lease = lease_of(path.clone(), "r1").await.unwrap();
-        let events_during = Store::open(&path)
-            .unwrap()
-            .events(&RunId::from("r1"))
-            .unwrap()
-            .len();
+        let lease = lease_of(location.clone(), "r1").await.unwrap();
+        let events_during = events_of(location.clone(), "r1").await.len();
         let resumed = sup.send(ResumeRun::new("r1")).await.unwrap();
         let started = sup
             .send(StartRun::new("a", json!({})).with_id("r1"))
             .await
             .unwrap();
-        let events_after = Store::open(&path)
-            .unwrap()
-            .events(&RunId::from("r1"))
-            .unwrap()
-            .len();
+        let events_after = events_of(location.clone(), "r1").await.len();
         probe.release();
         probe.release();
         call.await.unwrap().unwrap();
@@ -578,7 +565,7 @@ fn a_live_lease_of_another_supervisor_is_refused_without_reading_the_clock_or_wr
     let db = TempStore::new();
     let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
     let agent = || Agent::new(two_calls("slow", "slow")).tool(slow.clone());
-    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), slow.clone());
+    let (store_a, store_b, location, probe) = (db.open(), db.open(), db.location(), slow.clone());
     let (agent_a, agent_b) = (agent(), agent());
     let clock = CountingClock::default();
     let clock_b = clock.clone();
@@ -587,17 +574,11 @@ fn a_live_lease_of_another_supervisor_is_refused_without_reading_the_clock_or_wr
         let call = a.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
-        let owner = lease_of(path.clone(), "r1").await.unwrap().owner;
-        let before = Store::open(&path)
-            .unwrap()
-            .events(&RunId::from("r1"))
-            .unwrap();
+        let owner = lease_of(location.clone(), "r1").await.unwrap().owner;
+        let before = events_of(location.clone(), "r1").await;
         let b = supervisor(store_b, fast_lease().clock(clock_b), agent_b);
         let refused = b.send(ResumeRun::new("r1")).await.unwrap();
-        let after = Store::open(&path)
-            .unwrap()
-            .events(&RunId::from("r1"))
-            .unwrap();
+        let after = events_of(location.clone(), "r1").await;
         probe.release();
         probe.release();
         call.await.unwrap().unwrap();
@@ -631,7 +612,8 @@ fn an_operators_cancel_releases_the_lease_and_the_loop_stops_at_its_next_write()
     let agent = Agent::new(two_calls("first", "second"))
         .tool(first.clone())
         .tool(second.clone());
-    let (store, operator_store, path, probe) = (db.open(), db.open(), db.path(), first.clone());
+    let (store, operator_store, location, probe) =
+        (db.open(), db.open(), db.location(), first.clone());
     let (outcome, lease_after_cancel, lost) = with_system(|| async move {
         let sup = supervisor(store, fast_lease(), agent);
         let log = LeaseLostLog::new();
@@ -646,7 +628,7 @@ fn an_operators_cancel_releases_the_lease_and_the_loop_stops_at_its_next_write()
             .await
             .unwrap()
             .unwrap();
-        let lease_after_cancel = lease_of(path.clone(), "r1").await;
+        let lease_after_cancel = lease_of(location.clone(), "r1").await;
         // The executing supervisor learns it at its next renewal.
         log.wait_for(1).await;
         probe.release();
@@ -832,7 +814,7 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
     let db = TempStore::new();
     let charge = RecordingTool::new("charge").behaviour(Behaviour::BlockIgnoringCancel);
     let notify = RecordingTool::new("notify");
-    let (store_a, store_b, path, probe) = (db.open(), db.open(), db.path(), charge.clone());
+    let (store_a, store_b, db_ref, probe) = (db.open(), db.open(), &db, charge.clone());
     let (agent_a, agent_b) = (
         charge_then_notify(&charge, &notify),
         charge_then_notify(&charge, &notify),
@@ -845,7 +827,7 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
     };
     let (first, second) = with_system(|| async move {
         let a = supervisor(store_a, fast_lease(), agent_a);
-        let (call_a, _) = start_and_let_the_lease_lapse(&a, &path, &probe).await;
+        let (call_a, _) = start_and_let_the_lease_lapse(&a, db_ref, &probe).await;
 
         // B reads the run (the charge in flight), then stops right before its takeover.
         let b = supervisor(store_b, fast_lease().observer(hold), agent_b);

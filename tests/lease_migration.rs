@@ -43,7 +43,7 @@ fn write_schema_4_database(path: &std::path::Path) {
 
 #[test]
 fn a_schema_4_database_migrates_with_its_runs_and_honours_the_grace_lease() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     write_schema_4_database(&db.path());
 
     let before_open = SystemTime::now();
@@ -134,7 +134,7 @@ fn a_schema_4_database_migrates_with_its_runs_and_honours_the_grace_lease() {
 
 #[test]
 fn opening_the_current_schema_again_migrates_nothing() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     let store = db.open();
     drop(store);
     let store = Store::open(db.path()).unwrap();

@@ -36,9 +36,9 @@ fn agent(tool: &RecordingTool) -> Agent {
 #[test]
 #[ignore = "the child process of killed_process_lease_is_taken_over_after_its_ttl"]
 fn child_process_runs_until_killed() {
-    let path = std::env::var(DB_VAR).expect("run by the parent test");
+    let location = std::env::var(DB_VAR).expect("run by the parent test");
     let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::open(&path).unwrap(), tool.clone());
+    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
     with_system(|| async move {
         let config = Config::default().lease_owner("child").lease_ttl(TTL);
         let sup = Supervisor::builder(store.clone())
@@ -66,7 +66,7 @@ fn killed_process_lease_is_taken_over_after_its_ttl() {
     let child_owner = child::killed_after(
         "child_process_runs_until_killed",
         DB_VAR,
-        &db.path(),
+        &db.location(),
         "READY ",
     );
 

@@ -41,7 +41,7 @@ fn child(db: &std::path::Path) -> Child {
 
 #[test]
 fn a_read_only_open_survives_another_process_closing_the_database() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     drop(db.open());
     let mut closing = child(&db.path());
     // Opens read-only over and over while the child's closes remove the log under it; a

@@ -36,9 +36,9 @@ fn quick() -> Agent {
 #[test]
 #[ignore = "the child process of runs_a_killed_process_left_are_recovered_without_a_resume"]
 fn child_process_leaves_runs_and_is_killed() {
-    let path = std::env::var(DB_VAR).expect("run by the parent test");
+    let location = std::env::var(DB_VAR).expect("run by the parent test");
     let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::open(&path).unwrap(), tool.clone());
+    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
     with_system(|| async move {
         let config = Config::default().lease_owner("child").lease_ttl(TTL);
         let sup = Supervisor::builder(store.clone())
@@ -85,7 +85,7 @@ fn runs_a_killed_process_left_are_recovered_without_a_resume() {
     child::killed_after(
         "child_process_leaves_runs_and_is_killed",
         DB_VAR,
-        &db.path(),
+        &db.location(),
         "READY",
     );
 
@@ -148,9 +148,9 @@ const QUEUED: usize = 30;
 #[test]
 #[ignore = "the child process of runs_waiting_their_turn_survive_a_kill_and_are_recovered"]
 fn child_process_queues_runs_and_is_killed() {
-    let path = std::env::var(QUEUE_DB_VAR).expect("run by the parent test");
+    let location = std::env::var(QUEUE_DB_VAR).expect("run by the parent test");
     let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::open(&path).unwrap(), tool.clone());
+    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
     with_system(|| async move {
         let config = Config::default()
             .lease_owner("child")
@@ -180,7 +180,7 @@ fn runs_waiting_their_turn_survive_a_kill_and_are_recovered() {
     child::killed_after(
         "child_process_queues_runs_and_is_killed",
         QUEUE_DB_VAR,
-        &db.path(),
+        &db.location(),
         "READY",
     );
 

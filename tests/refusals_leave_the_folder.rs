@@ -43,7 +43,7 @@ fn refused(db: &TempStore, open: impl Fn() -> agentrt::Result<Store>) -> Error {
 
 #[test]
 fn a_newer_schema_is_refused_and_its_folder_left_as_it_was() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     agentrt_database(&db);
     rusqlite::Connection::open(db.path())
         .unwrap()
@@ -63,7 +63,7 @@ fn a_newer_schema_is_refused_and_its_folder_left_as_it_was() {
 
 #[test]
 fn an_older_schema_not_to_be_migrated_is_refused_and_its_folder_left_as_it_was() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     agentrt::testkit::database_at_schema(&db.path(), SCHEMA_VERSION - 1);
     rusqlite::Connection::open(db.path())
         .unwrap()
@@ -75,7 +75,7 @@ fn an_older_schema_not_to_be_migrated_is_refused_and_its_folder_left_as_it_was()
 
 #[test]
 fn a_truncated_database_is_refused_naming_the_file_and_its_folder_left_as_it_was() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     agentrt_database(&db);
     let bytes = std::fs::read(db.path()).unwrap();
     // A copy cut short: the header promises pages that are not there.
@@ -92,7 +92,7 @@ fn a_truncated_database_is_refused_naming_the_file_and_its_folder_left_as_it_was
 
 #[test]
 fn a_damaged_database_is_refused_naming_the_file_and_its_folder_left_as_it_was() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     agentrt_database(&db);
     let mut bytes = std::fs::read(db.path()).unwrap();
     // Garbage over every page after the first: the schema's pages among them.
@@ -108,7 +108,7 @@ fn a_damaged_database_is_refused_naming_the_file_and_its_folder_left_as_it_was()
 
 #[test]
 fn a_file_that_is_not_a_database_is_refused_and_its_folder_left_as_it_was() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     std::fs::write(
         db.path(),
         b"not a database, just some bytes that are long enough",
@@ -122,7 +122,7 @@ fn a_file_that_is_not_a_database_is_refused_and_its_folder_left_as_it_was() {
 
 #[test]
 fn a_database_whose_path_is_not_ascii_opens_again() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     let dir = db.dir().join("café données");
     std::fs::create_dir(&dir).unwrap();
     let path = dir.join("agents ✓.db");
@@ -135,7 +135,7 @@ fn a_database_whose_path_is_not_ascii_opens_again() {
 #[cfg(unix)]
 #[test]
 fn a_newer_schema_still_in_the_log_is_found_through_a_symbolic_link() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     agentrt_database(&db);
     let link = db.dir().join("link.db");
     std::os::unix::fs::symlink(db.path(), &link).unwrap();

@@ -57,7 +57,7 @@ fn write_schema_8_database(path: &std::path::Path) {
 
 #[test]
 fn a_schema_8_database_migrates_keeps_its_events_and_is_purged_then_vacuumed() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     write_schema_8_database(&db.path());
     let store = db.open();
     assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);

@@ -7,12 +7,12 @@ use std::{
         Arc, Condvar, Mutex, OnceLock,
         atomic::{AtomicBool, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use agentrt::{
     Agent, Config, Error, EventKind, ModelResponse, MoveInfo, MoveKind, MoveObserver, Outcome,
-    RunId, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
+    RunId, StartRun, Store, SubscribeLeaseLost, Supervisor, ToolCall,
     testkit::{
         LeaseLostLog, RecordingTool, ScriptedModel, TempStore, WallClockShift,
         assert_no_run_leased, with_system,
@@ -72,8 +72,8 @@ fn wall_millis() -> i64 {
         .as_millis() as i64
 }
 
-/// The model answers with a call of `charge`; renewals stop (another connection holds the
-/// write lock) while the store's writer is held before the answer, until the keeper finds the
+/// The model answers with a call of `charge`; renewals stop (another connection blocks every
+/// write) while the store's writer is held before the answer, until the keeper finds the
 /// lease expired by its deadline. Then the wall clock moves by `shift`, and the writer goes on:
 /// the answer is recorded, the call is not started.
 fn short_of_the_margin(shift: i64) {
@@ -88,7 +88,7 @@ fn short_of_the_margin(shift: i64) {
     let stall = Arc::new(StallAnswer::default());
     stall.armed.store(true, Ordering::SeqCst);
     let lost = LeaseLostLog::new();
-    let (observer, path, seen) = (stall.clone(), db.path(), lost.clone());
+    let (observer, db_ref, seen) = (stall.clone(), &db, lost.clone());
     let reply = with_system(move || async move {
         let config = Config::default()
             .lease_ttl(TTL)
@@ -106,26 +106,26 @@ fn short_of_the_margin(shift: i64) {
             observer.entered.load(Ordering::SeqCst)
         })
         .await;
-        let lock = rusqlite::Connection::open(&path).unwrap();
-        lock.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let lock = db_ref.block_writes();
         until("the keeper finds the lease expired", || {
             !seen.seen().is_empty()
         })
         .await;
-        let expires_at: i64 = lock
-            .query_row(
-                "SELECT lease_expires_at FROM runs WHERE id = 'r1'",
-                [],
-                |row| row.get(0),
-            )
-            .unwrap();
+        let location = db_ref.location();
+        let expires_at = actix_rt::task::spawn_blocking(move || {
+            let lease = Store::connect(&location).unwrap().lease(&RunId::from("r1"));
+            let expires_at = lease.unwrap().expect("stale, not released").expires_at;
+            expires_at.duration_since(UNIX_EPOCH).unwrap().as_millis() as i64
+        })
+        .await
+        .unwrap();
         let moved = WallClockShift::by(shift);
         if shift < 0 {
             // By the moved wall clock, the stored lease has far more than the margin left: only
             // the loop's own deadline can refuse the start.
             assert!(expires_at > wall_millis() + shift + (TTL / 3).as_millis() as i64);
         }
-        lock.execute_batch("ROLLBACK").unwrap();
+        drop(lock);
         observer.release();
         let reply = call.await.unwrap().unwrap();
         drop(moved);

@@ -33,7 +33,7 @@ fn schema_5_with_a_waiting_run(db: &TempStore) {
 
 #[test]
 fn the_steps_table_is_rebuilt_with_every_row_and_reference_kept() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     schema_5_with_a_waiting_run(&db);
     let store = Store::open(db.path()).unwrap();
     assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
@@ -70,7 +70,7 @@ fn the_steps_table_is_rebuilt_with_every_row_and_reference_kept() {
 
 #[test]
 fn the_rebuilt_constraints_refuse_what_they_refused() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     drop(Store::open(db.path()).unwrap());
     let conn = rusqlite::Connection::open(db.path()).unwrap();
     conn.execute(
@@ -104,7 +104,7 @@ fn the_rebuilt_constraints_refuse_what_they_refused() {
 
 #[test]
 fn writing_a_step_builds_no_temporary_table() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     drop(Store::open(db.path()).unwrap());
     let conn = rusqlite::Connection::open(db.path()).unwrap();
     for sql in [
@@ -127,7 +127,7 @@ fn writing_a_step_builds_no_temporary_table() {
 
 #[test]
 fn a_database_with_a_dangling_reference_is_not_migrated_and_left_at_its_version() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     schema_5_with_a_waiting_run(&db);
     let conn = common::a_dangling_approval_stops_the_migration(&db.path(), 5);
     let steps: i64 = conn

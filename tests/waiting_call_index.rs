@@ -53,7 +53,7 @@ fn indexes_of_steps(conn: &rusqlite::Connection) -> Vec<(String, String, bool)> 
 
 #[test]
 fn the_call_id_constraint_gives_way_to_an_index_of_waiting_calls_with_every_row_kept() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     schema_6_with_a_waiting_run(&db);
     {
         let conn = rusqlite::Connection::open(db.path()).unwrap();
@@ -127,7 +127,7 @@ fn assert_refused_as_a_repeated_waiting_call(result: rusqlite::Result<usize>) {
 
 #[test]
 fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the_index() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     schema_6_with_a_waiting_run(&db);
     drop(Store::open(db.path()).unwrap());
     let conn = rusqlite::Connection::open(db.path()).unwrap();
@@ -174,7 +174,7 @@ fn two_waiting_calls_of_a_run_cannot_share_an_id_and_other_steps_stay_out_of_the
 
 #[test]
 fn a_schema_6_database_with_a_dangling_reference_is_not_migrated_and_left_at_its_version() {
-    let db = TempStore::new();
+    let db = TempStore::sqlite();
     schema_6_with_a_waiting_run(&db);
     let conn = common::a_dangling_approval_stops_the_migration(&db.path(), 6);
     assert!(

@@ -2,10 +2,7 @@
 //! outcome before the next step starts. Checked from inside the model and tool calls, through
 //! another connection, as a process that read the database at that moment would see it.
 
-use std::{
-    path::PathBuf,
-    sync::{Arc, Mutex},
-};
+use std::sync::{Arc, Mutex};
 
 use agentrt::{
     Agent, Event, EventKind, Model, ModelError, ModelRequest, ModelResponse, Outcome, RunId,
@@ -17,13 +14,18 @@ use serde_json::{Value, json};
 /// What each call found in the database when it began: (what called, step, events seen).
 type Seen = Arc<Mutex<Vec<(&'static str, u32, Vec<Event>)>>>;
 
-fn events(db: &PathBuf, run_id: &RunId) -> Vec<Event> {
-    Store::open(db).unwrap().events(run_id).unwrap()
+/// The events of `run_id` read through a handle of its own on the store at `db`, on a thread
+/// of its own, as another process would read them.
+fn events(db: &str, run_id: &RunId) -> Vec<Event> {
+    let (db, run_id) = (db.to_owned(), run_id.clone());
+    std::thread::spawn(move || Store::connect(&db).unwrap().events(&run_id).unwrap())
+        .join()
+        .unwrap()
 }
 
 struct ReadingModel {
     scripted: ScriptedModel,
-    db: PathBuf,
+    db: String,
     seen: Seen,
 }
 
@@ -40,7 +42,7 @@ impl Model for ReadingModel {
 }
 
 struct ReadingTool {
-    db: PathBuf,
+    db: String,
     seen: Seen,
 }
 
@@ -71,11 +73,11 @@ fn each_start_is_written_before_its_side_effect_and_each_outcome_before_the_next
     ]);
     let model = ReadingModel {
         scripted,
-        db: db.path(),
+        db: db.location(),
         seen: seen.clone(),
     };
     let tool = ReadingTool {
-        db: db.path(),
+        db: db.location(),
         seen: seen.clone(),
     };
     let store = db.open();

@@ -244,10 +244,10 @@ impl Explorer {
 
         // The dead supervisor's writer, once the transaction it may have had open when the
         // crash stopped another of its threads has ended: held until the case is checked, so
-        // that nothing of the dead supervisor commits while the run recovers.
-        let dead_writer = crate::sqlite::Sqlite::of(&dead_store)
-            .expect("the explorer's stores are SQLite files")
-            .writer_lock();
+        // that nothing of the dead supervisor commits while the run recovers. A PostgreSQL
+        // store's writer threads hear of each group before its transaction opens, one at a
+        // time, so the thread the crash stopped there holds them all off already.
+        let dead_writer = crate::sqlite::Sqlite::of(&dead_store).map(|sqlite| sqlite.writer_lock());
 
         // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();

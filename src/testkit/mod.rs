@@ -24,11 +24,13 @@
 
 mod explorer;
 mod fenced;
+mod raw;
 
 pub use explorer::{
     CaseReport, CrashPoint, Exploration, Explorer, STORE_THREAD, Violation, check_invariants,
 };
 pub use fenced::{Admission, Application, FencedResource, FencedTool, Refusal};
+pub use raw::WriteBlock;
 
 /// The runs whose leases a supervisor renews now: send it to the
 /// [`Supervisor`](crate::Supervisor) to see what its lease keeper holds.
@@ -145,6 +147,18 @@ impl TempStore {
                     postgres::server().expect("AGENTRT_TEST_BACKEND=postgres needs a test server");
                 postgres::Schema::new(&server)
             }),
+        }
+    }
+
+    /// A new temporary directory whose database is an SQLite file, whatever
+    /// [`BACKEND_VARIABLE`] says: for a test of what only the SQLite backend does (its files,
+    /// its migrations, its faults, the command line's file handling), which then tests SQLite
+    /// on every pass.
+    pub fn sqlite() -> Self {
+        TempStore {
+            dir: tempfile::tempdir().expect("a temporary directory"),
+            #[cfg(feature = "postgres")]
+            schema: None,
         }
     }
 

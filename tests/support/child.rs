@@ -1,16 +1,16 @@
-//! A test that runs another test of its own binary as a child process, on a database the
-//! parent names, and waits for the child's report before it kills it.
+//! A test that runs another test of its own binary as a child process, on a store the parent
+//! names by its location (an SQLite file's path or a PostgreSQL URL, as `Store::connect` takes
+//! it), and waits for the child's report before it kills it.
 
 use std::{
     io::{BufRead, BufReader},
-    path::Path,
     process::{Child, Command, Stdio},
     time::Duration,
 };
 
 /// Starts the ignored test `name` of this binary as a child process, with `var` naming the
-/// database at `db`.
-pub fn spawn(name: &str, var: &str, db: &Path) -> Child {
+/// store at `location`.
+pub fn spawn(name: &str, var: &str, location: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--ignored",
@@ -19,7 +19,7 @@ pub fn spawn(name: &str, var: &str, db: &Path) -> Child {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(var, db)
+        .env(var, location)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -52,11 +52,11 @@ pub fn report(child: &mut Child, word: &'static str) -> String {
     }
 }
 
-/// Starts the ignored test `name` as a child process on the database at `db` (see [`spawn`]),
+/// Starts the ignored test `name` as a child process on the store at `location` (see [`spawn`]),
 /// waits for its report of `word`, and kills it with SIGKILL, so that it writes nothing more;
 /// answers what followed `word`.
-pub fn killed_after(name: &str, var: &str, db: &Path, word: &'static str) -> String {
-    let mut child = spawn(name, var, db);
+pub fn killed_after(name: &str, var: &str, location: &str, word: &'static str) -> String {
+    let mut child = spawn(name, var, location);
     let reported = report(&mut child, word);
     child.kill().unwrap();
     child.wait().unwrap();

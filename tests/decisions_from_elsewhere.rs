@@ -1,5 +1,4 @@
-//! Decisions and cancels recorded by another process (here the `agentrt` binary, or on
-//! PostgreSQL, which the binary does not open, a handle of the test's own) reach a
+//! Decisions and cancels recorded by another process (here the `agentrt` binary) reach a
 //! supervisor built with `Config::watch`: an approval or a denial resumes the waiting run, a
 //! cancel fires the running tool's cancellation signal; of two watching supervisors one
 //! resumes the run; a decision recorded while no supervisor ran is picked up at start; a
@@ -45,60 +44,28 @@ fn watching() -> Config {
         .watch(Watch::default())
 }
 
-/// Runs the operator binary on the store at `location`, off the actix thread (the supervisor
-/// keeps running meanwhile), and checks that it succeeded. The binary opens SQLite files only:
-/// on PostgreSQL, the command's operator move (`approve`, `deny` or `cancel`) is made through a
-/// handle of its own, as the binary makes it on a file.
+/// Runs the operator binary on the store at `location` (a file's path or a PostgreSQL URL),
+/// off the actix thread (the supervisor keeps running meanwhile), and checks that it succeeded.
 async fn cli(location: &str, args: &[&str]) {
     let (location, args): (String, Vec<String>) = (
         location.to_owned(),
         args.iter().map(|a| a.to_string()).collect(),
     );
-    actix_rt::task::spawn_blocking(move || {
-        if agentrt::testkit::on_postgres() {
-            return operator_move(&Store::connect(&location).unwrap(), &args);
-        }
-        let output = std::process::Command::new(env!("CARGO_BIN_EXE_agentrt"))
+    let output = actix_rt::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_agentrt"))
             .arg("--db")
             .arg(&location)
             .args(&args)
             .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "agentrt failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+            .unwrap()
     })
     .await
     .unwrap();
-}
-
-/// The operator move of the command line `args` (`approve RUN CALL --by WHO [--note NOTE]`,
-/// `deny ...`, `cancel RUN --reason REASON`), made on `store`.
-fn operator_move(store: &Store, args: &[String]) {
-    let flag = |name: &str| {
-        args.iter()
-            .position(|arg| arg == name)
-            .map(|at| args[at + 1].clone())
-    };
-    let run_id = RunId::from(args[1].as_str());
-    match args[0].as_str() {
-        "cancel" => store.cancel(&run_id, &flag("--reason").unwrap()).unwrap(),
-        decide @ ("approve" | "deny") => {
-            let (call, by) = (args[2].as_str(), flag("--by").unwrap());
-            let mut approval = if decide == "approve" {
-                Approval::approve(run_id, call, by)
-            } else {
-                Approval::deny(run_id, call, by)
-            };
-            if let Some(note) = flag("--note") {
-                approval = approval.note(note);
-            }
-            store.record_approval(&approval).unwrap()
-        }
-        other => panic!("no operator move for {other}"),
-    }
+    assert!(
+        output.status.success(),
+        "agentrt failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// What a subscriber has heard.

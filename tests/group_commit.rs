@@ -45,7 +45,8 @@ fn logs_on(
     config: Config,
     agent: Agent,
 ) -> Vec<Vec<(EventKind, Option<u32>, u64)>> {
-    let db = TempStore::new();
+    // An SQLite file on either pass: these are the SQLite backend's group commits.
+    let db = TempStore::sqlite();
     let store = sqlite::Options::new()
         .group_commit(group_commit)
         .open(db.path())

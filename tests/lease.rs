@@ -496,7 +496,8 @@ fn a_call_that_returns_with_an_error_releases_its_lease() {
         )])]);
         Agent::new(model).tool(boom.clone())
     };
-    let (store, other, agent_a, agent_b) = (db.open(), db.open(), agent(), agent());
+    let (store, other, location) = (db.open(), db.open(), db.location());
+    let (agent_a, agent_b) = (agent(), agent());
     // The default TTL (30 s): had the lease not been released, the resume below would be
     // refused with RunLeased for that long.
     let (failed, lease_after, resumed) = with_system(|| async move {
@@ -505,7 +506,7 @@ fn a_call_that_returns_with_an_error_releases_its_lease() {
             .send(StartRun::new("a", json!({})).with_id("r1"))
             .await
             .unwrap();
-        let lease_after = lease_of(db.location(), "r1").await;
+        let lease_after = lease_of(location, "r1").await;
         let b = supervisor(other, Config::default(), agent_b);
         (
             failed,

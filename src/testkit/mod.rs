@@ -142,10 +142,16 @@ impl TempStore {
         TempStore {
             dir: tempfile::tempdir().expect("a temporary directory"),
             #[cfg(feature = "postgres")]
+            // On a thread of its own, as the schema's drop: so that a test may make one on an
+            // actix thread.
             schema: on_postgres().then(|| {
-                let server =
-                    postgres::server().expect("AGENTRT_TEST_BACKEND=postgres needs a test server");
-                postgres::Schema::new(&server)
+                std::thread::spawn(|| {
+                    let server = postgres::server()
+                        .expect("AGENTRT_TEST_BACKEND=postgres needs a test server");
+                    postgres::Schema::new(&server)
+                })
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
             }),
         }
     }
@@ -186,6 +192,17 @@ impl TempStore {
     /// Opens the database (each call is a new handle, as a new process would have).
     pub fn open(&self) -> Store {
         Store::connect(&self.location()).expect("the temporary store opens")
+    }
+}
+
+impl Drop for TempStore {
+    fn drop(&mut self) {
+        #[cfg(feature = "postgres")]
+        if let Some(schema) = self.schema.take() {
+            // The schema is dropped on the server through a connection of its own, on a thread
+            // of its own: the driver blocks on a runtime, which an actix thread may not do.
+            let _ = std::thread::spawn(move || drop(schema)).join();
+        }
     }
 }
 

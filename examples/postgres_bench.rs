@@ -1,8 +1,9 @@
 //! The PostgreSQL backend under load: many runs of a few steps each (a scripted model's call,
 //! then a tool call with a side effect), all started at once, in one process or in several
-//! sharing the database. Three sides, alternating round after round: PostgreSQL with group
-//! commit (the default writers), PostgreSQL with one commit per move (`group_commit(false)`),
-//! and, as a reference, SQLite (a file, `synchronous=FULL`). Figures are moves and runs per
+//! sharing the database. Four sides, alternating round after round: PostgreSQL with group
+//! commit and pipelining (the default writers), PostgreSQL with one commit per move and each
+//! statement answered before the next (`group_commit(false)`, `pipeline(false)`), the same
+//! with pipelining, and, as a reference, SQLite (a file, `synchronous=FULL`). Figures are moves and runs per
 //! second, reported as ratios of sides measured in the same round, and memory per run.
 //!
 //! ```text
@@ -75,8 +76,10 @@ struct Args {
 enum Side {
     /// PostgreSQL, group commit on.
     Group,
-    /// PostgreSQL, one transaction per move.
+    /// PostgreSQL, one transaction per move, each statement answered before the next is sent.
     Single,
+    /// PostgreSQL, one transaction per move, its writes pipelined.
+    Pipelined,
     /// SQLite, a file at `synchronous=FULL`, group commit on.
     Sqlite,
 }
@@ -86,6 +89,7 @@ impl Side {
         match self {
             Side::Group => "group",
             Side::Single => "single",
+            Side::Pipelined => "pipelined",
             Side::Sqlite => "sqlite",
         }
     }
@@ -146,6 +150,11 @@ fn open(side: Side, location: &str, writers: usize) -> Store {
         Side::Single => postgres::Options::new()
             .writers(writers)
             .group_commit(false)
+            .pipeline(false)
+            .open(location),
+        Side::Pipelined => postgres::Options::new()
+            .writers(writers)
+            .group_commit(false)
             .open(location),
         Side::Sqlite => sqlite::Options::new()
             .synchronous(Synchronous::Full)
@@ -199,7 +208,7 @@ fn summarize(args: &Args, runs: usize, processes: usize, seen: &[(Side, Vec<Valu
     let Some(group) = lines(Side::Group) else {
         return;
     };
-    for other in [Side::Single, Side::Sqlite] {
+    for other in [Side::Single, Side::Pipelined, Side::Sqlite] {
         let Some(others) = lines(other) else {
             continue;
         };

@@ -113,19 +113,13 @@ impl Conn {
     }
 
     /// Opens a connection with the store's timeouts and session settings.
-    pub(super) fn open(config: &postgres::Config, options: &Options) -> Result<Conn> {
+    pub(super) fn open(config: &tokio_postgres::Config, options: &Options) -> Result<Conn> {
         off_runtime(|| Conn::open_here(config, options))
     }
 
-    fn open_here(config: &postgres::Config, options: &Options) -> Result<Conn> {
-        let mut client = config.connect(NoTls).pg()?;
-        let idle = options.idle_in_transaction.as_millis();
-        let mut settings =
-            format!("SET idle_in_transaction_session_timeout = {idle}; SET TIME ZONE 'UTC';");
-        if options.read_only {
-            settings.push_str(" SET default_transaction_read_only = on;");
-        }
-        client.batch_execute(&settings).pg()?;
+    fn open_here(config: &tokio_postgres::Config, options: &Options) -> Result<Conn> {
+        let mut client = postgres::Config::from(config.clone()).connect(NoTls).pg()?;
+        client.batch_execute(&session_settings(options)).pg()?;
         Ok(Conn {
             client: Some(client),
             statements: HashMap::new(),
@@ -140,9 +134,21 @@ impl Conn {
     }
 }
 
+/// What every connection sets first: the timeout of a transaction left idle (a process that
+/// stalled inside one), UTC, and read-only transactions for a read-only store.
+pub(super) fn session_settings(options: &Options) -> String {
+    let idle = options.idle_in_transaction.as_millis();
+    let mut settings =
+        format!("SET idle_in_transaction_session_timeout = {idle}; SET TIME ZONE 'UTC';");
+    if options.read_only {
+        settings.push_str(" SET default_transaction_read_only = on;");
+    }
+    settings
+}
+
 /// The driver's configuration for `url`, with the store's timeouts.
-pub(super) fn config(url: &str, options: &Options) -> Result<postgres::Config> {
-    let mut config: postgres::Config = url.parse().map_err(|err| {
+pub(super) fn config(url: &str, options: &Options) -> Result<tokio_postgres::Config> {
+    let mut config: tokio_postgres::Config = url.parse().map_err(|err| {
         Error::InvalidInput(format!("{} is not a PostgreSQL URL: {err}", shown(url)))
     })?;
     let network = options.network_timeout;

@@ -23,8 +23,10 @@
 
 mod boundary;
 mod conn;
+mod link;
 mod open;
 mod options;
+mod pipe;
 mod sql;
 #[cfg(any(test, feature = "testkit"))]
 pub(crate) mod testing;
@@ -45,7 +47,7 @@ pub fn is_url(location: &str) -> bool {
 /// A PostgreSQL store's backend: its options and the connections it keeps for inspection.
 pub(crate) struct Postgres {
     pub(super) options: Options,
-    pub(super) config: ::postgres::Config,
+    pub(super) config: tokio_postgres::Config,
     /// The URL without its password, for messages.
     pub(super) shown: String,
     /// The schema the store's tables are in (the connection's `search_path`).

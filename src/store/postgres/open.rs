@@ -38,7 +38,7 @@ const HISTORY: &str = "CREATE TABLE IF NOT EXISTS agentrt_migrations (
 fn connect(
     url: &str,
     options: &Options,
-) -> Result<(postgres::Config, String, Conn, Option<String>)> {
+) -> Result<(tokio_postgres::Config, String, Conn, Option<String>)> {
     let config = conn::config(url, options)?;
     let shown = conn::shown(url);
     let mut conn = Conn::open(&config, options).map_err(|err| unreachable(&shown, err))?;

@@ -17,6 +17,7 @@ pub const DEFAULT_WRITERS: usize = 4;
 pub struct Options {
     pub(super) writers: usize,
     pub(super) group_commit: bool,
+    pub(super) pipeline: bool,
     pub(super) migrate: bool,
     pub(super) read_only: bool,
     pub(super) connect_timeout: Duration,
@@ -29,6 +30,7 @@ impl Default for Options {
         Options {
             writers: DEFAULT_WRITERS,
             group_commit: true,
+            pipeline: true,
             migrate: true,
             read_only: false,
             connect_timeout: Duration::from_secs(5),
@@ -56,6 +58,17 @@ impl Options {
     /// one transaction (the default), or each move in a transaction of its own.
     pub fn group_commit(mut self, on: bool) -> Self {
         self.group_commit = on;
+        self
+    }
+
+    /// Whether a writer connection sends the writes of a transaction whose answers its moves
+    /// do not need (the steps and events they insert, the guarded touches that must change one
+    /// row) without waiting for each, so that it waits only where a move reads and at the
+    /// commit (the default); or sends each statement once the one before it is answered. A
+    /// write found refused at the next wait rolls the transaction back and applies it again
+    /// statement by statement: the outcome is the same either way.
+    pub fn pipeline(mut self, on: bool) -> Self {
+        self.pipeline = on;
         self
     }
 

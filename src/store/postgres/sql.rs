@@ -1,12 +1,10 @@
 //! All of the PostgreSQL backend's SQL: the primitives of the moves, the reads, the lease's
 //! single-statement writes, and the change feed, each in a transaction of one connection.
 
-use std::collections::HashMap;
-
-use postgres::{Row, Statement, Transaction, types::ToSql};
+use postgres::{Row, types::ToSql};
 use serde_json::Value;
 
-use super::conn::Pg;
+use super::link::{Link, Owned};
 use crate::{
     error::{Error, Result},
     store::{
@@ -25,31 +23,28 @@ type Params<'p> = [&'p (dyn ToSql + Sync)];
 /// A transaction seen through the backend's primitives. In a move's transaction (`lock`), a
 /// read of a run's row locks it until the commit, so that the move writes on what it read
 /// while writers of other connections wait; an inspection's reads lock nothing.
-pub(super) struct PgTx<'a, 'c> {
-    pub tx: &'a mut Transaction<'c>,
-    pub statements: &'a mut HashMap<String, Statement>,
+pub(super) struct PgTx<'a> {
+    pub link: &'a mut dyn Link,
     pub lock: bool,
-    /// The server's clock as read once the last `lock_run` held the row: what the next
-    /// `lease_wall` answers, saving it a round trip.
-    locked_at: Option<i64>,
     /// The last reading `lease_wall` answered (without the tests' shift).
     last_wall: Option<i64>,
 }
 
-impl<'a, 'c> PgTx<'a, 'c> {
-    pub(super) fn new(
-        tx: &'a mut Transaction<'c>,
-        statements: &'a mut HashMap<String, Statement>,
-        lock: bool,
-    ) -> Self {
+impl<'a> PgTx<'a> {
+    pub(super) fn new(link: &'a mut dyn Link, lock: bool) -> Self {
         PgTx {
-            tx,
-            statements,
+            link,
             lock,
-            locked_at: None,
             last_wall: None,
         }
     }
+}
+
+/// Owned parameters for [`Link::write`].
+macro_rules! owned {
+    ($($param:expr),* $(,)?) => {
+        vec![$(Box::new($param) as Owned),*]
+    };
 }
 
 const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, updated_at";
@@ -60,33 +55,29 @@ const FINISHED: &str = "state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')";
 /// when its transaction began.
 const SERVER_NOW: &str = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8";
 
-impl PgTx<'_, '_> {
-    fn statement(&mut self, sql: &str) -> Result<Statement> {
-        if let Some(statement) = self.statements.get(sql) {
-            return Ok(statement.clone());
-        }
-        let statement = self.tx.prepare(sql).pg()?;
-        self.statements.insert(sql.to_owned(), statement.clone());
-        Ok(statement)
-    }
-
+impl PgTx<'_> {
     fn rows(&mut self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
-        let statement = self.statement(sql)?;
-        self.tx.query(&statement, params).pg()
+        let statement = self.link.statement(sql)?;
+        self.link.query(&statement, params)
     }
 
     fn row(&mut self, sql: &str, params: &Params<'_>) -> Result<Option<Row>> {
-        let statement = self.statement(sql)?;
-        self.tx.query_opt(&statement, params).pg()
+        Ok(self.rows(sql, params)?.into_iter().next())
     }
 
     fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
-        let statement = self.statement(sql)?;
-        self.tx.execute(&statement, params).pg()
+        let statement = self.link.statement(sql)?;
+        self.link.execute(&statement, params)
+    }
+
+    /// A write the link may send without waiting: whether it changed `expect` rows.
+    fn write(&mut self, sql: &str, params: Vec<Owned>, expect: Option<u64>) -> Result<bool> {
+        let statement = self.link.statement(sql)?;
+        self.link.write(&statement, params, expect)
     }
 
     fn simple(&mut self, sql: &str) -> Result<()> {
-        self.tx.batch_execute(sql).pg()
+        self.link.batch(sql)
     }
 
     fn locking(&self, sql: &str) -> String {
@@ -157,12 +148,9 @@ fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
         .collect()
 }
 
-impl Reads for PgTx<'_, '_> {
+impl Reads for PgTx<'_> {
     fn lease_wall(&mut self) -> Result<i64> {
-        let wall = match self.locked_at.take() {
-            Some(wall) => wall,
-            None => get::<i64>(&self.rows(SERVER_NOW, &[])?[0], 0)?,
-        };
+        let wall = get::<i64>(&self.rows(SERVER_NOW, &[])?[0], 0)?;
         self.last_wall = Some(wall);
         Ok(wall + crate::clock::wall_shift())
     }
@@ -365,11 +353,14 @@ impl Reads for PgTx<'_, '_> {
     }
 }
 
-impl Tx for PgTx<'_, '_> {
+impl Tx for PgTx<'_> {
     fn lock_run(&mut self, run_id: &RunId) -> Result<()> {
-        self.rows(
+        // Nothing waits for it: the clock is read after it, and the touch that follows
+        // refuses a run that is not there.
+        self.write(
             "SELECT 1 FROM runs WHERE id = $1 FOR UPDATE",
-            &[&run_id.as_str()],
+            owned![run_id.as_str().to_owned()],
+            None,
         )?;
         Ok(())
     }
@@ -411,22 +402,22 @@ impl Tx for PgTx<'_, '_> {
         let beyond = unexpired_at
             .zip(self.last_wall)
             .map(|(unexpired_at, wall)| unexpired_at - wall);
-        let changed = self.execute(
+        self.write(
             "UPDATE runs SET updated_at = $2
              WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
                AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)
                AND ($6::int8 IS NULL OR lease_expires_at >
                     floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 + $6::int8)",
-            &[
-                &run_id.as_str(),
-                &at,
-                &owner,
-                &unexpired_at,
-                &(token as i64),
-                &beyond,
+            owned![
+                run_id.as_str().to_owned(),
+                at,
+                owner.to_owned(),
+                unexpired_at,
+                token as i64,
+                beyond,
             ],
-        )?;
-        Ok(changed == 1)
+            Some(1),
+        )
     }
 
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
@@ -501,19 +492,20 @@ impl Tx for PgTx<'_, '_> {
         attempt: u32,
         call: Option<&ToolCall>,
     ) -> Result<()> {
-        self.execute(
+        self.write(
             "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-            &[
-                &run_id.as_str(),
-                &(step as i32),
-                &kind.as_str(),
-                &state.as_str(),
-                &(attempt as i32),
-                &call.map(|call| call.id.as_str()),
-                &call.map(|call| call.name.as_str()),
-                &call.map(|call| &call.args),
+            owned![
+                run_id.as_str().to_owned(),
+                step as i32,
+                kind.as_str(),
+                state.as_str(),
+                attempt as i32,
+                call.map(|call| call.id.clone()),
+                call.map(|call| call.name.clone()),
+                call.map(|call| call.args.clone()),
             ],
+            None,
         )?;
         Ok(())
     }
@@ -541,22 +533,22 @@ impl Tx for PgTx<'_, '_> {
     }
 
     fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
-        let changed = self.execute(
+        self.write(
             "UPDATE steps SET state = $5, attempt = attempt + $6,
                               result = COALESCE($7, result), waiting_for = $8
              WHERE run_id = $1 AND step = $2 AND state = $3 AND attempt = $4",
-            &[
-                &run_id.as_str(),
-                &(step as i32),
-                &m.from.as_str(),
-                &(m.attempt as i32),
-                &m.to.as_str(),
-                &i32::from(m.starts),
-                &m.result,
-                &m.waiting_for.map(ApprovalReason::as_str),
+            owned![
+                run_id.as_str().to_owned(),
+                step as i32,
+                m.from.as_str(),
+                m.attempt as i32,
+                m.to.as_str(),
+                i32::from(m.starts),
+                m.result.cloned(),
+                m.waiting_for.map(ApprovalReason::as_str),
             ],
-        )?;
-        Ok(changed == 1)
+            Some(1),
+        )
     }
 
     fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>> {
@@ -629,17 +621,18 @@ impl Tx for PgTx<'_, '_> {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()> {
-        self.execute(
+        self.write(
             "INSERT INTO events (run_id, seq, kind, at, step, payload)
              VALUES ($1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = $1),
                      $2, $3, $4, $5)",
-            &[
-                &run_id.as_str(),
-                &kind.as_str(),
-                &at,
-                &step.map(|step| step as i32),
-                &payload,
+            owned![
+                run_id.as_str().to_owned(),
+                kind.as_str(),
+                at,
+                step.map(|step| step as i32),
+                payload.clone(),
             ],
+            None,
         )?;
         Ok(())
     }
@@ -677,7 +670,7 @@ impl Tx for PgTx<'_, '_> {
     }
 }
 
-impl LeaseWrites for PgTx<'_, '_> {
+impl LeaseWrites for PgTx<'_> {
     fn renew_leases(
         &mut self,
         owner: &str,
@@ -725,7 +718,7 @@ const DECIDED_WAITING: &str = "FROM runs
                    AND approvals.attempt = steps.attempt + 1
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
 
-impl crate::store::feed::Feed for PgTx<'_, '_> {
+impl crate::store::feed::Feed for PgTx<'_> {
     /// The counter row's: the id the last change took.
     fn last_change(&mut self) -> Result<i64> {
         let rows = self.rows("SELECT last FROM run_changes_head", &[])?;

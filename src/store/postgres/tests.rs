@@ -14,13 +14,19 @@ use crate::{
 struct Server {
     url: Option<String>,
     schemas: Mutex<Vec<Schema>>,
+    options: fn() -> super::Options,
 }
 
 impl Server {
     fn new() -> Self {
+        Server::with(super::Options::new)
+    }
+
+    fn with(options: fn() -> super::Options) -> Self {
         Server {
             url: server(),
             schemas: Mutex::new(Vec::new()),
+            options,
         }
     }
 
@@ -38,7 +44,7 @@ impl Fixture for Server {
     }
 
     fn store(&self) -> Store {
-        super::Options::new().open(&self.schema()).unwrap()
+        (self.options)().open(&self.schema()).unwrap()
     }
 
     fn expire_lease(&self, store: &Store, run_id: &RunId) {
@@ -75,6 +81,19 @@ impl Fixture for Server {
 }
 
 conformance_suite!(on_postgres, Server::new());
+
+// One writer connection: every move a supervisor queues meets the others in one pipelined
+// group, so that a refusal found only at the group's next wait is rolled back alone.
+conformance_suite!(
+    on_postgres_in_one_lane,
+    Server::with(|| crate::postgres::Options::new().writers(1))
+);
+
+// Every statement answered before the next, as a group is applied again after a refusal.
+conformance_suite!(
+    on_postgres_unpipelined,
+    Server::with(|| crate::postgres::Options::new().pipeline(false))
+);
 
 /// A start that waited for the run's row (another transaction held it) past its lease's
 /// expiry is refused: the server's clock is read once the row is held, not before the wait.

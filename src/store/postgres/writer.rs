@@ -18,6 +18,8 @@ use std::{
 use super::{
     Postgres,
     conn::{Conn, Noted, Pg, off_runtime, take_noted},
+    link::Direct,
+    pipe::PipeConn,
     sql::PgTx,
 };
 use crate::{
@@ -47,6 +49,12 @@ impl Postgres {
             _ => Conn::open(&self.config, &self.options)
                 .map_err(|err| super::open::unreachable(&self.shown, err)),
         }
+    }
+
+    /// A new pipelining connection, for a writer lane.
+    fn pipe(&self) -> Result<PipeConn> {
+        PipeConn::open(&self.config, &self.options)
+            .map_err(|err| super::open::unreachable(&self.shown, err))
     }
 
     /// Keeps `conn` for the next inspection or operator's move, if it is still usable.
@@ -81,7 +89,7 @@ impl Postgres {
         clock: &dyn Clock,
         lock: bool,
         deadline: Option<Instant>,
-        apply: &mut dyn FnMut(&mut PgTx<'_, '_>, &mut Now<'_>) -> Result<()>,
+        apply: &mut dyn FnMut(&mut PgTx<'_>, &mut Now<'_>) -> Result<()>,
     ) -> Result<()> {
         let mut reading = None;
         let mut tries = 0;
@@ -97,8 +105,11 @@ impl Postgres {
                 let (client, statements) = current.parts();
                 let mut tx = client.transaction().pg()?;
                 let mut now = Now::resume(clock, reading);
-                let mut pg = PgTx::new(&mut tx, statements, lock);
-                let applied = apply(&mut pg, &mut now);
+                let mut link = Direct {
+                    tx: &mut tx,
+                    statements,
+                };
+                let applied = apply(&mut PgTx::new(&mut link, lock), &mut now);
                 reading = now.reading();
                 if take_noted() != Noted::Nothing {
                     return Ok(Err(applied.err()));
@@ -152,7 +163,7 @@ fn back_off(tries: u32) {
 /// `read` in a read-only repeatable-read transaction on `conn`: one snapshot for all of it.
 pub(super) fn in_snapshot<R>(
     conn: &mut Conn,
-    read: impl FnOnce(&mut PgTx<'_, '_>) -> Result<R>,
+    read: impl FnOnce(&mut PgTx<'_>) -> Result<R>,
 ) -> Result<R> {
     let (client, statements) = conn.parts();
     let mut tx = client
@@ -161,7 +172,11 @@ pub(super) fn in_snapshot<R>(
         .read_only(true)
         .start()
         .pg()?;
-    let value = read(&mut PgTx::new(&mut tx, statements, false))?;
+    let mut link = Direct {
+        tx: &mut tx,
+        statements,
+    };
+    let value = read(&mut PgTx::new(&mut link, false))?;
     tx.commit().pg()?;
     Ok(value)
 }
@@ -208,7 +223,7 @@ pub(super) fn session(
             store: store.clone(),
             clock: clock.clone(),
             observed: observed.clone(),
-            conn: Some(store.connection()?),
+            conn: Some(store.pipe()?),
         };
         std::thread::Builder::new()
             .name(format!("agentrt-pg-writer-{index}"))
@@ -322,7 +337,7 @@ struct Lane {
     clock: Arc<dyn Clock>,
     /// The observer, shared by the lanes: it hears of one group at a time.
     observed: Arc<Mutex<Option<Arc<dyn MoveObserver>>>>,
-    conn: Option<Conn>,
+    conn: Option<PipeConn>,
 }
 
 /// The run a pending move moves.
@@ -410,12 +425,13 @@ impl Lane {
     fn attempt(&mut self, batch: &mut [Box<dyn Pending>]) -> Attempt {
         let mut conn = match self.conn.take() {
             Some(conn) if conn.is_usable() => conn,
-            _ => match self.store.connection() {
+            _ => match self.store.pipe() {
                 Ok(conn) => conn,
                 Err(err) => return Attempt::Failed(GroupFailure::Commit(err.to_string())),
             },
         };
-        let attempt = attempt_on(&mut conn, batch, &*self.clock);
+        let pipelined = self.store.options.pipeline;
+        let attempt = attempt_on(&mut conn, batch, &*self.clock, pipelined);
         if conn.is_usable() {
             self.conn = Some(conn);
         }
@@ -423,65 +439,110 @@ impl Lane {
     }
 }
 
-/// One attempt at committing `batch` in one transaction on `conn`: straight in, then, should a
-/// move be refused, again with each move in a savepoint of its own.
-fn attempt_on(conn: &mut Conn, batch: &mut [Box<dyn Pending>], clock: &dyn Clock) -> Attempt {
+/// One attempt at committing `batch` in one transaction on `conn`: straight in, its writes
+/// pipelined when `pipelined`; then, should a move be refused (or a pipelined write be found
+/// to have been), again with each move in a savepoint of its own and every statement answered
+/// before the next.
+fn attempt_on(
+    conn: &mut PipeConn,
+    batch: &mut [Box<dyn Pending>],
+    clock: &dyn Clock,
+    pipelined: bool,
+) -> Attempt {
     let written = batch
         .iter()
         .all(|pending| pending.durability() == Durability::Written);
+    let begin = if written {
+        "BEGIN; SET LOCAL synchronous_commit = off"
+    } else {
+        "BEGIN"
+    };
     take_noted();
-    let (client, statements) = conn.parts();
+    conn.direct = !pipelined;
     let mut isolation = Isolation::Shared;
     loop {
-        let mut tx = match client.transaction().pg() {
-            Ok(tx) => tx,
-            Err(err) => return again_or_failed(&err),
-        };
-        if written && let Err(err) = tx.batch_execute("SET LOCAL synchronous_commit = off").pg() {
-            return again_or_failed(&err);
+        conn.begin(begin);
+        if conn.direct {
+            // Unpipelined, the BEGIN is answered before the first statement is sent.
+            conn.settle();
         }
-        let mut pg = PgTx::new(&mut tx, statements, true);
-        let stands = match isolation {
-            Isolation::Shared => batch
-                .iter_mut()
-                .all(|pending| pending.apply(&mut pg, clock, Isolation::Shared)),
-            Isolation::Savepoint => {
-                let mut failed = None;
-                for pending in batch.iter_mut() {
-                    let step = (|| {
-                        pg.savepoint("agentrt_move")?;
-                        if !pending.apply(&mut pg, clock, Isolation::Savepoint) {
-                            pg.rollback_to("agentrt_move")?;
-                        }
-                        pg.release_savepoint("agentrt_move")
-                    })();
-                    if let Err(err) = step {
-                        failed = Some(err);
-                        break;
-                    }
+        let (stands, failed) = apply_group(conn, batch, clock, isolation);
+        // Every write sent is answered: a failed or refused one spoils the transaction.
+        let settled = conn.settle();
+        let noted = take_noted();
+        let attempt = match (failed, noted) {
+            (_, Noted::Broken | Noted::Conflict) => Some(Attempt::Again(format!(
+                "{noted:?} while applying the group"
+            ))),
+            (Some(err), Noted::Nothing) => Some(Attempt::Failed(GroupFailure::of(&err))),
+            (None, Noted::Nothing) if stands && settled => None,
+            (None, Noted::Nothing) => {
+                if !roll_back(conn) {
+                    return Attempt::Again("the connection broke while rolling back".into());
                 }
-                if let Some(err) = failed {
-                    return again_or_failed(&err);
-                }
-                true
+                // Each move in a savepoint of its own now, every statement answered at once.
+                isolation = Isolation::Savepoint;
+                conn.direct = true;
+                continue;
             }
         };
-        match take_noted() {
-            Noted::Nothing => {}
-            noted => return Attempt::Again(format!("{noted:?} while applying the group")),
+        if let Some(attempt) = attempt {
+            roll_back(conn);
+            return attempt;
         }
-        if !stands {
-            // Rolled back as the transaction drops; each move in a savepoint of its own now.
-            isolation = Isolation::Savepoint;
-            continue;
-        }
-        return match tx.commit() {
+        return match conn.finish("COMMIT") {
             Ok(()) => Attempt::Committed,
             Err(err) => match commit_failure(err) {
                 CommitError::Again(err) => Attempt::Again(err.to_string()),
                 CommitError::Failed(failure) => Attempt::Failed(failure),
             },
         };
+    }
+}
+
+/// Applies every move of `batch` in the open transaction: whether all stand, and the error of
+/// a statement that failed outside any move (a savepoint's).
+fn apply_group(
+    conn: &mut PipeConn,
+    batch: &mut [Box<dyn Pending>],
+    clock: &dyn Clock,
+    isolation: Isolation,
+) -> (bool, Option<Error>) {
+    let mut pg = PgTx::new(conn, true);
+    match isolation {
+        Isolation::Shared => {
+            let stands = batch
+                .iter_mut()
+                .all(|pending| pending.apply(&mut pg, clock, Isolation::Shared));
+            (stands, None)
+        }
+        Isolation::Savepoint => {
+            for pending in batch.iter_mut() {
+                let step = (|| {
+                    pg.savepoint("agentrt_move")?;
+                    if !pending.apply(&mut pg, clock, Isolation::Savepoint) {
+                        pg.rollback_to("agentrt_move")?;
+                    }
+                    pg.release_savepoint("agentrt_move")
+                })();
+                if let Err(err) = step {
+                    return (false, Some(err));
+                }
+            }
+            (true, None)
+        }
+    }
+}
+
+/// Rolls the open transaction back; a connection that cannot is not trusted with another.
+fn roll_back(conn: &mut PipeConn) -> bool {
+    match conn.finish("ROLLBACK") {
+        Ok(()) => true,
+        Err(err) => {
+            tracing::debug!(%err, "a writer connection could not roll back; it is closed");
+            conn.discard();
+            false
+        }
     }
 }
 
@@ -505,14 +566,6 @@ fn commit_failure(err: postgres::Error) -> CommitError {
         Some("40") => CommitError::Again(err),
         Some("23") => CommitError::Failed(GroupFailure::of(&err)),
         _ => CommitError::Failed(GroupFailure::Unknown(err.to_string())),
-    }
-}
-
-/// A statement failed outside any move: the group again, if the error asks for it.
-fn again_or_failed(err: &Error) -> Attempt {
-    match take_noted() {
-        Noted::Nothing => Attempt::Failed(GroupFailure::of(err)),
-        _ => Attempt::Again(err.to_string()),
     }
 }
 
@@ -543,7 +596,7 @@ impl Renewer for PgRenewer {
             let mut renewal = None;
             let clock = &crate::clock::SystemClock;
             store.transact_on(conn, clock, false, Some(deadline), &mut |pg, _| {
-                pg.tx.batch_execute(&timeout).pg()?;
+                pg.link.batch(&timeout)?;
                 renewal = Some(moves::renew(pg, owner, held, ttl)?);
                 Ok(())
             })?;

@@ -1,0 +1,240 @@
+//! A writer lane's connection: it pipelines. The writes of a group whose answers its moves do
+//! not need (the steps and events they insert, the guarded touches that must change one row)
+//! are sent without waiting; the lane waits only where a move reads, and the server answers
+//! those writes first, in the order they were sent. So a group of many moves costs the round
+//! trips of its reads and its commit rather than one per statement.
+//!
+//! A move whose write is answered with an error, or changed other than the rows it expected,
+//! would have been refused: that is found the next time the lane waits (at the latest before
+//! the commit), the transaction is rolled back, and the group is applied again statement by
+//! statement, as an unpipelined connection applies it. Nothing of a spoiled transaction is
+//! committed, and no move reads past its spoiling.
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, Waker},
+};
+
+use postgres::{NoTls, Row, Statement, types::ToSql};
+use tokio::runtime::Runtime;
+
+use super::{
+    Options,
+    conn::{Pg, off_runtime, pg_error, session_settings},
+    link::{Link, Owned},
+};
+use crate::error::{Error, Result};
+
+type Answer = Pin<Box<dyn Future<Output = std::result::Result<u64, postgres::Error>> + Send>>;
+
+/// A write sent and not yet answered, with the rows it must change.
+struct Sent {
+    answer: Answer,
+    expect: Option<u64>,
+}
+
+/// One pipelining connection to the server, on a runtime of its own.
+pub(super) struct PipeConn {
+    /// Taken only when dropped.
+    runtime: Option<Runtime>,
+    client: Arc<tokio_postgres::Client>,
+    statements: HashMap<String, Statement>,
+    sent: Vec<Sent>,
+    /// Whether a write sent in the open transaction failed or changed other rows than it
+    /// expected.
+    spoiled: bool,
+    /// Whether writes wait for their answers (a group applied again after a spoiled try).
+    pub(super) direct: bool,
+    /// Set when the connection is not to be used again.
+    discarded: bool,
+}
+
+impl PipeConn {
+    /// Opens a connection with the store's timeouts and session settings.
+    pub(super) fn open(config: &tokio_postgres::Config, options: &Options) -> Result<PipeConn> {
+        off_runtime(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|err| Error::CommitFailed(format!("starting a writer runtime: {err}")))?;
+            let (client, connection) = runtime.block_on(config.connect(NoTls)).pg()?;
+            // The connection's task reads the server's answers whenever the lane waits.
+            runtime.spawn(connection);
+            runtime
+                .block_on(client.batch_execute(&session_settings(options)))
+                .pg()?;
+            Ok(PipeConn {
+                runtime: Some(runtime),
+                client: Arc::new(client),
+                statements: HashMap::new(),
+                sent: Vec::new(),
+                spoiled: false,
+                direct: false,
+                discarded: false,
+            })
+        })
+    }
+
+    fn runtime(&self) -> &Runtime {
+        self.runtime.as_ref().expect("the connection's runtime")
+    }
+
+    /// Whether the connection can still be used.
+    pub(super) fn is_usable(&self) -> bool {
+        !self.discarded && !self.client.is_closed()
+    }
+
+    /// Marks the connection as not to be used again (it could not end a transaction).
+    pub(super) fn discard(&mut self) {
+        self.discarded = true;
+    }
+
+    /// Opens a transaction (sent, not waited for): `sql` is `BEGIN` and what goes with it.
+    pub(super) fn begin(&mut self, sql: &str) {
+        self.spoiled = false;
+        let client = self.client.clone();
+        let sql = sql.to_owned();
+        self.send(
+            Box::pin(async move { client.batch_execute(&sql).await.map(|()| 0) }),
+            None,
+        );
+    }
+
+    /// Waits for every write sent: whether the transaction still stands (none failed, each
+    /// changed what it expected). A failure that asks for the group again is noted.
+    pub(super) fn settle(&mut self) -> bool {
+        if self.sent.is_empty() {
+            return !self.spoiled;
+        }
+        let sent = std::mem::take(&mut self.sent);
+        let answers = self.runtime().block_on(async move {
+            let mut answers = Vec::with_capacity(sent.len());
+            for sent in sent {
+                answers.push((sent.answer.await, sent.expect));
+            }
+            answers
+        });
+        for (answer, expect) in answers {
+            match answer {
+                Ok(changed) if expect.is_none_or(|expect| expect == changed) => {}
+                Ok(_) => self.spoiled = true,
+                Err(err) => {
+                    // Noted for the lane when it asks for the group again (a conflict, a
+                    // broken connection).
+                    pg_error(err);
+                    self.spoiled = true;
+                }
+            }
+        }
+        !self.spoiled
+    }
+
+    /// Ends the open transaction with `sql` (`COMMIT` or `ROLLBACK`), once everything sent is
+    /// answered.
+    pub(super) fn finish(&mut self, sql: &str) -> std::result::Result<(), postgres::Error> {
+        // What is still unanswered is answered first (and is of no more use).
+        let sent = std::mem::take(&mut self.sent);
+        let client = self.client.clone();
+        self.runtime().block_on(async move {
+            for sent in sent {
+                let _ = sent.answer.await;
+            }
+            client.batch_execute(sql).await
+        })
+    }
+
+    /// Sends `answer`'s request now: its first poll writes it into the connection's queue,
+    /// which the connection's task sends in order the next time the lane waits.
+    fn send(&mut self, mut answer: Answer, expect: Option<u64>) {
+        let mut context = Context::from_waker(Waker::noop());
+        match answer.as_mut().poll(&mut context) {
+            // Only an error before the request was queued answers at once.
+            Poll::Ready(Err(err)) => {
+                pg_error(err);
+                self.spoiled = true;
+            }
+            Poll::Ready(Ok(_)) => {}
+            Poll::Pending => self.sent.push(Sent { answer, expect }),
+        }
+    }
+
+    /// Refuses to read past a spoiled write: the group is to be applied again.
+    fn waited(&mut self) -> Result<()> {
+        if self.settle() {
+            Ok(())
+        } else {
+            Err(Error::CommitFailed(
+                "an earlier write of this group was refused; the group is applied again".into(),
+            ))
+        }
+    }
+}
+
+impl Drop for PipeConn {
+    fn drop(&mut self) {
+        // A runtime cannot be dropped inside another (a lane that failed to start, on an actix
+        // arbiter): there it is let go without waiting.
+        if let Some(runtime) = self.runtime.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Link for PipeConn {
+    fn statement(&mut self, sql: &str) -> Result<Statement> {
+        if let Some(statement) = self.statements.get(sql) {
+            return Ok(statement.clone());
+        }
+        self.waited()?;
+        let statement = self.runtime().block_on(self.client.prepare(sql)).pg()?;
+        self.statements.insert(sql.to_owned(), statement.clone());
+        Ok(statement)
+    }
+
+    fn query(&mut self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+        self.waited()?;
+        self.runtime()
+            .block_on(self.client.query(statement, params))
+            .pg()
+    }
+
+    fn execute(&mut self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+        self.waited()?;
+        self.runtime()
+            .block_on(self.client.execute(statement, params))
+            .pg()
+    }
+
+    fn batch(&mut self, sql: &str) -> Result<()> {
+        self.waited()?;
+        self.runtime().block_on(self.client.batch_execute(sql)).pg()
+    }
+
+    fn write(
+        &mut self,
+        statement: &Statement,
+        params: Vec<Owned>,
+        expect: Option<u64>,
+    ) -> Result<bool> {
+        if self.direct {
+            self.waited()?;
+            let changed = self
+                .runtime()
+                .block_on(self.client.execute_raw(statement, params))
+                .pg()?;
+            return Ok(expect.is_none_or(|expect| expect == changed));
+        }
+        let client = self.client.clone();
+        let statement = statement.clone();
+        self.send(
+            Box::pin(async move { client.execute_raw(&statement, params).await }),
+            expect,
+        );
+        Ok(true)
+    }
+}

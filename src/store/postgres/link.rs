@@ -35,6 +35,11 @@ pub(super) trait Link {
         params: Vec<Owned>,
         expect: Option<u64>,
     ) -> Result<bool>;
+
+    /// Whether writes are sent without waiting for their answers.
+    fn pipelines(&self) -> bool {
+        false
+    }
 }
 
 /// A transaction of the synchronous client: every statement answered before the next.

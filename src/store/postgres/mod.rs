@@ -23,6 +23,7 @@
 
 mod boundary;
 mod conn;
+mod held;
 mod link;
 mod open;
 mod options;

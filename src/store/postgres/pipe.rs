@@ -186,6 +186,10 @@ impl Drop for PipeConn {
 }
 
 impl Link for PipeConn {
+    fn pipelines(&self) -> bool {
+        !self.direct
+    }
+
     fn statement(&mut self, sql: &str) -> Result<Statement> {
         if let Some(statement) = self.statements.get(sql) {
             return Ok(statement.clone());

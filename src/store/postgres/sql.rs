@@ -4,7 +4,10 @@
 use postgres::{Row, types::ToSql};
 use serde_json::Value;
 
-use super::link::{Link, Owned};
+use super::{
+    held::{Held, NewEvent, NewStep, StepMove, Tables, Touch},
+    link::{Link, Owned},
+};
 use crate::{
     error::{Error, Result},
     store::{
@@ -28,15 +31,95 @@ pub(super) struct PgTx<'a> {
     pub lock: bool,
     /// The last reading `lease_wall` answered (without the tests' shift).
     last_wall: Option<i64>,
+    /// The writes held back to be sent together, on a link that pipelines.
+    held: Option<Held>,
+    /// The runs whose rows the group locked before its first move.
+    group: Option<Group>,
+    /// The reading the next `lease_wall` answers: the group's, for a run it locked.
+    locked_at: Option<i64>,
+}
+
+/// What a group found when it locked its runs' rows.
+struct Group {
+    /// The runs of its moves, sorted.
+    runs: Vec<String>,
+    /// Those of them that exist (found, or inserted since), sorted.
+    existing: Vec<String>,
+    /// The server's clock, as read once the rows were held.
+    wall: i64,
+}
+
+impl Group {
+    /// Whether the group knows `run_id` does not exist, without reading it.
+    fn knows_absent(&self, run_id: &str) -> bool {
+        let find = |ids: &[String]| ids.binary_search_by(|id| id.as_str().cmp(run_id)).is_ok();
+        find(&self.runs) && !find(&self.existing)
+    }
+
+    fn locked(&self, run_id: &str) -> bool {
+        self.runs
+            .binary_search_by(|id| id.as_str().cmp(run_id))
+            .is_ok()
+    }
 }
 
 impl<'a> PgTx<'a> {
     pub(super) fn new(link: &'a mut dyn Link, lock: bool) -> Self {
+        let held = link.pipelines().then(Held::default);
         PgTx {
             link,
             lock,
             last_wall: None,
+            held,
+            group: None,
+            locked_at: None,
         }
+    }
+
+    /// Locks the rows of `runs` (sorted, each once) in the order of their ids, as a renewal
+    /// locks them, and reads the server's clock once they are held: a move of one of them then
+    /// needs no lock and no reading of its own to start a side effect, since nothing can have
+    /// moved the run meanwhile and its guard compares with the clock again as it is written.
+    pub(super) fn lock_group(&mut self, runs: Vec<String>) -> Result<()> {
+        // The clock is read by the outer query, once the inner one has locked every row.
+        let rows = self.rows_on(
+            Tables::RUNS,
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8, ids
+             FROM (SELECT array_agg(id) AS ids FROM
+                       (SELECT id FROM runs WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE)
+                   AS locked) AS found",
+            &[&runs],
+        )?;
+        let wall = get::<i64>(&rows[0], 0)?;
+        let mut existing = get::<Option<Vec<String>>>(&rows[0], 1)?.unwrap_or_default();
+        existing.sort();
+        self.group = Some(Group {
+            runs,
+            existing,
+            wall,
+        });
+        Ok(())
+    }
+
+    /// Sends every write held back: the group's moves are all applied.
+    pub(super) fn send_held(&mut self) -> Result<()> {
+        self.send(Tables::ALL)
+    }
+
+    /// Sends the writes held back on `tables`.
+    fn send(&mut self, tables: Tables) -> Result<()> {
+        let Some(held) = &mut self.held else {
+            return Ok(());
+        };
+        for batch in held.take(tables) {
+            let statement = self.link.statement(batch.sql)?;
+            if !self.link.write(&statement, batch.params, batch.expect)? {
+                return Err(Error::CommitFailed(
+                    "a write held back was refused; the group is applied again".into(),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -55,28 +138,48 @@ const FINISHED: &str = "state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')";
 /// when its transaction began.
 const SERVER_NOW: &str = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::int8";
 
+// Each statement first sends the writes held back on the tables it reads or writes (on all of
+// them unless it says which).
 impl PgTx<'_> {
     fn rows(&mut self, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
+        self.rows_on(Tables::ALL, sql, params)
+    }
+
+    fn rows_on(&mut self, tables: Tables, sql: &str, params: &Params<'_>) -> Result<Vec<Row>> {
+        self.send(tables)?;
         let statement = self.link.statement(sql)?;
         self.link.query(&statement, params)
     }
 
     fn row(&mut self, sql: &str, params: &Params<'_>) -> Result<Option<Row>> {
-        Ok(self.rows(sql, params)?.into_iter().next())
+        self.row_on(Tables::ALL, sql, params)
+    }
+
+    fn row_on(&mut self, tables: Tables, sql: &str, params: &Params<'_>) -> Result<Option<Row>> {
+        Ok(self.rows_on(tables, sql, params)?.into_iter().next())
     }
 
     fn execute(&mut self, sql: &str, params: &Params<'_>) -> Result<u64> {
+        self.send(Tables::ALL)?;
         let statement = self.link.statement(sql)?;
         self.link.execute(&statement, params)
     }
 
     /// A write the link may send without waiting: whether it changed `expect` rows.
-    fn write(&mut self, sql: &str, params: Vec<Owned>, expect: Option<u64>) -> Result<bool> {
+    fn write(
+        &mut self,
+        tables: Tables,
+        sql: &str,
+        params: Vec<Owned>,
+        expect: Option<u64>,
+    ) -> Result<bool> {
+        self.send(tables)?;
         let statement = self.link.statement(sql)?;
         self.link.write(&statement, params, expect)
     }
 
     fn simple(&mut self, sql: &str) -> Result<()> {
+        self.send(Tables::ALL)?;
         self.link.batch(sql)
     }
 
@@ -150,16 +253,26 @@ fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
 
 impl Reads for PgTx<'_> {
     fn lease_wall(&mut self) -> Result<i64> {
-        let wall = get::<i64>(&self.rows(SERVER_NOW, &[])?[0], 0)?;
+        let wall = match self.locked_at.take() {
+            Some(wall) => wall,
+            None => get::<i64>(&self.rows_on(Tables::NONE, SERVER_NOW, &[])?[0], 0)?,
+        };
         self.last_wall = Some(wall);
         Ok(wall + crate::clock::wall_shift())
     }
 
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
+        if self
+            .group
+            .as_ref()
+            .is_some_and(|group| group.knows_absent(run_id.as_str()))
+        {
+            return Ok(None);
+        }
         let sql = self.locking(
             "SELECT state, lease_owner, lease_expires_at, lease_epoch FROM runs WHERE id = $1",
         );
-        let Some(row) = self.row(&sql, &[&run_id.as_str()])? else {
+        let Some(row) = self.row_on(Tables::RUNS, &sql, &[&run_id.as_str()])? else {
             return Ok(None);
         };
         Ok(Some(LeaseRow {
@@ -172,7 +285,7 @@ impl Reads for PgTx<'_> {
 
     fn run(&mut self, run_id: &RunId) -> Result<Option<Run>> {
         let sql = self.locking(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = $1"));
-        self.row(&sql, &[&run_id.as_str()])?
+        self.row_on(Tables::RUNS, &sql, &[&run_id.as_str()])?
             .as_ref()
             .map(run_from_row)
             .transpose()
@@ -355,9 +468,16 @@ impl Reads for PgTx<'_> {
 
 impl Tx for PgTx<'_> {
     fn lock_run(&mut self, run_id: &RunId) -> Result<()> {
+        if let Some(group) = &self.group
+            && group.locked(run_id.as_str())
+        {
+            self.locked_at = Some(group.wall);
+            return Ok(());
+        }
         // Nothing waits for it: the clock is read after it, and the touch that follows
         // refuses a run that is not there.
         self.write(
+            Tables::RUNS,
             "SELECT 1 FROM runs WHERE id = $1 FOR UPDATE",
             owned![run_id.as_str().to_owned()],
             None,
@@ -366,24 +486,33 @@ impl Tx for PgTx<'_> {
     }
 
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
+        if let Some(group) = &mut self.group
+            && let Err(at) = group
+                .existing
+                .binary_search_by(|id| id.as_str().cmp(run.run_id.as_str()))
+        {
+            group.existing.insert(at, run.run_id.as_str().to_owned());
+        }
         let token: i64 = if run.lease.is_some() {
             FIRST_TOKEN as i64
         } else {
             0
         };
-        self.execute(
+        self.write(
+            Tables::RUNS,
             "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
                                lease_expires_at, lease_epoch)
              VALUES ($1, $2, $3, 'RUNNING', $4, $4, $5, $6, $7)",
-            &[
-                &run.run_id.as_str(),
-                &run.agent,
-                run.input,
-                &run.at,
-                &run.lease.map(|(owner, _)| owner),
-                &run.lease.map(|(_, expires_at)| expires_at),
-                &token,
+            owned![
+                run.run_id.as_str().to_owned(),
+                run.agent.to_owned(),
+                run.input.clone(),
+                run.at,
+                run.lease.map(|(owner, _)| owner.to_owned()),
+                run.lease.map(|(_, expires_at)| expires_at),
+                token,
             ],
+            Some(1),
         )?;
         Ok(())
     }
@@ -402,7 +531,26 @@ impl Tx for PgTx<'_> {
         let beyond = unexpired_at
             .zip(self.last_wall)
             .map(|(unexpired_at, wall)| unexpired_at - wall);
+        if let Some(held) = &mut self.held {
+            let touch = Touch {
+                run_id: run_id.as_str().to_owned(),
+                at,
+                owner: owner.to_owned(),
+                unexpired_at,
+                token: token as i64,
+                beyond,
+            };
+            if let Err(touch) = held.touch(touch) {
+                self.send(Tables::RUNS)?;
+                let held = self.held.as_mut().expect("held writes");
+                held.touch(touch)
+                    .ok()
+                    .expect("no touch held after sending them");
+            }
+            return Ok(true);
+        }
         self.write(
+            Tables::RUNS,
             "UPDATE runs SET updated_at = $2
              WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
                AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)
@@ -421,24 +569,49 @@ impl Tx for PgTx<'_> {
     }
 
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
-        let (guard_owner, guard_token) =
-            m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
-        let row = self.row(
-            "UPDATE runs SET state = $2, output = $3, error = $4, updated_at = $5,
+        const UPDATE: &str = "UPDATE runs SET state = $2, output = $3, error = $4, updated_at = $5,
                              lease_owner = $8::text, lease_expires_at = $9::int8,
                              lease_epoch = lease_epoch
                                  + CASE WHEN $8::text IS NULL THEN 0 ELSE 1 END
              WHERE id = $1 AND state IN ($6, $7)
                AND ($10::text IS NULL OR (lease_owner = $10::text AND lease_epoch = $11::int8))
-             RETURNING lease_epoch",
+             RETURNING lease_epoch";
+        let (guard_owner, guard_token) =
+            m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
+        let from = (
+            m.from[0].as_str(),
+            m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+        );
+        if let (Some(_), None, Some((_, token))) = (&self.held, m.owner, m.guard) {
+            // Under its own lease and taking none, the move leaves the token as it is: the
+            // answer is known, and nothing waits for it.
+            let params = owned![
+                run_id.as_str().to_owned(),
+                m.to.as_str(),
+                m.output.map(str::to_owned),
+                m.error.map(str::to_owned),
+                m.at,
+                from.0,
+                from.1,
+                None::<String>,
+                m.expires_at,
+                guard_owner.map(str::to_owned),
+                guard_token,
+            ];
+            self.write(Tables::RUNS, UPDATE, params, Some(1))?;
+            return Ok(Some(token));
+        }
+        let row = self.row_on(
+            Tables::RUNS,
+            UPDATE,
             &[
                 &run_id.as_str(),
                 &m.to.as_str(),
                 &m.output,
                 &m.error,
                 &m.at,
-                &m.from[0].as_str(),
-                &m.from.get(1).unwrap_or(&m.from[0]).as_str(),
+                &from.0,
+                &from.1,
                 &m.owner,
                 &m.expires_at,
                 &guard_owner,
@@ -492,7 +665,21 @@ impl Tx for PgTx<'_> {
         attempt: u32,
         call: Option<&ToolCall>,
     ) -> Result<()> {
+        if let Some(held) = &mut self.held {
+            held.insert_step(NewStep {
+                run_id: run_id.as_str().to_owned(),
+                step: step as i32,
+                kind: kind.as_str(),
+                state: state.as_str(),
+                attempt: attempt as i32,
+                call_id: call.map(|call| call.id.clone()),
+                tool: call.map(|call| call.name.clone()),
+                args: call.map(|call| call.args.clone()),
+            });
+            return Ok(());
+        }
         self.write(
+            Tables::STEPS,
             "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             owned![
@@ -533,7 +720,25 @@ impl Tx for PgTx<'_> {
     }
 
     fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
+        if let Some(held) = &self.held {
+            if held.moves_step(run_id.as_str(), step as i32) {
+                self.send(Tables::STEPS)?;
+            }
+            let moved = StepMove {
+                run_id: run_id.as_str().to_owned(),
+                step: step as i32,
+                from: m.from.as_str(),
+                attempt: m.attempt as i32,
+                to: m.to.as_str(),
+                starts: i32::from(m.starts),
+                result: m.result.cloned(),
+                waiting_for: m.waiting_for.map(ApprovalReason::as_str),
+            };
+            self.held.as_mut().expect("held writes").move_step(moved);
+            return Ok(true);
+        }
         self.write(
+            Tables::STEPS,
             "UPDATE steps SET state = $5, attempt = attempt + $6,
                               result = COALESCE($7, result), waiting_for = $8
              WHERE run_id = $1 AND step = $2 AND state = $3 AND attempt = $4",
@@ -621,7 +826,18 @@ impl Tx for PgTx<'_> {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()> {
+        if let Some(held) = &mut self.held {
+            held.append(NewEvent {
+                run_id: run_id.as_str().to_owned(),
+                kind: kind.as_str(),
+                at,
+                step: step.map(|step| step as i32),
+                payload: payload.clone(),
+            });
+            return Ok(());
+        }
         self.write(
+            Tables::EVENTS,
             "INSERT INTO events (run_id, seq, kind, at, step, payload)
              VALUES ($1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = $1),
                      $2, $3, $4, $5)",

@@ -18,7 +18,7 @@ use std::{
 use super::{
     Postgres,
     conn::{Conn, Noted, Pg, off_runtime, take_noted},
-    link::Direct,
+    link::{Direct, Link},
     pipe::PipeConn,
     sql::PgTx,
 };
@@ -470,21 +470,28 @@ fn attempt_on(
         // Every write sent is answered: a failed or refused one spoils the transaction.
         let settled = conn.settle();
         let noted = take_noted();
-        let attempt = match (failed, noted) {
-            (_, Noted::Broken | Noted::Conflict) => Some(Attempt::Again(format!(
+        let attempt = match (noted, failed) {
+            (Noted::Broken | Noted::Conflict, _) => Some(Attempt::Again(format!(
                 "{noted:?} while applying the group"
             ))),
-            (Some(err), Noted::Nothing) => Some(Attempt::Failed(GroupFailure::of(&err))),
-            (None, Noted::Nothing) if stands && settled => None,
-            (None, Noted::Nothing) => {
+            // A pipelined write was refused (any statement after it fails saying only that),
+            // or a move was: each move in a savepoint of its own now, every statement
+            // answered at once.
+            (Noted::Nothing, ref failed) if !settled || (failed.is_none() && !stands) => {
+                if isolation == Isolation::Savepoint {
+                    // Statement by statement already: the BEGIN itself failed.
+                    roll_back(conn);
+                    return Attempt::Again("the transaction could not begin".into());
+                }
                 if !roll_back(conn) {
                     return Attempt::Again("the connection broke while rolling back".into());
                 }
-                // Each move in a savepoint of its own now, every statement answered at once.
                 isolation = Isolation::Savepoint;
                 conn.direct = true;
                 continue;
             }
+            (Noted::Nothing, Some(err)) => Some(Attempt::Failed(GroupFailure::of(&err))),
+            (Noted::Nothing, None) => None,
         };
         if let Some(attempt) = attempt {
             roll_back(conn);
@@ -508,12 +515,28 @@ fn apply_group(
     clock: &dyn Clock,
     isolation: Isolation,
 ) -> (bool, Option<Error>) {
+    let pipelined = conn.pipelines();
     let mut pg = PgTx::new(conn, true);
     match isolation {
         Isolation::Shared => {
+            if pipelined {
+                let mut runs: Vec<String> = batch
+                    .iter()
+                    .flat_map(|pending| pending.infos())
+                    .map(|info| info.run_id.as_str().to_owned())
+                    .collect();
+                runs.sort();
+                runs.dedup();
+                if let Err(err) = pg.lock_group(runs) {
+                    return (false, Some(err));
+                }
+            }
             let stands = batch
                 .iter_mut()
                 .all(|pending| pending.apply(&mut pg, clock, Isolation::Shared));
+            if let Err(err) = pg.send_held() {
+                return (false, Some(err));
+            }
             (stands, None)
         }
         Isolation::Savepoint => {

@@ -29,11 +29,26 @@ impl Tables {
     }
 }
 
-/// One statement to send: its SQL, its parameters, and how many rows it must change.
+/// One statement to send: its SQL, its parameters, and what it must answer.
 pub(super) struct Batch {
-    pub sql: &'static str,
+    pub sql: String,
     pub params: Vec<Owned>,
-    pub expect: Option<u64>,
+    pub expect: Expect,
+}
+
+/// What a statement of held writes must answer for the moves that wrote them to stand.
+pub(super) enum Expect {
+    /// It changes this many rows.
+    Changed(u64),
+    /// It answers one row of these counts: the rows each of its parts changed.
+    Counts(Vec<i64>),
+}
+
+/// One kind of held writes, as a statement of its own.
+struct Part {
+    sql: &'static str,
+    params: Vec<Owned>,
+    rows: usize,
 }
 
 /// A touch of a run's row: the lease guard of a move that holds the run.
@@ -161,27 +176,98 @@ impl Held {
         self.events.push(event);
     }
 
-    /// The statements that send what is held on `tables`, in an order that keeps each
-    /// statement's view (a step is inserted before it is moved), leaving nothing of those
-    /// tables held.
+    /// The statements that send what is held on `tables`, leaving nothing of them held: one
+    /// statement for all of it, each kind a part of its own, except that steps inserted are
+    /// sent first when a held move is of one of them (the parts of one statement do not see
+    /// each other's rows).
     pub(super) fn take(&mut self, tables: Tables) -> Vec<Batch> {
-        let mut batches = Vec::new();
+        let mut parts = Vec::new();
+        let mut first = None;
         if tables.has(Tables::RUNS) && !self.touches.is_empty() {
-            batches.push(touches(std::mem::take(&mut self.touches)));
+            parts.push(touches(std::mem::take(&mut self.touches)));
         }
         if tables.has(Tables::STEPS) {
             if !self.new_steps.is_empty() {
-                batches.push(new_steps(std::mem::take(&mut self.new_steps)));
+                let moved_new = self.step_moves.iter().any(|moved| {
+                    self.new_steps
+                        .iter()
+                        .any(|new| new.run_id == moved.run_id && new.step == moved.step)
+                });
+                let part = new_steps(std::mem::take(&mut self.new_steps));
+                if moved_new {
+                    first = Some(part);
+                } else {
+                    parts.push(part);
+                }
             }
             if !self.step_moves.is_empty() {
-                batches.push(step_moves(std::mem::take(&mut self.step_moves)));
+                parts.push(step_moves(std::mem::take(&mut self.step_moves)));
             }
         }
         if tables.has(Tables::EVENTS) && !self.events.is_empty() {
-            batches.push(new_events(std::mem::take(&mut self.events)));
+            parts.push(new_events(std::mem::take(&mut self.events)));
+        }
+        let mut batches: Vec<Batch> = first.into_iter().map(alone).collect();
+        match parts.len() {
+            0 => {}
+            1 => batches.extend(parts.pop().map(alone)),
+            _ => batches.push(together(parts)),
         }
         batches
     }
+}
+
+/// A part as a statement of its own.
+fn alone(part: Part) -> Batch {
+    Batch {
+        sql: part.sql.to_owned(),
+        params: part.params,
+        expect: Expect::Changed(part.rows as u64),
+    }
+}
+
+/// Parts as one statement, each a data-modifying `WITH` query answering the rows it changed.
+fn together(parts: Vec<Part>) -> Batch {
+    let mut queries = Vec::new();
+    let mut counts = Vec::new();
+    let mut params = Vec::new();
+    let mut expect = Vec::new();
+    for (index, part) in parts.into_iter().enumerate() {
+        queries.push(format!(
+            "part{index} AS ({} RETURNING 1)",
+            renumbered(part.sql, params.len())
+        ));
+        counts.push(format!("(SELECT count(*) FROM part{index})"));
+        params.extend(part.params);
+        expect.push(part.rows as i64);
+    }
+    Batch {
+        sql: format!("WITH {} SELECT {}", queries.join(", "), counts.join(", ")),
+        params,
+        expect: Expect::Counts(expect),
+    }
+}
+
+/// `sql` with each parameter `$n` made `$(n + by)`.
+fn renumbered(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        out.push(c);
+        if c != '$' {
+            continue;
+        }
+        let mut digits = String::new();
+        while let Some(d) = chars.peek().filter(|d| d.is_ascii_digit()) {
+            digits.push(*d);
+            chars.next();
+        }
+        match digits.parse::<usize>() {
+            Ok(n) => out.push_str(&(n + by).to_string()),
+            Err(_) => out.push_str(&digits),
+        }
+    }
+    out
 }
 
 /// The later of two bounds a lease must outlast, either of them absent.
@@ -192,13 +278,8 @@ fn stricter(a: Option<i64>, b: Option<i64>) -> Option<i64> {
     }
 }
 
-/// The rows a batch of `n` must change.
-fn all(n: usize) -> Option<u64> {
-    Some(n as u64)
-}
-
-fn touches(touches: Vec<Touch>) -> Batch {
-    let expect = all(touches.len());
+fn touches(touches: Vec<Touch>) -> Part {
+    let rows = touches.len();
     let (mut ids, mut ats, mut owners, mut unexpired, mut tokens, mut beyond) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     for touch in touches {
@@ -209,7 +290,7 @@ fn touches(touches: Vec<Touch>) -> Batch {
         tokens.push(touch.token);
         beyond.push(touch.beyond);
     }
-    Batch {
+    Part {
         sql: TOUCHES,
         params: vec![
             Box::new(ids),
@@ -219,12 +300,12 @@ fn touches(touches: Vec<Touch>) -> Batch {
             Box::new(tokens),
             Box::new(beyond),
         ],
-        expect,
+        rows,
     }
 }
 
-fn new_steps(steps: Vec<NewStep>) -> Batch {
-    let expect = all(steps.len());
+fn new_steps(steps: Vec<NewStep>) -> Part {
+    let rows = steps.len();
     let (mut runs, mut numbers, mut kinds, mut states) = (vec![], vec![], vec![], vec![]);
     let (mut attempts, mut calls, mut tools, mut args) = (vec![], vec![], vec![], vec![]);
     for step in steps {
@@ -237,7 +318,7 @@ fn new_steps(steps: Vec<NewStep>) -> Batch {
         tools.push(step.tool);
         args.push(step.args);
     }
-    Batch {
+    Part {
         sql: NEW_STEPS,
         params: vec![
             Box::new(runs),
@@ -249,12 +330,12 @@ fn new_steps(steps: Vec<NewStep>) -> Batch {
             Box::new(tools),
             Box::new(args),
         ],
-        expect,
+        rows,
     }
 }
 
-fn step_moves(moves: Vec<StepMove>) -> Batch {
-    let expect = all(moves.len());
+fn step_moves(moves: Vec<StepMove>) -> Part {
+    let rows = moves.len();
     let (mut runs, mut numbers, mut froms, mut attempts) = (vec![], vec![], vec![], vec![]);
     let (mut tos, mut starts, mut results, mut waiting) = (vec![], vec![], vec![], vec![]);
     for moved in moves {
@@ -267,7 +348,7 @@ fn step_moves(moves: Vec<StepMove>) -> Batch {
         results.push(moved.result);
         waiting.push(moved.waiting_for);
     }
-    Batch {
+    Part {
         sql: STEP_MOVES,
         params: vec![
             Box::new(runs),
@@ -279,12 +360,12 @@ fn step_moves(moves: Vec<StepMove>) -> Batch {
             Box::new(results),
             Box::new(waiting),
         ],
-        expect,
+        rows,
     }
 }
 
-fn new_events(events: Vec<NewEvent>) -> Batch {
-    let expect = all(events.len());
+fn new_events(events: Vec<NewEvent>) -> Part {
+    let rows = events.len();
     let (mut runs, mut kinds, mut ats, mut steps, mut payloads) =
         (vec![], vec![], vec![], vec![], vec![]);
     for event in events {
@@ -294,7 +375,7 @@ fn new_events(events: Vec<NewEvent>) -> Batch {
         steps.push(event.step);
         payloads.push(event.payload);
     }
-    Batch {
+    Part {
         sql: NEW_EVENTS,
         params: vec![
             Box::new(runs),
@@ -303,6 +384,93 @@ fn new_events(events: Vec<NewEvent>) -> Batch {
             Box::new(steps),
             Box::new(payloads),
         ],
-        expect,
+        rows,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_renumbered_past_the_parts_before() {
+        assert_eq!(
+            renumbered("a = $1 AND b = $12::int8[] AND c = '$'", 3),
+            "a = $4 AND b = $15::int8[] AND c = '$'"
+        );
+    }
+
+    fn step(run_id: &str, step: i32) -> NewStep {
+        NewStep {
+            run_id: run_id.into(),
+            step,
+            kind: "tool",
+            state: "pending",
+            attempt: 0,
+            call_id: None,
+            tool: None,
+            args: None,
+        }
+    }
+
+    fn moved(run_id: &str, step: i32) -> StepMove {
+        StepMove {
+            run_id: run_id.into(),
+            step,
+            from: "pending",
+            attempt: 0,
+            to: "in_flight",
+            starts: 1,
+            result: None,
+            waiting_for: None,
+        }
+    }
+
+    #[test]
+    fn a_step_moved_in_the_group_that_inserted_it_is_inserted_by_a_statement_before() {
+        let mut held = Held::default();
+        held.insert_step(step("r", 2));
+        held.move_step(moved("r", 2));
+        let batches = held.take(Tables::ALL);
+        assert_eq!(batches.len(), 2);
+        assert!(batches[0].sql.starts_with("INSERT INTO steps"));
+        assert!(matches!(batches[0].expect, Expect::Changed(1)));
+        assert!(batches[1].sql.starts_with("UPDATE steps"));
+        assert!(held.take(Tables::ALL).is_empty(), "nothing is left held");
+    }
+
+    #[test]
+    fn kinds_of_other_rows_go_in_one_statement_answering_each_kinds_count() {
+        let mut held = Held::default();
+        held.insert_step(step("r", 3));
+        held.move_step(moved("r", 2));
+        held.move_step(moved("s", 2));
+        let batches = held.take(Tables::STEPS);
+        assert_eq!(batches.len(), 1);
+        assert!(
+            batches[0]
+                .sql
+                .starts_with("WITH part0 AS (INSERT INTO steps")
+        );
+        assert!(batches[0].sql.contains("$9::text[]"), "{}", batches[0].sql);
+        assert!(matches!(&batches[0].expect, Expect::Counts(counts) if counts == &[1, 2]));
+    }
+
+    #[test]
+    fn a_second_touch_of_a_run_under_the_same_lease_asks_what_both_ask() {
+        let touch = |at, beyond, token| Touch {
+            run_id: "r".into(),
+            at,
+            owner: "o".into(),
+            unexpired_at: None,
+            token,
+            beyond,
+        };
+        let mut held = Held::default();
+        assert!(held.touch(touch(5, None, 1)).is_ok());
+        assert!(held.touch(touch(7, Some(300), 1)).is_ok());
+        assert!(held.touch(touch(8, None, 2)).is_err(), "another lease's");
+        assert_eq!(held.touches.len(), 1);
+        assert_eq!((held.touches[0].at, held.touches[0].beyond), (7, Some(300)));
     }
 }

@@ -36,6 +36,14 @@ pub(super) trait Link {
         expect: Option<u64>,
     ) -> Result<bool>;
 
+    /// Like [`Link::write`], for a statement that answers one row of counts: whether it is
+    /// `counts`.
+    fn check(
+        &mut self,
+        statement: &Statement,
+        params: Vec<Owned>,
+        counts: Vec<i64>,
+    ) -> Result<bool>;
     /// Whether writes are sent without waiting for their answers.
     fn pipelines(&self) -> bool {
         false
@@ -46,6 +54,24 @@ pub(super) trait Link {
 pub(super) struct Direct<'a, 'c> {
     pub tx: &'a mut Transaction<'c>,
     pub statements: &'a mut HashMap<String, Statement>,
+}
+
+/// Whether `rows` is one row of `counts`.
+pub(super) fn counted(rows: &[Row], counts: &[i64]) -> bool {
+    match rows {
+        [row] => {
+            (0..counts.len()).all(|index| row.try_get::<_, i64>(index).ok() == Some(counts[index]))
+        }
+        _ => false,
+    }
+}
+
+/// `params` as the driver takes them.
+pub(super) fn borrowed(params: &[Owned]) -> Vec<&(dyn ToSql + Sync)> {
+    params
+        .iter()
+        .map(|param| &**param as &(dyn ToSql + Sync))
+        .collect()
 }
 
 impl Link for Direct<'_, '_> {
@@ -76,11 +102,17 @@ impl Link for Direct<'_, '_> {
         params: Vec<Owned>,
         expect: Option<u64>,
     ) -> Result<bool> {
-        let params: Vec<&(dyn ToSql + Sync)> = params
-            .iter()
-            .map(|param| &**param as &(dyn ToSql + Sync))
-            .collect();
-        let changed = self.tx.execute(statement, &params).pg()?;
+        let changed = self.tx.execute(statement, &borrowed(&params)).pg()?;
         Ok(expect.is_none_or(|expect| expect == changed))
+    }
+
+    fn check(
+        &mut self,
+        statement: &Statement,
+        params: Vec<Owned>,
+        counts: Vec<i64>,
+    ) -> Result<bool> {
+        let rows = self.tx.query(statement, &borrowed(&params)).pg()?;
+        Ok(counted(&rows, &counts))
     }
 }

@@ -14,7 +14,7 @@
 //! use agentrt::{Store, postgres::Options};
 //!
 //! let store: Store = Options::new()
-//!     .writers(4)
+//!     .writers(2)
 //!     .open("postgres://agentrt@db.internal/agents")?;
 //! // Or, with the default options, by URL:
 //! let same = Store::connect("postgres://agentrt@db.internal/agents")?;

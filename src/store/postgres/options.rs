@@ -5,7 +5,7 @@ use std::time::Duration;
 use crate::{Store, error::Result};
 
 /// The writer connections a supervisor commits through, unless told otherwise.
-pub const DEFAULT_WRITERS: usize = 4;
+pub const DEFAULT_WRITERS: usize = 2;
 
 /// How to open a PostgreSQL store: `Options::new().open(url)`.
 ///

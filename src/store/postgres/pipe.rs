@@ -24,7 +24,7 @@ use tokio::runtime::Runtime;
 use super::{
     Options,
     conn::{Pg, off_runtime, pg_error, session_settings},
-    link::{Link, Owned},
+    link::{Link, Owned, borrowed, counted},
 };
 use crate::error::{Error, Result};
 
@@ -188,6 +188,28 @@ impl Drop for PipeConn {
 impl Link for PipeConn {
     fn pipelines(&self) -> bool {
         !self.direct
+    }
+
+    fn check(
+        &mut self,
+        statement: &Statement,
+        params: Vec<Owned>,
+        counts: Vec<i64>,
+    ) -> Result<bool> {
+        if self.direct {
+            let rows = self.query(statement, &borrowed(&params))?;
+            return Ok(counted(&rows, &counts));
+        }
+        let client = self.client.clone();
+        let statement = statement.clone();
+        self.send(
+            Box::pin(async move {
+                let rows = client.query(&statement, &borrowed(&params)).await?;
+                Ok(u64::from(counted(&rows, &counts)))
+            }),
+            Some(1),
+        );
+        Ok(true)
     }
 
     fn statement(&mut self, sql: &str) -> Result<Statement> {

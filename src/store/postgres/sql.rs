@@ -5,7 +5,7 @@ use postgres::{Row, types::ToSql};
 use serde_json::Value;
 
 use super::{
-    held::{Held, NewEvent, NewStep, StepMove, Tables, Touch},
+    held::{Expect, Held, NewEvent, NewStep, StepMove, Tables, Touch},
     link::{Link, Owned},
 };
 use crate::{
@@ -112,8 +112,12 @@ impl<'a> PgTx<'a> {
             return Ok(());
         };
         for batch in held.take(tables) {
-            let statement = self.link.statement(batch.sql)?;
-            if !self.link.write(&statement, batch.params, batch.expect)? {
+            let statement = self.link.statement(&batch.sql)?;
+            let stands = match batch.expect {
+                Expect::Changed(rows) => self.link.write(&statement, batch.params, Some(rows))?,
+                Expect::Counts(counts) => self.link.check(&statement, batch.params, counts)?,
+            };
+            if !stands {
                 return Err(Error::CommitFailed(
                     "a write held back was refused; the group is applied again".into(),
                 ));

@@ -356,7 +356,10 @@ pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
 
 /// Applies `moves` through a supervisor's writer as one group (held back until all are
 /// queued); returns whether each committed.
-fn in_one_group(store: &Store, moves: Vec<crate::actors::store::ApplyMove<()>>) -> Vec<bool> {
+pub(crate) fn in_one_group(
+    store: &Store,
+    moves: Vec<crate::actors::store::ApplyMove<()>>,
+) -> Vec<bool> {
     use crate::actors::store::{ReadState, StoreActor};
 
     let store = store.clone();

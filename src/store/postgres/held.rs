@@ -1,6 +1,6 @@
-//! The writes a pipelining lane holds back while it applies a group, sent as one statement per
-//! kind instead of one per move: the runs' touches, the steps inserted, the steps moved, and
-//! the events appended. The server's work for a statement is mostly its own (planning,
+//! The writes a pipelining lane holds back while it applies a group, sent together as one
+//! statement (each kind a part of it) instead of one per move: the runs' touches, the steps
+//! inserted, the steps moved, and the events appended. The server's work for a statement is mostly its own (planning,
 //! locking the tables, starting the executor), not its rows', so a group of many moves costs
 //! a few statements more than one move does.
 //!

@@ -156,9 +156,20 @@ impl PipeConn {
                 pg_error(err);
                 self.spoiled = true;
             }
-            Poll::Ready(Ok(_)) => {}
+            Poll::Ready(Ok(changed)) => {
+                if expect.is_some_and(|expect| expect != changed) {
+                    self.spoiled = true;
+                }
+            }
             Poll::Pending => self.sent.push(Sent { answer, expect }),
         }
+    }
+
+    /// Whether the open transaction may be committed: every write sent was answered as its
+    /// move expected. The server answers the COMMIT of a transaction a statement failed in by
+    /// rolling it back, without an error, so this is asked first.
+    pub(super) fn stands(&self) -> bool {
+        self.sent.is_empty() && !self.spoiled
     }
 
     /// Refuses to read past a spoiled write: the group is to be applied again.

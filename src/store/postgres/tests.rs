@@ -82,7 +82,8 @@ impl Fixture for Server {
 
 conformance_suite!(on_postgres, Server::new());
 
-// One writer connection: every move a supervisor queues meets the others in one pipelined
+// One writer connection. Most cases apply their moves one at a time, outside any supervisor;
+// those that go through a supervisor's writer (`in_one_group`) then meet in one pipelined
 // group, so that a refusal found only at the group's next wait is rolled back alone.
 conformance_suite!(
     on_postgres_in_one_lane,
@@ -156,5 +157,93 @@ fn a_start_that_waited_for_the_runs_row_past_its_lease_is_refused() {
             .iter()
             .any(|event| event.kind == crate::EventKind::ToolStarted),
         "{events:?}"
+    );
+}
+
+/// The same through a supervisor's writer lane: the group waits for the row in its lock of
+/// its runs, and the start is judged by the server's clock as read once the row is held, not
+/// by the loop's deadline (which has time left here) or a reading from before the wait.
+#[test]
+fn a_start_whose_group_waited_for_the_runs_row_past_its_lease_is_refused() {
+    use crate::{
+        actors::store::ApplyMove,
+        store::{
+            backend::MoveKind,
+            conformance::{allow, call, create, in_one_group, model_answered_by, run},
+            model::{Grant, Holder},
+            moves::{FIRST_TOKEN, Move},
+        },
+    };
+    use std::time::Duration;
+
+    let server = Server::with(|| crate::postgres::Options::new().writers(1));
+    if !server.available() {
+        return;
+    }
+    let store = server.store();
+    let grant = Grant::held(
+        Holder {
+            owner: "me/000000000001".into(),
+            ttl: Duration::from_secs(30),
+            margin: Duration::from_millis(200),
+        },
+        FIRST_TOKEN,
+    );
+    create(&store, &run("r"), &grant);
+    model_answered_by(&store, &run("r"), &grant, vec![call("c1")]);
+    let backend = store
+        .backend()
+        .as_any()
+        .downcast_ref::<super::Postgres>()
+        .unwrap();
+    let mut holder = backend.connection().unwrap();
+    // The stored lease ends 600 ms from now by the server's clock; the loop's deadline is 30 s.
+    holder
+        .client()
+        .execute(
+            "UPDATE runs SET lease_expires_at =
+                 floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 + 600
+             WHERE id = 'r'",
+            &[],
+        )
+        .unwrap();
+    let mut held = holder.client().transaction().unwrap();
+    held.query("SELECT 1 FROM runs WHERE id = 'r' FOR UPDATE", &[])
+        .unwrap();
+    let starter = {
+        let (store, grant) = (store.clone(), grant.clone());
+        std::thread::spawn(move || {
+            let decide = ApplyMove::new(MoveKind::DecideTool, &run("r"), move |tx, now| {
+                Move::new(tx, now, &run("r")).decide_tool(&grant, 2, &call("c1"), &allow())
+            });
+            in_one_group(&store, vec![decide])
+        })
+    };
+    // Held until the stored lease has ended, by the server's clock.
+    loop {
+        let rows = held
+            .query(
+                "SELECT lease_expires_at < floor(extract(epoch FROM clock_timestamp()) * 1000)::int8
+                 FROM runs WHERE id = 'r'",
+                &[],
+            )
+            .unwrap();
+        if rows[0].get::<_, bool>(0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    held.rollback().unwrap();
+    assert_eq!(starter.join().unwrap(), [false], "the start was refused");
+    let events = store.events(&run("r")).unwrap();
+    assert!(
+        !events
+            .iter()
+            .any(|event| event.kind == crate::EventKind::ToolStarted),
+        "{events:?}"
+    );
+    assert!(
+        grant.has_margin(),
+        "refused by the stored lease, not the loop's deadline"
     );
 }

@@ -497,6 +497,10 @@ fn attempt_on(
             roll_back(conn);
             return attempt;
         }
+        if !conn.stands() {
+            roll_back(conn);
+            return Attempt::Again("a write of the group was not answered as expected".into());
+        }
         return match conn.finish("COMMIT") {
             Ok(()) => Attempt::Committed,
             Err(err) => match commit_failure(err) {
@@ -527,8 +531,10 @@ fn apply_group(
                     .collect();
                 runs.sort();
                 runs.dedup();
-                if let Err(err) = pg.lock_group(runs) {
-                    return (false, Some(err));
+                if pg.lock_group(runs).is_err() {
+                    // Applied again move by move, where such an error refuses one move only
+                    // (a conflict or a broken connection is noted: the group is tried again).
+                    return (false, None);
                 }
             }
             let stands = batch

@@ -11,6 +11,7 @@ pub mod models;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+mod trace_context;
 mod types;
 
 // The examples in docs/ compile as doctests.

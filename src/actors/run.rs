@@ -109,11 +109,26 @@ impl Handler<Execute> for RunActor {
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
         // A resumed run's agent is known once the run is read, and recorded then: the field
-        // is declared empty so that it is written once either way.
-        let span = tracing::info_span!("run", run_id = %msg.run_id, agent = tracing::field::Empty);
+        // is declared empty so that it is written once either way. So is the execution's
+        // kind (start, resume, takeover) and the fencing token it takes.
+        let span = tracing::info_span!(
+            "run",
+            run_id = %msg.run_id,
+            agent = tracing::field::Empty,
+            execution = tracing::field::Empty,
+            owner = %msg.holder.owner,
+            fencing_token = tracing::field::Empty,
+            otel.name = tracing::field::Empty,
+        );
         if let Job::Start { agent, .. } = &msg.job {
             span.record("agent", agent.as_str());
+            #[cfg(feature = "otel")]
+            span.record("otel.name", format!("invoke_agent {agent}"));
         }
+        // A resume or a takeover joins the trace the run's start began.
+        #[cfg(feature = "otel")]
+        let joins = (!matches!(msg.job, Job::Start { .. }))
+            .then(|| (msg.run_id.clone(), msg.store.clone()));
         let env = Env {
             run_id: msg.run_id.clone(),
             store: msg.store.clone(),
@@ -177,14 +192,40 @@ impl Handler<Execute> for RunActor {
             }
             result.map(|outcome| RunReply { run_id, outcome })
         };
-        Box::pin(
-            work.instrument(span)
-                .into_actor(self)
-                .map(|result, _, ctx| {
-                    ctx.stop();
-                    result
-                }),
-        )
+        // The parent is set before the span is first entered: it is fixed from then on.
+        #[cfg(feature = "otel")]
+        let work = async move {
+            if let Some((run_id, store)) = &joins {
+                join_trace(&span, run_id, store).await;
+            }
+            work.instrument(span).await
+        };
+        #[cfg(not(feature = "otel"))]
+        let work = work.instrument(span);
+        Box::pin(work.into_actor(self).map(|result, _, ctx| {
+            ctx.stop();
+            result
+        }))
+    }
+}
+
+/// Makes the trace kept in the run's `run.started` the parent of `span`, the span of this
+/// execution, and names the span after the run's agent. A run whose start kept no trace
+/// leaves `span` the root of a trace of its own; so does a failed read (the execution's own
+/// read of the run then reports the error).
+#[cfg(feature = "otel")]
+async fn join_trace(span: &tracing::Span, run_id: &RunId, store: &StoreHandle) {
+    let id = run_id.clone();
+    let read = ReadState::new(move |reads| reads.first_event(&id));
+    match send(store.addr(), read).await {
+        Ok(Some(started)) => {
+            if let Some(agent) = started.payload["agent"].as_str() {
+                span.record("otel.name", format!("invoke_agent {agent}"));
+            }
+            crate::trace_context::set_parent(span, &started.payload);
+        }
+        Ok(None) => {}
+        Err(err) => tracing::debug!(%run_id, %err, "could not read the run's trace context"),
     }
 }
 
@@ -301,8 +342,11 @@ impl RunLoop {
                     input.clone(),
                     env.grant.clone(),
                 );
+                let trace = crate::trace_context::started();
                 let create = ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-                    Move::new(tx, now, &id).create_run(&name, &value, &grant)
+                    Move::new(tx, now, &id)
+                        .traced(trace.as_deref())
+                        .create_run(&name, &value, &grant)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 match started {
@@ -319,6 +363,7 @@ impl RunLoop {
                         first_next = next;
                     }
                 }
+                run.taken("start");
                 tracing::info!(agent = %agent, "run started");
                 run.hold();
                 run
@@ -353,6 +398,7 @@ impl RunLoop {
                             env.store.apply(take, Durability::Durable).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold();
+                        run.taken("takeover");
                         tracing::info!(interrupted, "run taken over");
                         run
                     }
@@ -389,6 +435,14 @@ impl RunLoop {
             }),
             other => other,
         }
+    }
+
+    /// Records on this execution's span how it took the lease, and with which fencing token.
+    fn taken(&self, execution: &str) {
+        let span = tracing::Span::current();
+        span.record("execution", execution);
+        // Signed: an OpenTelemetry layer keeps unsigned integers as text.
+        span.record("fencing_token", self.env.grant.token() as i64);
     }
 
     /// Asks the keeper to renew the lease just taken.
@@ -866,7 +920,15 @@ impl RunLoop {
     /// came of it: the answer, with the move that follows it; a failure the model policy
     /// tries again, then the next attempt's reservation; or the failure of the run.
     async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
-        let span = tracing::info_span!("model", step, attempt);
+        // Signed: an OpenTelemetry layer keeps unsigned integers as text.
+        let span = tracing::info_span!(
+            "model",
+            step = i64::from(step),
+            attempt = i64::from(attempt),
+            otel.name = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        span.record("otel.name", "chat");
         let request = ModelRequest {
             run_id: &self.run_id,
             step,
@@ -1069,7 +1131,17 @@ impl RunLoop {
                 reason: LeaseLostReason::Expired,
             });
         }
-        let span = tracing::info_span!("tool", step = number, tool = %call.name, attempt);
+        let span = tracing::info_span!(
+            "tool",
+            step = i64::from(number),
+            tool = %call.name,
+            call_id = %call.id,
+            attempt = i64::from(attempt),
+            fencing_token = self.env.grant.token() as i64,
+            otel.name = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        span.record("otel.name", format!("execute_tool {}", call.name));
         let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.
             None => ToolResult::Error(format!("the agent has no tool named {:?}", call.name)),
@@ -1342,6 +1414,7 @@ impl RunLoop {
         .await?;
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.
         self.hold();
+        self.taken("resume");
         tracing::info!(step = number, source, "waiting run resumed");
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),

@@ -164,6 +164,7 @@ impl Handler<Execute> for RunActor {
                 Err(Error::LeaseLost { run_id, reason }) => {
                     let lost = Lost {
                         run_id: run_id.clone(),
+                        token: grant.token(),
                         reason: reason.clone(),
                     };
                     let reason = keeper.send(lost).await.unwrap_or(reason);
@@ -364,7 +365,13 @@ impl RunLoop {
                     }
                 }
                 run.taken("start");
-                tracing::info!(agent = %agent, "run started");
+                tracing::info!(
+                    %run_id,
+                    agent = %agent,
+                    owner = %run.env.grant.holder.owner,
+                    fencing_token = run.env.grant.token(),
+                    "run started"
+                );
                 run.hold();
                 run
             }
@@ -381,6 +388,8 @@ impl RunLoop {
                     RunState::WaitingForApproval => {
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
                         if let Some(outcome) = run.resume_waiting(&snapshot).await? {
+                            // Nothing was decided: it waits as it did.
+                            run.ended(&Ok(outcome.clone()));
                             return Ok(outcome);
                         }
                         run
@@ -388,18 +397,28 @@ impl RunLoop {
                     RunState::Running => {
                         let (id, grant) = (run_id.clone(), env.grant.clone());
                         let take = ApplyMove::new(MoveKind::TakeOver, &run_id, move |tx, now| {
+                            // Whose lease it was, for the record: none for a run that waited
+                            // for a slot, or a fork.
+                            let previous = tx.lease_row(&id)?.and_then(|row| row.owner);
                             let (interrupted, _) = Move::new(tx, now, &id).take_over(&grant)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
-                            Ok((interrupted.len(), moves::load(tx, &id)?))
+                            Ok((interrupted.len(), previous, moves::load(tx, &id)?))
                         });
-                        let (interrupted, snapshot) =
+                        let (interrupted, previous, snapshot) =
                             env.store.apply(take, Durability::Durable).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold();
                         run.taken("takeover");
-                        tracing::info!(interrupted, "run taken over");
+                        tracing::info!(
+                            %run_id,
+                            previous_owner = %previous.as_deref().unwrap_or("none"),
+                            owner = %run.env.grant.holder.owner,
+                            fencing_token = run.env.grant.token(),
+                            interrupted,
+                            "run taken over"
+                        );
                         run
                     }
                     RunState::Cancelled if matches!(job, Job::Turn) => {
@@ -422,7 +441,7 @@ impl RunLoop {
             Ok(Next::Return(outcome)) => Ok(outcome),
             Err(err) => Err(err),
         };
-        match result {
+        let result = match result {
             // An operator cancelled the run: the loop stops at its next write.
             Err(Error::RunState {
                 state: RunState::Cancelled,
@@ -434,7 +453,9 @@ impl RunLoop {
                 reason: LeaseLostReason::TakenBy(owner),
             }),
             other => other,
-        }
+        };
+        run.ended(&result);
+        result
     }
 
     /// Records on this execution's span how it took the lease, and with which fencing token.
@@ -443,6 +464,35 @@ impl RunLoop {
         span.record("execution", execution);
         // Signed: an OpenTelemetry layer keeps unsigned integers as text.
         span.record("fencing_token", self.env.grant.token() as i64);
+    }
+
+    /// Logs where this execution left the run, for an operator: waiting for an approval,
+    /// finished, failed, cancelled, or stopped by an error. A lost lease is logged where it is
+    /// found.
+    fn ended(&self, result: &Result<Outcome>) {
+        let (run_id, steps) = (&self.run_id, self.steps.len());
+        match result {
+            Ok(Outcome::WaitingForApproval { pending }) => tracing::info!(
+                %run_id,
+                step = pending.step,
+                call_id = %pending.call_id,
+                tool = %pending.tool,
+                reason = %pending.reason.as_str(),
+                "run waiting for approval"
+            ),
+            Ok(Outcome::Succeeded { .. }) => {
+                tracing::info!(%run_id, state = %RunState::Succeeded, steps, "run finished")
+            }
+            Ok(Outcome::Failed { error }) => {
+                tracing::info!(%run_id, state = %RunState::Failed, steps, %error, "run failed")
+            }
+            Ok(Outcome::Cancelled { reason }) => {
+                tracing::info!(%run_id, state = %RunState::Cancelled, steps, %reason, "run finished")
+            }
+            Err(Error::LeaseLost { .. }) => {}
+            // It stays RUNNING, for a resume or another process's recovery.
+            Err(err) => tracing::warn!(%run_id, steps, error = %err, "run stopped"),
+        }
     }
 
     /// Asks the keeper to renew the lease just taken.
@@ -1415,7 +1465,22 @@ impl RunLoop {
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.
         self.hold();
         self.taken("resume");
-        tracing::info!(step = number, source, "waiting run resumed");
+        let (approved, by) = match &decision {
+            ToolDecision::Allow { by, .. } => (true, by.as_deref()),
+            ToolDecision::Deny { by, .. } => (false, by.as_deref()),
+            ToolDecision::RequireApproval { .. } => (false, None),
+        };
+        tracing::info!(
+            run_id = %self.run_id,
+            step = number,
+            call_id = %call.id,
+            tool = %call.name,
+            approved,
+            decided_by = %by.unwrap_or(source),
+            owner = %self.env.grant.holder.owner,
+            fencing_token = self.env.grant.token(),
+            "run resumed"
+        );
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),
             Next::Return(outcome) => Ok(Some(outcome)),

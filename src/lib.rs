@@ -11,6 +11,7 @@ pub mod models;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+mod trace_context;
 mod types;
 #[cfg(feature = "web")]
 pub mod web;

@@ -199,13 +199,13 @@ impl LeaseKeeper {
         let Some(held) = self.held.remove(&run_id) else {
             return;
         };
-        let lost = self.tell(run_id, reason);
+        let lost = self.tell(run_id, held.grant.token(), reason);
         held.recipient.do_send(lost);
     }
 
     /// Tells the subscribers of a loss, once per call, and remembers the reason for the call.
-    fn tell(&mut self, run_id: RunId, reason: LeaseLostReason) -> LeaseLost {
-        tracing::warn!(%run_id, %reason, "lease lost");
+    fn tell(&mut self, run_id: RunId, token: u64, reason: LeaseLostReason) -> LeaseLost {
+        tracing::warn!(%run_id, owner = %self.owner, fencing_token = token, %reason, "lease lost");
         self.told.insert(run_id.clone(), reason.clone());
         let lost = LeaseLost {
             run_id,
@@ -275,6 +275,8 @@ impl Handler<Release> for LeaseKeeper {
 #[rtype(result = "LeaseLostReason")]
 pub(crate) struct Lost {
     pub run_id: RunId,
+    /// The fencing token of the lease the call held.
+    pub token: u64,
     pub reason: LeaseLostReason,
 }
 
@@ -288,7 +290,7 @@ impl Handler<Lost> for LeaseKeeper {
         // Held or not (a renewal may have dropped a run it found moved by another owner
         // without naming a loss), the subscribers hear of it now.
         self.held.remove(&msg.run_id);
-        self.tell(msg.run_id, msg.reason.clone());
+        self.tell(msg.run_id, msg.token, msg.reason.clone());
         MessageResult(msg.reason)
     }
 }

@@ -109,11 +109,26 @@ impl Handler<Execute> for RunActor {
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
         // A resumed run's agent is known once the run is read, and recorded then: the field
-        // is declared empty so that it is written once either way.
-        let span = tracing::info_span!("run", run_id = %msg.run_id, agent = tracing::field::Empty);
+        // is declared empty so that it is written once either way. So is the execution's
+        // kind (start, resume, takeover) and the fencing token it takes.
+        let span = tracing::info_span!(
+            "run",
+            run_id = %msg.run_id,
+            agent = tracing::field::Empty,
+            execution = tracing::field::Empty,
+            owner = %msg.holder.owner,
+            fencing_token = tracing::field::Empty,
+            otel.name = tracing::field::Empty,
+        );
         if let Job::Start { agent, .. } = &msg.job {
             span.record("agent", agent.as_str());
+            #[cfg(feature = "otel")]
+            span.record("otel.name", format!("invoke_agent {agent}"));
         }
+        // A resume or a takeover joins the trace the run's start began.
+        #[cfg(feature = "otel")]
+        let joins = (!matches!(msg.job, Job::Start { .. }))
+            .then(|| (msg.run_id.clone(), msg.store.clone()));
         let env = Env {
             run_id: msg.run_id.clone(),
             store: msg.store.clone(),
@@ -149,6 +164,7 @@ impl Handler<Execute> for RunActor {
                 Err(Error::LeaseLost { run_id, reason }) => {
                     let lost = Lost {
                         run_id: run_id.clone(),
+                        token: grant.token(),
                         reason: reason.clone(),
                     };
                     let reason = keeper.send(lost).await.unwrap_or(reason);
@@ -177,14 +193,40 @@ impl Handler<Execute> for RunActor {
             }
             result.map(|outcome| RunReply { run_id, outcome })
         };
-        Box::pin(
-            work.instrument(span)
-                .into_actor(self)
-                .map(|result, _, ctx| {
-                    ctx.stop();
-                    result
-                }),
-        )
+        // The parent is set before the span is first entered: it is fixed from then on.
+        #[cfg(feature = "otel")]
+        let work = async move {
+            if let Some((run_id, store)) = &joins {
+                join_trace(&span, run_id, store).await;
+            }
+            work.instrument(span).await
+        };
+        #[cfg(not(feature = "otel"))]
+        let work = work.instrument(span);
+        Box::pin(work.into_actor(self).map(|result, _, ctx| {
+            ctx.stop();
+            result
+        }))
+    }
+}
+
+/// Makes the trace kept in the run's `run.started` the parent of `span`, the span of this
+/// execution, and names the span after the run's agent. A run whose start kept no trace
+/// leaves `span` the root of a trace of its own; so does a failed read (the execution's own
+/// read of the run then reports the error).
+#[cfg(feature = "otel")]
+async fn join_trace(span: &tracing::Span, run_id: &RunId, store: &StoreHandle) {
+    let id = run_id.clone();
+    let read = ReadState::new(move |reads| reads.first_event(&id));
+    match send(store.addr(), read).await {
+        Ok(Some(started)) => {
+            if let Some(agent) = started.payload["agent"].as_str() {
+                span.record("otel.name", format!("invoke_agent {agent}"));
+            }
+            crate::trace_context::set_parent(span, &started.payload);
+        }
+        Ok(None) => {}
+        Err(err) => tracing::debug!(%run_id, %err, "could not read the run's trace context"),
     }
 }
 
@@ -301,8 +343,11 @@ impl RunLoop {
                     input.clone(),
                     env.grant.clone(),
                 );
+                let trace = crate::trace_context::started();
                 let create = ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-                    Move::new(tx, now, &id).create_run(&name, &value, &grant)
+                    Move::new(tx, now, &id)
+                        .traced(trace.as_deref())
+                        .create_run(&name, &value, &grant)
                 });
                 let mut run = RunLoop::new(env, found, input, Vec::new());
                 match started {
@@ -319,7 +364,14 @@ impl RunLoop {
                         first_next = next;
                     }
                 }
-                tracing::info!(agent = %agent, "run started");
+                run.taken("start");
+                tracing::info!(
+                    %run_id,
+                    agent = %agent,
+                    owner = %run.env.grant.holder.owner,
+                    fencing_token = run.env.grant.token(),
+                    "run started"
+                );
                 run.hold();
                 run
             }
@@ -336,6 +388,8 @@ impl RunLoop {
                     RunState::WaitingForApproval => {
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
                         if let Some(outcome) = run.resume_waiting(&snapshot).await? {
+                            // Nothing was decided: it waits as it did.
+                            run.ended(&Ok(outcome.clone()));
                             return Ok(outcome);
                         }
                         run
@@ -343,17 +397,28 @@ impl RunLoop {
                     RunState::Running => {
                         let (id, grant) = (run_id.clone(), env.grant.clone());
                         let take = ApplyMove::new(MoveKind::TakeOver, &run_id, move |tx, now| {
+                            // Whose lease it was, for the record: none for a run that waited
+                            // for a slot, or a fork.
+                            let previous = tx.lease_row(&id)?.and_then(|row| row.owner);
                             let (interrupted, _) = Move::new(tx, now, &id).take_over(&grant)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
-                            Ok((interrupted.len(), moves::load(tx, &id)?))
+                            Ok((interrupted.len(), previous, moves::load(tx, &id)?))
                         });
-                        let (interrupted, snapshot) =
+                        let (interrupted, previous, snapshot) =
                             env.store.apply(take, Durability::Durable).await?;
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold();
-                        tracing::info!(interrupted, "run taken over");
+                        run.taken("takeover");
+                        tracing::info!(
+                            %run_id,
+                            previous_owner = %previous.as_deref().unwrap_or("none"),
+                            owner = %run.env.grant.holder.owner,
+                            fencing_token = run.env.grant.token(),
+                            interrupted,
+                            "run taken over"
+                        );
                         run
                     }
                     RunState::Cancelled if matches!(job, Job::Turn) => {
@@ -376,7 +441,7 @@ impl RunLoop {
             Ok(Next::Return(outcome)) => Ok(outcome),
             Err(err) => Err(err),
         };
-        match result {
+        let result = match result {
             // An operator cancelled the run: the loop stops at its next write.
             Err(Error::RunState {
                 state: RunState::Cancelled,
@@ -388,6 +453,45 @@ impl RunLoop {
                 reason: LeaseLostReason::TakenBy(owner),
             }),
             other => other,
+        };
+        run.ended(&result);
+        result
+    }
+
+    /// Records on this execution's span how it took the lease, and with which fencing token.
+    fn taken(&self, execution: &str) {
+        let span = tracing::Span::current();
+        span.record("execution", execution);
+        // Signed: an OpenTelemetry layer keeps unsigned integers as text.
+        span.record("fencing_token", self.env.grant.token() as i64);
+    }
+
+    /// Logs where this execution left the run, for an operator: waiting for an approval,
+    /// finished, failed, cancelled, or stopped by an error. A lost lease is logged where it is
+    /// found.
+    fn ended(&self, result: &Result<Outcome>) {
+        let (run_id, steps) = (&self.run_id, self.steps.len());
+        match result {
+            Ok(Outcome::WaitingForApproval { pending }) => tracing::info!(
+                %run_id,
+                step = pending.step,
+                call_id = %pending.call_id,
+                tool = %pending.tool,
+                reason = %pending.reason.as_str(),
+                "run waiting for approval"
+            ),
+            Ok(Outcome::Succeeded { .. }) => {
+                tracing::info!(%run_id, state = %RunState::Succeeded, steps, "run finished")
+            }
+            Ok(Outcome::Failed { error }) => {
+                tracing::info!(%run_id, state = %RunState::Failed, steps, %error, "run failed")
+            }
+            Ok(Outcome::Cancelled { reason }) => {
+                tracing::info!(%run_id, state = %RunState::Cancelled, steps, %reason, "run finished")
+            }
+            Err(Error::LeaseLost { .. }) => {}
+            // It stays RUNNING, for a resume or another process's recovery.
+            Err(err) => tracing::warn!(%run_id, steps, error = %err, "run stopped"),
         }
     }
 
@@ -866,7 +970,15 @@ impl RunLoop {
     /// came of it: the answer, with the move that follows it; a failure the model policy
     /// tries again, then the next attempt's reservation; or the failure of the run.
     async fn call_model(&mut self, step: u32, attempt: u32) -> Result<Next> {
-        let span = tracing::info_span!("model", step, attempt);
+        // Signed: an OpenTelemetry layer keeps unsigned integers as text.
+        let span = tracing::info_span!(
+            "model",
+            step = i64::from(step),
+            attempt = i64::from(attempt),
+            otel.name = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        span.record("otel.name", "chat");
         let request = ModelRequest {
             run_id: &self.run_id,
             step,
@@ -1069,7 +1181,17 @@ impl RunLoop {
                 reason: LeaseLostReason::Expired,
             });
         }
-        let span = tracing::info_span!("tool", step = number, tool = %call.name, attempt);
+        let span = tracing::info_span!(
+            "tool",
+            step = i64::from(number),
+            tool = %call.name,
+            call_id = %call.id,
+            attempt = i64::from(attempt),
+            fencing_token = self.env.grant.token() as i64,
+            otel.name = tracing::field::Empty,
+        );
+        #[cfg(feature = "otel")]
+        span.record("otel.name", format!("execute_tool {}", call.name));
         let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.
             None => ToolResult::Error(format!("the agent has no tool named {:?}", call.name)),
@@ -1342,7 +1464,23 @@ impl RunLoop {
         .await?;
         // The resume took the lease: it is renewed from here on, like a start's or a takeover's.
         self.hold();
-        tracing::info!(step = number, source, "waiting run resumed");
+        self.taken("resume");
+        let (approved, by) = match &decision {
+            ToolDecision::Allow { by, .. } => (true, by.as_deref()),
+            ToolDecision::Deny { by, .. } => (false, by.as_deref()),
+            ToolDecision::RequireApproval { .. } => (false, None),
+        };
+        tracing::info!(
+            run_id = %self.run_id,
+            step = number,
+            call_id = %call.id,
+            tool = %call.name,
+            approved,
+            decided_by = %by.unwrap_or(source),
+            owner = %self.env.grant.holder.owner,
+            fencing_token = self.env.grant.token(),
+            "run resumed"
+        );
         match self.after_decision(number, attempt, call, decision, reason)? {
             Next::Continue => Ok(None),
             Next::Return(outcome) => Ok(Some(outcome)),

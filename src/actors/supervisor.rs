@@ -756,6 +756,7 @@ impl Handler<ForkRun> for Supervisor {
         let ForkRun { run_id, at, new_id } = msg;
         let new_id = new_id.unwrap_or_else(RunId::random);
         let (id, agents) = (new_id.clone(), self.agents.clone());
+        let trace = crate::trace_context::forked(&new_id, &run_id, at);
         let fork = ApplyMove::new(MoveKind::ForkRun, &new_id, move |tx, now| {
             // Refused before anything is written: a fork this supervisor cannot execute would
             // be left for another to resume.
@@ -764,7 +765,9 @@ impl Handler<ForkRun> for Supervisor {
             {
                 return Err(Error::UnknownAgent(origin.agent));
             }
-            Move::new(tx, now, &id).fork_run(&run_id, at)
+            Move::new(tx, now, &id)
+                .traced(trace.as_deref())
+                .fork_run(&run_id, at)
         });
         let fork = self.store_actor.apply(fork, Durability::Durable);
         let supervisor = ctx.address();

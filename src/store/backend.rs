@@ -45,6 +45,10 @@ pub(crate) trait Reads {
     fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>>;
     /// A run's events after sequence number `after`, in order (none for an unknown run).
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>>;
+    /// A run's first event, its `run.started` (`None` for an unknown run): where the run's
+    /// trace context is kept.
+    #[cfg(feature = "otel")]
+    fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>>;
     /// A run's steps, in order.
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>>;
     /// The decision recorded for attempt `attempt` of step `step`.

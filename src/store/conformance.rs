@@ -66,6 +66,7 @@ macro_rules! conformance_suite {
                 a_renewal_extends_only_the_owners_unexpired_leases,
                 a_release_is_a_compare_and_set_on_the_owner,
                 inspection_reads_runs_events_and_leases,
+                a_new_run_keeps_its_trace_context_in_its_run_started,
                 unknown_ids_are_not_found,
                 a_newer_schema_is_refused,
                 every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing,
@@ -896,6 +897,33 @@ pub(crate) fn a_release_is_a_compare_and_set_on_the_owner(f: &dyn Fixture) {
         "released once"
     );
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn a_new_run_keeps_its_trace_context_in_its_run_started(f: &dyn Fixture) {
+    let store = f.store();
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let traced = run("traced");
+    apply(&store, |tx, now| {
+        Move::new(tx, now, &traced)
+            .traced(Some(traceparent))
+            .create_run("agent", &json!({}), &me())
+    })
+    .unwrap();
+    on(&store, &traced, |m| m.begin_model_step(&me(), 1)).unwrap();
+    create(&store, &run("plain"), &me());
+    let started = |id: &RunId| store.events(id).unwrap().remove(0);
+    assert_eq!(
+        started(&traced).payload["trace"],
+        json!({ "traceparent": traceparent })
+    );
+    assert!(started(&run("plain")).payload.get("trace").is_none());
+    #[cfg(feature = "otel")]
+    {
+        let first = store.read(|reads| reads.first_event(&traced)).unwrap();
+        assert_eq!(first, Some(started(&traced)));
+        let unknown = store.read(|reads| reads.first_event(&run("unknown")));
+        assert_eq!(unknown.unwrap(), None);
+    }
 }
 
 pub(crate) fn inspection_reads_runs_events_and_leases(f: &dyn Fixture) {

@@ -187,8 +187,11 @@ impl Store {
     /// and nothing is written.
     pub fn fork(&self, origin: &RunId, at: u32, new_id: Option<RunId>) -> Result<RunId> {
         let run_id = new_id.unwrap_or_else(RunId::random);
+        let trace = crate::trace_context::forked(&run_id, origin, at);
         self.transact(&SystemClock, |tx, now| {
-            Move::new(tx, now, &run_id).fork_run(origin, at)
+            Move::new(tx, now, &run_id)
+                .traced(trace.as_deref())
+                .fork_run(origin, at)
         })?;
         Ok(run_id)
     }

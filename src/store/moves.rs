@@ -47,6 +47,9 @@ pub(crate) struct Move<'a, 'c> {
     tx: &'a mut dyn Tx,
     now: &'a mut Now<'c>,
     run_id: &'a RunId,
+    /// The W3C `traceparent` a new run's `run.started` keeps, for its later executions to
+    /// join the same trace.
+    trace: Option<&'a str>,
 }
 
 /// A move of a run between states. Leaving RUNNING releases the lease in the same write;
@@ -80,7 +83,26 @@ impl<'a> RunMove<'a> {
 impl<'a, 'c> Move<'a, 'c> {
     /// A move of `run_id` in `tx`, at the time `now` reads.
     pub(crate) fn new(tx: &'a mut dyn Tx, now: &'a mut Now<'c>, run_id: &'a RunId) -> Self {
-        Move { tx, now, run_id }
+        Move {
+            tx,
+            now,
+            run_id,
+            trace: None,
+        }
+    }
+
+    /// Keeps `traceparent` in the `run.started` of the run this move inserts.
+    pub(crate) fn traced(mut self, traceparent: Option<&'a str>) -> Self {
+        self.trace = traceparent;
+        self
+    }
+
+    /// Appends `run.started`, with the trace context when there is one.
+    fn append_started(&mut self, mut payload: Value) -> Result<()> {
+        if let (Some(traceparent), Some(fields)) = (self.trace, payload.as_object_mut()) {
+            fields.insert("trace".into(), json!({ "traceparent": traceparent }));
+        }
+        self.append(EventKind::RunStarted, None, &payload)
     }
 
     /// Explains a guard that matched no row: the run does not exist, is in another state, or
@@ -310,7 +332,7 @@ impl<'a, 'c> Move<'a, 'c> {
         })?;
         grant.acquired(FIRST_TOKEN, sent);
         let payload = json!({ "agent": agent, "input": input, "fencing_token": FIRST_TOKEN });
-        self.append(EventKind::RunStarted, None, &payload)?;
+        self.append_started(payload)?;
         Ok(expires_at)
     }
 
@@ -330,7 +352,7 @@ impl<'a, 'c> Move<'a, 'c> {
             lease: None,
         })?;
         let payload = json!({ "agent": agent, "input": input, "fencing_token": 0, "queued": true });
-        self.append(EventKind::RunStarted, None, &payload)
+        self.append_started(payload)
     }
 
     /// Reserves model step `step` before the request is dispatched.
@@ -887,7 +909,7 @@ impl<'a, 'c> Move<'a, 'c> {
             "fencing_token": 0,
             "forked_from": { "run_id": origin, "at": at },
         });
-        self.append(EventKind::RunStarted, None, &payload)?;
+        self.append_started(payload)?;
         let payload = json!({ "origin": origin, "at": at, "steps_copied": at - 1 });
         self.append(EventKind::RunForked, None, &payload)?;
         // The run-level events (resumes, takeovers, the end) were the origin's own: only what

@@ -67,8 +67,11 @@ impl Supervisor {
         // Held from now: no other call executes the run while its insert is written.
         self.admission.ids.insert(run_id.clone());
         let id = run_id.clone();
+        let trace = crate::trace_context::queued(&run_id, &agent);
         let insert = ApplyMove::new(MoveKind::QueueRun, &run_id, move |tx, now| {
-            Move::new(tx, now, &id).queue_run(&agent, &input)
+            Move::new(tx, now, &id)
+                .traced(trace.as_deref())
+                .queue_run(&agent, &input)
         });
         let insert = self.store_actor.apply(insert, Durability::Durable);
         let supervisor = ctx.address();

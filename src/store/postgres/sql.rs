@@ -232,6 +232,17 @@ fn run_from_row(row: &Row) -> Result<Run> {
     })
 }
 
+fn event_from_row(run_id: &RunId, row: &Row) -> Result<Event> {
+    Ok(Event {
+        run_id: run_id.clone(),
+        seq: get::<i64>(row, 0)? as u64,
+        kind: get::<String>(row, 1)?.parse().map_err(Error::Corrupt)?,
+        at: from_millis(get(row, 2)?),
+        step: get::<Option<i32>>(row, 3)?.map(|step| step as u32),
+        payload: get(row, 4)?,
+    })
+}
+
 fn unleased_row(row: &Row) -> Result<(RunId, LeaseRow)> {
     let lease = LeaseRow {
         state: RunState::Running,
@@ -315,18 +326,19 @@ impl Reads for PgTx<'_> {
              WHERE run_id = $1 AND seq > $2 ORDER BY seq",
             &[&run_id.as_str(), &(after as i64)],
         )?;
-        rows.iter()
-            .map(|row| {
-                Ok(Event {
-                    run_id: run_id.clone(),
-                    seq: get::<i64>(row, 0)? as u64,
-                    kind: get::<String>(row, 1)?.parse().map_err(Error::Corrupt)?,
-                    at: from_millis(get(row, 2)?),
-                    step: get::<Option<i32>>(row, 3)?.map(|step| step as u32),
-                    payload: get(row, 4)?,
-                })
-            })
-            .collect()
+        rows.iter().map(|row| event_from_row(run_id, row)).collect()
+    }
+
+    #[cfg(feature = "otel")]
+    fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        let rows = self.rows(
+            "SELECT seq, kind, at, step, payload FROM events
+             WHERE run_id = $1 ORDER BY seq LIMIT 1",
+            &[&run_id.as_str()],
+        )?;
+        rows.first()
+            .map(|row| event_from_row(run_id, row))
+            .transpose()
     }
 
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {

@@ -277,6 +277,19 @@ impl Reads for Sql<'_> {
             .db()
     }
 
+    #[cfg(feature = "otel")]
+    fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        self.0
+            .prepare_cached(
+                "SELECT seq, kind, at, step, payload FROM events
+                 WHERE run_id = ?1 ORDER BY seq LIMIT 1",
+            )
+            .db()?
+            .query_row([run_id.as_str()], |row| event_from_row(run_id, row))
+            .optional()
+            .db()
+    }
+
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
         type Columns = (
             u32,

@@ -41,7 +41,7 @@ mod models_md {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/production.md")]
 mod production_md {}
-#[cfg(all(doctest, feature = "web"))]
+#[cfg(all(doctest, feature = "web", feature = "otel"))]
 #[doc = include_str!("../docs/operate.md")]
 mod operate_md {}
 #[cfg(all(doctest, feature = "postgres"))]

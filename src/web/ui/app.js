@@ -32,6 +32,7 @@
   }
 
   const pretty = (value) => JSON.stringify(value, null, 2);
+  const query = (params) => { const q = params.toString(); return q ? `?${q}` : ""; };
   const enc = encodeURIComponent;
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -291,7 +292,7 @@
         const q = new URLSearchParams();
         if (stateSelect.value) q.set("state", stateSelect.value);
         if (agentInput.value.trim()) q.set("agent", agentInput.value.trim());
-        location.hash = `#/runs${q.size ? `?${q}` : ""}`;
+        location.hash = `#/runs${query(q)}`;
       },
     },
     h("label", { for: "filter-state" }, "State"), stateSelect,
@@ -314,7 +315,7 @@
       if (state) q.set("state", state);
       if (agent) q.set("agent", agent);
       for (const [k, v] of Object.entries(extra)) q.set(k, v);
-      return `#/runs${q.size ? `?${q}` : ""}`;
+      return `#/runs${query(q)}`;
     };
 
     async function load() {
@@ -329,6 +330,9 @@
         showError(e);
         return;
       }
+      // A refresh keeps the keyboard's place: the focused run's link is focused again.
+      const focused = document.activeElement && document.activeElement.closest("tr[data-run-id]");
+      const refocus = focused && body.contains(focused) ? focused.dataset.runId : null;
       body.replaceChildren(...page.runs.map((run) => h("tr", {
         "data-testid": "run-row", "data-run-id": run.id, "data-state": run.state,
       },
@@ -337,6 +341,10 @@
       h("td", {}, stateBadge(run.state)),
       h("td", {}, time(run.created_at)),
       h("td", {}, time(run.updated_at)))));
+      if (refocus !== null) {
+        const row = [...body.querySelectorAll("tr[data-run-id]")].find((tr) => tr.dataset.runId === refocus);
+        if (row) row.querySelector("a").focus();
+      }
       if (!page.runs.length) {
         body.append(h("tr", {}, h("td", { colspan: 5, class: "empty", "data-testid": "runs-empty" },
           after ? "No more runs." : "No runs.")));
@@ -598,16 +606,28 @@
         return;
       }
       $("approvals-count").textContent = calls.length ? String(calls.length) : "";
-      // Items are kept across refreshes, so a note being typed survives a `changed` event.
-      const keep = new Set();
-      for (const call of calls) {
-        const key = `${call.run_id}\u0000${call.call_id}`;
-        keep.add(key);
-        if (!items.has(key)) items.set(key, item(call));
-        list.append(items.get(key));
-      }
+      // Items are kept across refreshes and moved only when out of order, so a note being
+      // typed keeps its text and its focus through a `changed` event.
+      const keyOf = (call) => `${call.run_id}\u0000${call.call_id}`;
+      const keep = new Set(calls.map(keyOf));
       for (const [key, li] of items) {
-        if (!keep.has(key)) { li.remove(); items.delete(key); }
+        if (keep.has(key)) continue;
+        // The keyboard moves on to the next call when the focused one is decided.
+        if (li.contains(document.activeElement)) {
+          let next = li.nextElementSibling;
+          while (next && !keep.has(`${next.dataset.runId}\u0000${next.dataset.callId}`)) next = next.nextElementSibling;
+          (next || view).focus();
+        }
+        li.remove();
+        items.delete(key);
+      }
+      let at = list.firstElementChild;
+      for (const call of calls) {
+        const key = keyOf(call);
+        if (!items.has(key)) items.set(key, item(call));
+        const li = items.get(key);
+        if (li === at) at = at.nextElementSibling;
+        else list.insertBefore(li, at);
       }
       empty.hidden = calls.length > 0;
     }

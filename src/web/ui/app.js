@@ -454,8 +454,11 @@
 
     function renderDetails() {
       const lease = run.lease;
-      const usage = run.usage && Object.keys(run.usage).length
-        ? Object.entries(run.usage).map(([k, v]) => `${k.replaceAll("_", " ")} ${v}`).join(", ") : "—";
+      const u = run.usage;
+      const usage = u
+        ? `${u.input_tokens ?? 0} in / ${u.output_tokens ?? 0} out tokens · ${u.answers ?? 0} answers` +
+          ` of ${u.attempts ?? 0} attempts${u.models && u.models.length ? ` · ${u.models.join(", ")}` : ""}`
+        : "—";
       details.replaceChildren(
         ...field("State", stateBadge(run.state), "run-state"),
         ...field("Agent", run.agent, "run-agent"),

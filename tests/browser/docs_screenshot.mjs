@@ -8,6 +8,6 @@ await main(async ({ page, url }) => {
   await untilText(page, "operator", `Operator: alice`);
   await page.waitForFunction(() => document.querySelectorAll('[data-testid="run-row"]').length === 5);
   await untilText(page, "approvals-count", "1");
-  await page.locator("body").click({ position: { x: 1, y: 790 } });
+  await page.evaluate(() => document.activeElement?.blur());
   await page.screenshot({ path: env("AGENTRT_DOCS_SCREENSHOT") });
 });

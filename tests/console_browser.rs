@@ -13,14 +13,15 @@ use std::{
     process::{Command, Stdio},
     sync::mpsc,
     thread::JoinHandle,
+    time::Duration,
 };
 
 use actix::Addr;
 use actix_web::{App, HttpServer};
 use agentrt::{
-    Agent, Decision, EventKind, ModelResponse, Outcome, RunId, RunState, SpawnRun, StartRun, Store,
-    Supervisor, ToolCall,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore},
+    Agent, Config, Decision, EventKind, ModelResponse, Outcome, RunId, RunState, SpawnRun,
+    StartRun, Store, Supervisor, ToolCall,
+    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
     web::Api,
 };
 use serde_json::json;
@@ -313,6 +314,105 @@ fn the_timeline_grows_live() {
     assert!(released, "the script never saw the blocked run");
     assert_eq!(db.open().run(&run_id).unwrap().state, RunState::Succeeded);
     assert_eq!(lookup.executions().len(), 1);
+}
+
+#[test]
+fn a_lapsed_lease_is_shown_expired_and_the_run_resumed_from_its_page() {
+    if !browser_available() {
+        return;
+    }
+    let db = TempStore::new();
+    // Idempotent: the attempt cut off by the crash is run again on the takeover.
+    let lookup = RecordingTool::new("lookup")
+        .behaviour(Behaviour::Block)
+        .idempotent(true);
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("find-1", "lookup", json!({"q": "ada"}))]),
+        ModelResponse::answer("found"),
+    ]);
+    let agent = || Agent::new(model.clone()).tool(lookup.clone());
+
+    // A supervisor with a short lease is torn down while the run is in the tool: a crash that
+    // leaves the run RUNNING under a lease nobody renews.
+    let (store, crashed, blocked) = (db.open(), agent(), lookup.clone());
+    let run_id = with_system(|| async move {
+        let config = Config::default()
+            .lease_owner("crashed-host")
+            .lease_ttl(Duration::from_millis(200));
+        let supervisor = Supervisor::builder(store)
+            .config(config)
+            .agent("research", crashed)
+            .start()
+            .unwrap();
+        let run_id = supervisor
+            .send(SpawnRun::new("research", json!({"q": "ada"})))
+            .await
+            .unwrap()
+            .unwrap();
+        blocked.wait_executions(1).await;
+        run_id
+    });
+
+    let served = {
+        let (agent, run_id) = (agent(), run_id.clone());
+        serve(
+            &db,
+            move || vec![("research", agent)],
+            |_| async move { vec![run_id] },
+        )
+    };
+    let mut released = false;
+    run_script("lapsed_lease.mjs", &served, &[], |point| {
+        assert_eq!(point, "taken-over");
+        lookup.release();
+        released = true;
+    });
+
+    assert!(released, "the script never saw the takeover");
+    let store = db.open();
+    assert_eq!(store.run(&run_id).unwrap().state, RunState::Succeeded);
+    assert_eq!(
+        lookup.executions().len(),
+        2,
+        "the cut-off attempt and the new one"
+    );
+}
+
+#[test]
+fn forking_a_run_from_its_page_opens_the_fork() {
+    if !browser_available() {
+        return;
+    }
+    let db = TempStore::new();
+    let served = serve(
+        &db,
+        || {
+            let model = ScriptedModel::new(vec![ModelResponse::answer("summed up")]);
+            vec![("summaries", Agent::new(model))]
+        },
+        |supervisor| async move {
+            let reply = supervisor
+                .send(StartRun::new("summaries", json!({"ticket": 12})))
+                .await
+                .unwrap()
+                .unwrap();
+            vec![reply.run_id]
+        },
+    );
+
+    run_script("fork_from_page.mjs", &served, &[], |_| {});
+
+    let store = db.open();
+    let fork = RunId::from("fork-of-summary");
+    assert_eq!(store.run(&fork).unwrap().state, RunState::Succeeded);
+    let forked = store
+        .events(&fork)
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == EventKind::RunForked)
+        .expect("the fork's log says where it came from");
+    assert_eq!(forked.payload["origin"], json!(served.runs[0].as_str()));
+    assert_eq!(forked.payload["at"], json!(1));
 }
 
 #[test]

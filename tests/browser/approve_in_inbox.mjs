@@ -6,6 +6,14 @@ const runId = env("AGENTRT_RUN_ID");
 const reason = env("AGENTRT_POLICY_REASON");
 
 await main(async ({ page, url, screenshot }) => {
+  // A second tab keeps the runs list open: it follows the store's changes by itself.
+  const list = await page.context().newPage();
+  await list.goto(`${url}#/runs`);
+  const row = (state) => list.locator(`[data-testid="run-row"][data-run-id="${runId}"][data-state="${state}"]`);
+  await row("WAITING_FOR_APPROVAL").waitFor();
+  await untilText(list, "approvals-count", "1");
+  await list.evaluate(() => { window.stillTheSamePage = true; });
+
   await page.goto(`${url}#/approvals`);
   const call = page.locator(`[data-testid="approval"][data-run-id="${runId}"]`);
   await call.waitFor();
@@ -38,4 +46,9 @@ await main(async ({ page, url, screenshot }) => {
   assert.match(await approval.innerText(), /approved by alice: within budget/);
   assert.equal(await text(page, "run-output"), "finished");
   await screenshot("run-finished");
+
+  await row("SUCCEEDED").waitFor();
+  await untilText(list, "approvals-count", "");
+  assert.equal(await list.evaluate(() => window.stillTheSamePage), true, "the list was not reloaded");
+  await list.close();
 });

@@ -249,10 +249,14 @@
 
   // ---- Who is this ----------------------------------------------------------------------
 
+  /** What `/whoami` said last; `executes` shows the resume button. */
+  let me = { executes: false };
+
   async function whoami() {
     const el = $("operator");
     try {
-      const me = await get("whoami");
+      me = await get("whoami");
+      if (current && current.onWhoami) current.onWhoami();
       el.dataset.operator = me.operator || "";
       if (me.authenticated) el.textContent = `Operator: ${me.operator}`;
       else if (me.tokens) el.textContent = token.get() ? "Token refused: read only" : "No token: read only";
@@ -391,6 +395,7 @@
     const actions = h("div", { class: "actions" });
     let run = null;
     let lastSeq = 0;
+    let shownExpired = false;
 
     const cancelReason = h("input", { id: "cancel-reason", "data-testid": "cancel-reason", required: true, autocomplete: "off" });
     const cancelForm = h("form", {
@@ -439,7 +444,20 @@
       type: "button", "data-testid": "fork-open",
       onclick: () => { cancelForm.hidden = true; forkForm.hidden = false; forkAt.focus(); },
     }, "Fork…");
-    actions.append(cancelOpen, forkOpen);
+    // Shown for a run nobody executes now (its lease lapsed or was never taken), when the
+    // API has a supervisor to execute it.
+    const resume = h("button", {
+      type: "button", "data-testid": "resume", hidden: true,
+      onclick: async () => {
+        try {
+          await post(`runs/${enc(id)}/resume`);
+          clearError();
+          say(`Run ${id} resumed.`);
+          loadRun();
+        } catch (e) { showError(e); }
+      },
+    }, "Resume");
+    actions.append(resume, cancelOpen, forkOpen);
 
     view.append(
       h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / "),
@@ -454,6 +472,7 @@
 
     function renderDetails() {
       const lease = run.lease;
+      shownExpired = leaseExpired();
       const u = run.usage;
       const usage = u
         ? `${u.input_tokens ?? 0} in / ${u.output_tokens ?? 0} out tokens · ${u.answers ?? 0} answers` +
@@ -475,6 +494,7 @@
         ...(run.error !== null && run.error !== undefined ? field("Error", h("pre", { class: "error" }, run.error), "run-error") : []));
       const finished = FINISHED.has(run.state);
       cancelOpen.disabled = finished;
+      resume.hidden = !(me.executes && run.state === "RUNNING" && (!run.lease || leaseExpired()));
       if (finished) cancelForm.hidden = true;
 
       const calls = run.pending_calls || [];
@@ -532,7 +552,6 @@
     });
     // The lease's "expired" flag follows the clock between refreshes.
     const ticker = setInterval(() => { if (run && run.lease) renderDetailsIfExpiryChanged(); }, 1000);
-    let shownExpired = false;
     function renderDetailsIfExpiryChanged() {
       const now = leaseExpired();
       if (now !== shownExpired) { shownExpired = now; renderDetails(); }
@@ -541,6 +560,7 @@
     loadRun();
     return {
       onChanged: reloadRun,
+      onWhoami: () => { if (run) renderDetails(); },
       cleanup: () => { stopStream(); reloadRun.cancel(); clearInterval(ticker); },
     };
   }

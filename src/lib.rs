@@ -40,6 +40,9 @@ mod models_md {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/production.md")]
 mod production_md {}
+#[cfg(all(doctest, feature = "web"))]
+#[doc = include_str!("../docs/operate.md")]
+mod operate_md {}
 #[cfg(all(doctest, feature = "postgres"))]
 #[doc = include_str!("../docs/postgres.md")]
 mod postgres_md {}

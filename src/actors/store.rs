@@ -37,6 +37,8 @@ type ReadFn<R> = Box<dyn FnMut(&mut dyn Reads) -> Result<R> + Send>;
 pub(crate) struct StoreActor {
     writer: SharedWriter,
     queue: Queue,
+    /// Rung after each batch: the web API's streams wake to read what it wrote.
+    bell: Arc<crate::store::pulse::Bell>,
 }
 
 /// The writer, shared by every instance the actor's factory makes.
@@ -82,6 +84,7 @@ impl StoreActor {
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<(StoreHandle, Option<Box<dyn Renewer>>)> {
         let session = store.session(clock, observer)?;
+        let bell = store.bell().clone();
         let writer: SharedWriter = Arc::new(Mutex::new(session.writer));
         let queue = Queue::default();
         let shared = queue.clone();
@@ -90,6 +93,7 @@ impl StoreActor {
         let addr = SyncArbiter::start(1, move || StoreActor {
             writer: writer.clone(),
             queue: shared.clone(),
+            bell: bell.clone(),
         });
         Ok((StoreHandle { addr, queue }, session.renewer))
     }
@@ -161,6 +165,7 @@ impl Handler<Drain> for StoreActor {
             }
             let more_queued = !self.queue.lock().is_empty();
             self.writer().commit(batch, more_queued);
+            self.bell.ring();
             batch = self.next_batch(watch);
         }
         // Nothing more came: what was answered once written is made durable now.

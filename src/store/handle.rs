@@ -7,7 +7,7 @@ use super::{
     health::Health,
     model::Now,
     moves::{self, Move},
-    pulse::{Bell, Pulse, Ringing},
+    pulse::{Bell, Pulse},
 };
 use crate::{
     clock::{Clock, SystemClock},
@@ -56,14 +56,11 @@ impl Store {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
-        let ringing = Ringing {
-            bell: self.bell.clone(),
-            inner: observer,
-        };
-        self.backend.clone().session(clock, Some(Arc::new(ringing)))
+        self.backend.clone().session(clock, observer)
     }
 
-    /// The bell this handle's commits ring.
+    /// The bell this handle's commits ring: its supervisors' store actors ring it after each
+    /// batch, and its operator moves after each.
     pub(crate) fn bell(&self) -> &Arc<Bell> {
         &self.bell
     }

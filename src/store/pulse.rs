@@ -9,11 +9,10 @@ use std::{
     time::Duration,
 };
 
-use super::backend::{MoveInfo, MoveObserver};
 use crate::error::Result;
 
-/// Rung after every commit made through one store handle (and its clones) in this process,
-/// so that a reader waiting for news wakes at once instead of at its next check. Ringing
+/// Rung after every batch of moves committed through one store handle (and its clones) in
+/// this process, so that a reader waiting for news wakes at once instead of at its next check. Ringing
 /// costs two atomic operations when nobody waits.
 #[derive(Default)]
 pub(crate) struct Bell {
@@ -50,34 +49,6 @@ impl Bell {
                 .unwrap_or_else(|p| p.into_inner());
         }
         self.waiters.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// The observer a supervisor's session hears its commits through: rings the store's bell,
-/// then tells the application's observer, if any.
-pub(crate) struct Ringing {
-    pub bell: std::sync::Arc<Bell>,
-    pub inner: Option<std::sync::Arc<dyn MoveObserver>>,
-}
-
-impl MoveObserver for Ringing {
-    fn before_apply(&self, info: &MoveInfo) {
-        if let Some(inner) = &self.inner {
-            inner.before_apply(info);
-        }
-    }
-
-    fn after_commit(&self, info: &MoveInfo) {
-        if let Some(inner) = &self.inner {
-            inner.after_commit(info);
-        }
-    }
-
-    fn committed(&self, moves: &[&MoveInfo]) {
-        self.bell.ring();
-        if let Some(inner) = &self.inner {
-            inner.committed(moves);
-        }
     }
 }
 

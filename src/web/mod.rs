@@ -25,6 +25,7 @@ mod auth;
 mod error;
 mod routes;
 mod stream;
+mod ui;
 
 use std::{
     net::{SocketAddr, ToSocketAddrs},

@@ -40,7 +40,8 @@ pub(crate) fn configure(cfg: &mut web::ServiceConfig) {
         .service(resource("/runs/{id}/calls/{call}/deny").post(deny))
         .service(resource("/runs/{id}/resume").post(resume))
         .service(resource("/runs/{id}/cancel").post(cancel))
-        .service(resource("/runs/{id}/fork").post(fork));
+        .service(resource("/runs/{id}/fork").post(fork))
+        .configure(super::ui::configure);
 }
 
 /// A 405 for a route asked with a method it does not answer.

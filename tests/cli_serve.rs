@@ -152,6 +152,9 @@ fn a_token_made_by_agentrt_token_lets_its_operator_decide_through_serve() {
     let _served = serve(&db.path(), port, &["--tokens", file.to_str().unwrap()]);
     let (status, body) = request(port, "GET", "/health", None, "");
     assert_eq!(status, 200, "{body}");
+    let (status, body) = request(port, "GET", "/ui/", None, "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("<html"), "{body}");
     // Without the token, refused; with it, recorded under alice's name.
     let (status, body) = request(port, "POST", "/runs/wait/calls/pay-1/approve", None, "");
     assert_eq!(status, 401, "{body}");

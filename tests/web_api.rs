@@ -429,6 +429,7 @@ fn the_openapi_document_lists_every_route() {
             "/runs/{id}/resume",
             "/runs/{id}/cancel",
             "/runs/{id}/fork",
+            "/ui",
         ]
         .into();
         assert_eq!(paths, expected);

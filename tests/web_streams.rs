@@ -13,7 +13,7 @@ use agentrt::{
     web::Api,
 };
 use serde_json::json;
-use web::{ALICE, Client, EventStream, paying_agent, serve, wait_until};
+use web::{ALICE, Client, EventStream, paying_agent, serve, serve_supervised, spawn, wait_until};
 
 /// An agent whose tool blocks until the test releases it.
 fn gated_agent(tool: &RecordingTool) -> Agent {
@@ -36,11 +36,7 @@ fn a_run_stream_sends_each_event_once_with_its_seq_and_ends_after_the_run() {
             .unwrap();
         let api = Api::new(store.clone()).supervisor(supervisor.clone());
         let (addr, _server) = serve(api).await;
-        supervisor
-            .send(SpawnRun::new("gated", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&supervisor, "gated", "r1").await;
         work.wait_executions(1).await;
         let mut stream = EventStream::open(addr, "/runs/r1/events/stream", &[]).await;
         assert!(stream.read_until("event: step.tool_started").await);
@@ -77,16 +73,9 @@ fn a_reconnect_with_last_event_id_resumes_after_that_event() {
     let store = db.open();
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
-        let (addr, _server) = serve(Api::new(store.clone()).supervisor(supervisor.clone())).await;
-        supervisor
-            .send(SpawnRun::new("payments", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        let (addr, supervisor, _) =
+            serve_supervised(&store, "payments", paying_agent(&transfer), |api| api).await;
+        spawn(&supervisor, "payments", "r1").await;
         let client = Client::new(addr, None);
         client.wait_state("r1", "WAITING_FOR_APPROVAL").await;
         let total = store.events(&"r1".into()).unwrap().len() as u64;
@@ -125,19 +114,12 @@ fn an_idle_stream_sends_keep_alive_comments() {
     let store = db.open();
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
-        let api = Api::new(store.clone())
-            .supervisor(supervisor.clone())
-            .keep_alive(Duration::from_millis(20));
-        let (addr, _server) = serve(api).await;
-        supervisor
-            .send(SpawnRun::new("payments", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        let (addr, supervisor, _) =
+            serve_supervised(&store, "payments", paying_agent(&transfer), |api| {
+                api.keep_alive(Duration::from_millis(20))
+            })
+            .await;
+        spawn(&supervisor, "payments", "r1").await;
         Client::new(addr, None)
             .wait_state("r1", "WAITING_FOR_APPROVAL")
             .await;
@@ -175,11 +157,7 @@ fn a_commit_of_this_process_wakes_the_streams_without_waiting_for_a_check() {
             .check_every(Duration::from_secs(3600))
             .keep_alive(Duration::from_secs(3600));
         let (addr, _server) = serve(api.clone()).await;
-        supervisor
-            .send(SpawnRun::new("gated", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&supervisor, "gated", "r1").await;
         work.wait_executions(1).await;
         let mut stream = EventStream::open(addr, "/runs/r1/events/stream", &[]).await;
         assert!(stream.read_until("event: step.tool_started").await);
@@ -208,11 +186,7 @@ fn another_processs_commit_reaches_the_stream_at_the_next_check() {
         let (addr, _server) = serve(api).await;
         let mut changes = EventStream::open(addr, "/stream", &[]).await;
         assert!(changes.read_until(": connected").await);
-        supervisor
-            .send(SpawnRun::new("payments", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&supervisor, "payments", "r1").await;
         assert!(changes.read_until("event: changed").await);
         let mut stream = EventStream::open(addr, "/runs/r1/events/stream", &[]).await;
         assert!(stream.read_until("event: policy.decided").await);
@@ -236,15 +210,12 @@ fn a_client_that_goes_away_ends_its_streams_work() {
     let store = db.open();
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
-        let api = Api::new(store.clone())
-            .supervisor(supervisor.clone())
-            .check_every(Duration::from_millis(5))
-            .keep_alive(Duration::from_millis(20));
-        let (addr, _server) = serve(api.clone()).await;
+        let (addr, supervisor, api) =
+            serve_supervised(&store, "payments", paying_agent(&transfer), |api| {
+                api.check_every(Duration::from_millis(5))
+                    .keep_alive(Duration::from_millis(20))
+            })
+            .await;
         let start = |id: &'static str| {
             let supervisor = supervisor.clone();
             async move {

@@ -7,7 +7,7 @@ use std::{future::Future, net::SocketAddr, time::Duration};
 
 use actix_web::{App, HttpServer, dev::ServerHandle};
 use agentrt::{
-    Agent, ModelResponse, RequireApprovalFor, RunId, Store, ToolCall,
+    Agent, ModelResponse, RequireApprovalFor, RunId, Store, Supervisor, ToolCall,
     testkit::{RecordingTool, ScriptedModel},
     web::Api,
 };
@@ -32,6 +32,34 @@ pub async fn serve(api: Api) -> (SocketAddr, ServerHandle) {
     let handle = server.handle();
     actix_rt::spawn(server);
     (addr, handle)
+}
+
+/// A supervisor of one agent over `store`, and the API over it (as `shape` makes it, given
+/// one with the supervisor), served.
+pub async fn serve_supervised(
+    store: &Store,
+    name: &str,
+    agent: Agent,
+    shape: impl FnOnce(Api) -> Api,
+) -> (SocketAddr, actix::Addr<Supervisor>, Api) {
+    let supervisor = Supervisor::builder(store.clone())
+        .agent(name, agent)
+        .start()
+        .unwrap();
+    let api = shape(Api::new(store.clone()).supervisor(supervisor.clone()));
+    let (addr, server) = serve(api.clone()).await;
+    // The server lives as long as the test's system.
+    std::mem::forget(server);
+    (addr, supervisor, api)
+}
+
+/// Starts run `id` of `agent` in the background.
+pub async fn spawn(supervisor: &actix::Addr<Supervisor>, agent: &str, id: &str) {
+    supervisor
+        .send(agentrt::SpawnRun::new(agent, json!({})).with_id(id))
+        .await
+        .unwrap()
+        .unwrap();
 }
 
 /// An agent whose model calls `transfer` (which needs an approval), then answers.

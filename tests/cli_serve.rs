@@ -78,10 +78,13 @@ fn serve(db: &Path, port: u16, extra: &[&str]) -> Served {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let served = Served(child);
+    let mut served = Served(child);
     let deadline = Instant::now() + Duration::from_secs(60);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(Instant::now() < deadline, "agentrt serve never listened");
+        if let Some(status) = served.0.try_wait().unwrap() {
+            panic!("agentrt serve exited with {status} before it listened (its port taken?)");
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     served

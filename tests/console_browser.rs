@@ -93,7 +93,8 @@ where
             let runs = setup(supervisor.clone()).await;
             let api = Api::new(api_store)
                 .supervisor(supervisor)
-                .token(OPERATOR, TOKEN);
+                .token(OPERATOR, TOKEN)
+                .unwrap();
             let server = HttpServer::new(move || App::new().service(api.scope(PREFIX)))
                 .workers(1)
                 .bind(("127.0.0.1", 0))

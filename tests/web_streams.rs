@@ -262,3 +262,72 @@ fn a_client_that_goes_away_ends_its_streams_work() {
         assert_eq!(api.stats(), settled);
     });
 }
+
+#[test]
+fn a_reconnect_after_the_end_of_a_finished_run_is_told_there_is_nothing_more() {
+    let db = TempStore::new();
+    let store = db.open();
+    let work = RecordingTool::new("work");
+    with_system(|| async move {
+        let (addr, supervisor, _) =
+            serve_supervised(&store, "gated", gated_agent(&work), |api| api).await;
+        spawn(&supervisor, "gated", "r1").await;
+        Client::new(addr, None).wait_state("r1", "SUCCEEDED").await;
+        let last = store.events(&"r1".into()).unwrap().len().to_string();
+        let mut stream =
+            EventStream::open(addr, "/runs/r1/events/stream", &[("last-event-id", &last)]).await;
+        stream.read_to_end().await;
+        assert!(stream.text.starts_with("HTTP/1.1 204"), "{}", stream.text);
+        // From before its end, the stream sends what follows, then `end`.
+        let mut stream =
+            EventStream::open(addr, "/runs/r1/events/stream", &[("last-event-id", "1")]).await;
+        stream.read_to_end().await;
+        assert!(stream.text.starts_with("HTTP/1.1 200"), "{}", stream.text);
+        assert_eq!(stream.events().last().unwrap(), "end");
+    });
+}
+
+#[test]
+fn commits_of_other_runs_do_not_hold_back_an_idle_streams_keep_alive() {
+    let db = TempStore::new();
+    let store = db.open();
+    let transfer = RecordingTool::new("transfer");
+    with_system(|| async move {
+        let (addr, supervisor, _) =
+            serve_supervised(&store, "payments", paying_agent(&transfer), |api| {
+                api.keep_alive(Duration::from_millis(300))
+            })
+            .await;
+        spawn(&supervisor, "payments", "r1").await;
+        Client::new(addr, None)
+            .wait_state("r1", "WAITING_FOR_APPROVAL")
+            .await;
+        let mut stream = EventStream::open(addr, "/runs/r1/events/stream", &[]).await;
+        assert!(stream.read_until("event: policy.decided").await);
+        // Another run starts every few milliseconds: each commit wakes the stream, which finds
+        // nothing of its own run. Its keep-alive comes all the same.
+        let busy = {
+            let supervisor = supervisor.clone();
+            actix_rt::spawn(async move {
+                for n in 0.. {
+                    supervisor
+                        .send(SpawnRun::new("payments", json!({})).with_id(format!("other-{n}")))
+                        .await
+                        .unwrap()
+                        .unwrap();
+                    actix_rt::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        };
+        let start = stream.text.len();
+        while !stream.text[start..].contains(": keep-alive\n\n") {
+            assert!(
+                stream.read_more().await,
+                "the stream ended: {}",
+                stream.text
+            );
+        }
+        busy.abort();
+        assert!(!stream.text[start..].contains("event:"), "{}", stream.text);
+    });
+}

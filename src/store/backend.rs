@@ -555,10 +555,13 @@ pub(crate) trait Backend: Send + Sync + 'static {
         apply: &mut (dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()> + Send),
     ) -> Result<()>;
     /// The write side of a supervisor: `clock` stamps its moves, `observer` hears of them.
+    /// `bell` is rung once a group has committed, by a backend that commits after
+    /// `Writer::commit` returns (the store actor rings it after each return).
     fn session(
         self: Arc<Self>,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
+        bell: Arc<super::pulse::Bell>,
     ) -> Result<Session>;
     /// A watcher of the store's change feed, for a supervisor with `Config::watch`.
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>>;

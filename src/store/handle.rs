@@ -56,7 +56,19 @@ impl Store {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
-        self.backend.clone().session(clock, observer)
+        self.backend
+            .clone()
+            .session(clock, observer, self.bell.clone())
+    }
+
+    /// The backend's name: `sqlite` or `postgres`.
+    #[cfg(feature = "web")]
+    pub(crate) fn backend_name(&self) -> &'static str {
+        if self.backend.describe().starts_with("postgres") {
+            "postgres"
+        } else {
+            "sqlite"
+        }
     }
 
     /// The bell this handle's commits ring: its supervisors' store actors ring it after each
@@ -131,6 +143,20 @@ impl Store {
     /// A run's events after sequence number `after`, in order: how a follower tails the log.
     pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
         self.read(|reads| moves::events_after(reads, run_id, after))
+    }
+
+    /// The run's state and its events after `after`, in one snapshot: what an event stream
+    /// reads after each commit.
+    #[cfg(feature = "web")]
+    pub(crate) fn state_and_events_after(
+        &self,
+        run_id: &RunId,
+        after: u64,
+    ) -> Result<(RunState, Vec<Event>)> {
+        self.read(|reads| {
+            let state = moves::run(reads, run_id)?.state;
+            Ok((state, moves::events_after(reads, run_id, after)?))
+        })
     }
 
     /// What a run's model calls used: the tokens of every answer, summed, and the attempts

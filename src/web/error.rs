@@ -104,7 +104,11 @@ impl From<Error> for ApiError {
             | Error::ServerUnreachable { .. }
             | Error::CommitFailed(_)
             | Error::CommitUnknown(_) => (StatusCode::SERVICE_UNAVAILABLE, "unavailable"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            _ => {
+                // What went wrong is for the operator's log, not for the caller.
+                tracing::error!(error = %err, "the web API failed a request");
+                return ApiError::internal("the request failed inside agentrt: see its log");
+            }
         };
         ApiError::new(status, code, err.to_string())
     }

@@ -8,7 +8,9 @@
 //!
 //! # async fn run() -> std::io::Result<()> {
 //! let store = Store::open("agentrt.db").map_err(std::io::Error::other)?;
-//! let api = Api::new(store).token("alice", "a-long-random-token");
+//! let api = Api::new(store)
+//!     .token("alice", "a-long-random-token")
+//!     .map_err(std::io::Error::other)?;
 //! HttpServer::new(move || App::new().service(api.scope("/agentrt")))
 //!     .bind("127.0.0.1:8080")?
 //!     .run()
@@ -40,7 +42,7 @@ use actix_web::{
     web::{self, Data},
 };
 
-pub use auth::{LOCAL_OPERATOR, token_digest};
+pub use auth::{LOCAL_OPERATOR, MIN_TOKEN_LEN, token_digest};
 pub use error::ApiError;
 
 use crate::{Store, Supervisor};
@@ -166,11 +168,15 @@ impl Api {
     }
 
     /// An operator's bearer token: kept as its SHA-256 digest. Once any token is configured,
-    /// every write needs one, and a decision is recorded under its operator's name.
-    pub fn token(self, operator: impl Into<String>, token: &str) -> Api {
+    /// every write needs one, and a decision is recorded under its operator's name. A token
+    /// shorter than [`MIN_TOKEN_LEN`] bytes, or with spaces, is
+    /// [`Error::InvalidInput`](crate::Error::InvalidInput): an unset variable read as `""`
+    /// would otherwise open the API to anyone.
+    pub fn token(self, operator: impl Into<String>, token: &str) -> crate::Result<Api> {
+        auth::check_token(token)?;
         let digest = auth::parse_digest(&token_digest(token)).expect("a digest parses");
         let operator = operator.into();
-        self.with(|parts| parts.tokens.add(operator, digest))
+        Ok(self.with(|parts| parts.tokens.add(operator, digest)))
     }
 
     /// An operator's token given by its SHA-256 digest in hex ([`token_digest`], or

@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 use super::{
     Shared,
-    auth::{self, Caller},
+    auth::{Caller, Reader, Writer},
     error::ApiError,
     stream,
 };
@@ -92,26 +92,11 @@ fn run_id(text: &str) -> Result<RunId, ApiError> {
     Ok(RunId::from(text))
 }
 
-/// The caller of a read.
-fn reader(shared: &Shared, req: &HttpRequest) -> Result<Caller, ApiError> {
-    auth::judge(&shared.tokens, shared.reads_need_token, req, false)
-}
-
-/// The operator of a write: the token's, never a field of the body.
-fn writer(shared: &Shared, req: &HttpRequest) -> Result<String, ApiError> {
-    let caller = auth::judge(&shared.tokens, shared.reads_need_token, req, true)?;
-    caller
-        .name()
-        .map(str::to_owned)
-        .ok_or_else(|| ApiError::unauthorized("this route needs an operator's token"))
-}
-
 async fn health() -> HttpResponse {
     HttpResponse::Ok().json(json!({ "status": "ok" }))
 }
 
-async fn ready(shared: Data<Shared>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    reader(&shared, &req)?;
+async fn ready(shared: Data<Shared>) -> Result<HttpResponse, ApiError> {
     let store = shared.store.clone();
     let version = web::block(move || store.schema_version())
         .await
@@ -120,6 +105,7 @@ async fn ready(shared: Data<Shared>, req: HttpRequest) -> Result<HttpResponse, A
         Ok(version) if version == SCHEMA_VERSION => Ok(HttpResponse::Ok().json(json!({
             "status": "ready",
             "schema_version": version,
+            "backend": shared.store.backend_name(),
         }))),
         Ok(version) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -142,8 +128,7 @@ async fn openapi() -> HttpResponse {
         .body(super::OPENAPI)
 }
 
-async fn whoami(shared: Data<Shared>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    let caller = reader(&shared, &req)?;
+async fn whoami(shared: Data<Shared>, Reader(caller): Reader) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(json!({
         "operator": caller.name(),
         "authenticated": matches!(caller, Caller::Operator(_)),
@@ -167,10 +152,9 @@ struct ListQuery {
 
 async fn list_runs(
     shared: Data<Shared>,
-    req: HttpRequest,
+    _reader: Reader,
     query: Query<ListQuery>,
 ) -> Result<Json<RunPage>, ApiError> {
-    reader(&shared, &req)?;
     let query = query.into_inner();
     let mut runs = RunQuery::new();
     if let Some(state) = query.state {
@@ -180,6 +164,11 @@ async fn list_runs(
         runs = runs.agent(agent);
     }
     if let Some(since) = query.since {
+        if since > i64::MAX as u64 {
+            return Err(ApiError::invalid_query(
+                "since is milliseconds since the Unix epoch, at most 2^63 - 1",
+            ));
+        }
         runs = runs.since(UNIX_EPOCH + Duration::from_millis(since));
     }
     if let Some(limit) = query.limit {
@@ -209,10 +198,9 @@ struct StartBody {
 
 async fn start_run(
     shared: Data<Shared>,
-    req: HttpRequest,
+    _writer: Writer,
     body: Json<StartBody>,
 ) -> Result<HttpResponse, ApiError> {
-    writer(&shared, &req)?;
     let supervisor = shared
         .supervisor
         .clone()
@@ -240,10 +228,9 @@ struct Shown {
 
 async fn get_run(
     shared: Data<Shared>,
-    req: HttpRequest,
+    _reader: Reader,
     id: Path<String>,
 ) -> Result<Json<Shown>, ApiError> {
-    reader(&shared, &req)?;
     let (store, run_id) = (shared.store.clone(), run_id(&id)?);
     let shown = blocking(move || {
         let run = store.run(&run_id)?;
@@ -271,11 +258,10 @@ struct AfterQuery {
 
 async fn events(
     shared: Data<Shared>,
-    req: HttpRequest,
+    _reader: Reader,
     id: Path<String>,
     query: Query<AfterQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    reader(&shared, &req)?;
     let (store, run_id, after) = (shared.store.clone(), run_id(&id)?, query.after);
     let events = blocking(move || {
         // An unknown run is a 404, not an empty list.
@@ -290,13 +276,14 @@ async fn events(
 /// `?after=`.
 async fn event_stream(
     shared: Data<Shared>,
+    _reader: Reader,
     req: HttpRequest,
     id: Path<String>,
     query: Query<AfterQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    reader(&shared, &req)?;
     let run_id = run_id(&id)?;
-    let after = match req.headers().get("last-event-id") {
+    let reconnect = req.headers().get("last-event-id");
+    let after = match reconnect {
         None => query.after,
         Some(value) => value
             .to_str()
@@ -306,16 +293,18 @@ async fn event_stream(
                 ApiError::invalid_query("Last-Event-ID must be an event's seq, a whole number")
             })?,
     };
-    {
-        let (store, run_id) = (shared.store.clone(), run_id.clone());
-        blocking(move || store.run(&run_id)).await?;
+    let (store, read_id) = (shared.store.clone(), run_id.clone());
+    let (state, missed) = blocking(move || store.state_and_events_after(&read_id, after)).await?;
+    // A client reconnecting after the `end` of a finished run: 204 tells an EventSource to stop
+    // reconnecting.
+    if reconnect.is_some() && state.is_finished() && missed.is_empty() {
+        return Ok(HttpResponse::NoContent().finish());
     }
     let events = stream::run_events(&shared.hub, run_id, after, shared.keep_alive);
     Ok(sse(events))
 }
 
-async fn changes(shared: Data<Shared>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    reader(&shared, &req)?;
+async fn changes(shared: Data<Shared>, _reader: Reader) -> Result<HttpResponse, ApiError> {
     Ok(sse(stream::changes(&shared.hub, shared.keep_alive)))
 }
 
@@ -350,8 +339,7 @@ struct Waiting {
 /// At most this many waiting runs are listed by `GET /approvals`.
 const INBOX_RUNS: usize = 200;
 
-async fn approvals(shared: Data<Shared>, req: HttpRequest) -> Result<HttpResponse, ApiError> {
-    reader(&shared, &req)?;
+async fn approvals(shared: Data<Shared>, _reader: Reader) -> Result<HttpResponse, ApiError> {
     let store = shared.store.clone();
     let calls = blocking(move || inbox(&store)).await?;
     Ok(HttpResponse::Ok().json(json!({ "calls": calls })))
@@ -424,32 +412,34 @@ struct DecisionBody {
 
 async fn approve(
     shared: Data<Shared>,
+    Writer(by): Writer,
     req: HttpRequest,
     path: Path<(String, String)>,
     body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
-    decide(shared, req, path, body, true).await
+    decide(shared, by, req, path, body, true).await
 }
 
 async fn deny(
     shared: Data<Shared>,
+    Writer(by): Writer,
     req: HttpRequest,
     path: Path<(String, String)>,
     body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
-    decide(shared, req, path, body, false).await
+    decide(shared, by, req, path, body, false).await
 }
 
 /// Records the decision under the caller's name; with a supervisor, resumes the run at once
 /// (otherwise a watching supervisor elsewhere acts on it).
 async fn decide(
     shared: Data<Shared>,
+    by: String,
     req: HttpRequest,
     path: Path<(String, String)>,
     body: web::Bytes,
     approved: bool,
 ) -> Result<HttpResponse, ApiError> {
-    let by = writer(&shared, &req)?;
     let (id, call_id) = path.into_inner();
     let run_id = run_id(&id)?;
     let note = optional_body::<DecisionBody>(&req, &body)?.note;
@@ -476,10 +466,9 @@ async fn decide(
 
 async fn resume(
     shared: Data<Shared>,
-    req: HttpRequest,
+    _writer: Writer,
     id: Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    writer(&shared, &req)?;
     let supervisor = shared
         .supervisor
         .clone()
@@ -509,11 +498,10 @@ struct CancelBody {
 
 async fn cancel(
     shared: Data<Shared>,
-    req: HttpRequest,
+    Writer(by): Writer,
     id: Path<String>,
     body: Json<CancelBody>,
 ) -> Result<HttpResponse, ApiError> {
-    let by = writer(&shared, &req)?;
     let run_id = run_id(&id)?;
     let reason = body.into_inner().reason;
     if reason.trim().is_empty() {
@@ -549,11 +537,10 @@ struct ForkBody {
 
 async fn fork(
     shared: Data<Shared>,
-    req: HttpRequest,
+    Writer(by): Writer,
     id: Path<String>,
     body: Json<ForkBody>,
 ) -> Result<HttpResponse, ApiError> {
-    let by = writer(&shared, &req)?;
     let origin = run_id(&id)?;
     let body = body.into_inner();
     let new_id = body.new_id.as_deref().map(run_id).transpose()?;

@@ -7,14 +7,14 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use actix_web::web::Bytes;
 use futures_util::{Stream, StreamExt, stream};
 use tokio::sync::watch;
 
-use crate::{Event, RunId, RunState, Store};
+use crate::{RunId, Store};
 
 /// What the API's streams cost, as counters: for dashboards, and for the tests that show a
 /// stream's work ends with its client.
@@ -76,41 +76,63 @@ impl Hub {
 
     /// The checking thread: reads the store's commit marker after each commit this process
     /// makes, and at least every `every` for those of other processes; stops when no stream
-    /// is left.
+    /// is left. Without a marker (the store refused one), each of this process's commits is
+    /// news.
     fn check(self: Arc<Self>) {
+        // Marks the thread stopped if it panics, so that the next stream starts another.
+        struct Unwinding<'a>(&'a Hub);
+        impl Drop for Unwinding<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    *self.0.running.lock().unwrap_or_else(|p| p.into_inner()) = false;
+                }
+            }
+        }
+        let _unwinding = Unwinding(&self);
         let bell = self.store.bell().clone();
         let mut pulse = None;
         let mut last = None;
+        let mut rung = bell.rung();
         loop {
             {
                 let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
                 if self.news.receiver_count() == 0 {
+                    // Under the lock a new stream subscribes with: it starts another thread.
                     *running = false;
                     return;
                 }
             }
-            let rung = bell.rung();
+            let was = rung;
+            rung = bell.rung();
             if pulse.is_none() {
-                pulse = self.store.pulse().ok();
+                pulse = match self.store.pulse() {
+                    Ok(pulse) => Some(pulse),
+                    Err(err) => {
+                        tracing::warn!(error = %err, "the web API cannot check the store for commits; its streams hear only this process's");
+                        None
+                    }
+                };
             }
-            if let Some(check) = pulse.as_mut() {
-                self.counters.checks.fetch_add(1, Ordering::Relaxed);
-                match check.marker() {
-                    Ok(marker) => {
+            let news = match pulse.as_mut() {
+                Some(check) => {
+                    self.counters.checks.fetch_add(1, Ordering::Relaxed);
+                    match check.marker() {
                         // The first marker is news too: a stream that subscribed while the
                         // thread started may have read the store before a commit it carries.
-                        if last.as_ref() != Some(&marker) {
-                            self.news.send_modify(|n| *n += 1);
-                            last = Some(marker);
+                        Ok(marker) => (last.as_ref() != Some(&marker))
+                            .then(|| last = Some(marker))
+                            .is_some(),
+                        Err(err) => {
+                            tracing::warn!(error = %err, "the web API's check for commits failed; it opens another connection");
+                            pulse = None;
+                            true
                         }
                     }
-                    // Read again from a new connection at the next check; the streams are
-                    // told, so that they read the store themselves meanwhile.
-                    Err(_) => {
-                        pulse = None;
-                        self.news.send_modify(|n| *n += 1);
-                    }
                 }
+                None => rung != was,
+            };
+            if news {
+                self.news.send_modify(|n| *n += 1);
             }
             bell.wait(rung, self.every);
         }
@@ -146,7 +168,7 @@ fn frame(id: Option<u64>, event: &str, data: &str) -> String {
 const KEEP_ALIVE: &str = ": keep-alive\n\n";
 
 /// A run's events after `after`, then each one as it is committed, with keep-alive comments
-/// every `keep_alive` while nothing comes; `end` once the run has finished and every event is
+/// when nothing was sent for `keep_alive`; `end` once the run has finished and every event is
 /// sent.
 pub(crate) fn run_events(
     hub: &Arc<Hub>,
@@ -161,6 +183,8 @@ pub(crate) fn run_events(
         run_id: RunId,
         after: u64,
         done: bool,
+        /// When the next keep-alive is due: a wake that sends nothing does not push it back.
+        quiet_until: Instant,
         _open: Open,
     }
     let state = State {
@@ -171,6 +195,7 @@ pub(crate) fn run_events(
         run_id,
         after,
         done: false,
+        quiet_until: Instant::now() + keep_alive,
         _open: Open::new(hub.counters.clone()),
     };
     stream::unfold(state, move |mut state| async move {
@@ -183,23 +208,19 @@ pub(crate) fn run_events(
                 let (store, run_id, after) =
                     (state.store.clone(), state.run_id.clone(), state.after);
                 state.counters.store_reads.fetch_add(1, Ordering::Relaxed);
-                actix_web::web::block(move || -> crate::Result<(Vec<Event>, RunState)> {
-                    // The state first: a run read finished has every event committed already.
-                    let run_state = store.run(&run_id)?.state;
-                    Ok((store.events_after(&run_id, after)?, run_state))
-                })
-                .await
+                actix_web::web::block(move || store.state_and_events_after(&run_id, after)).await
             };
-            let (events, run_state) = match read {
+            let (run_state, events) = match read {
                 Ok(Ok(read)) => read,
                 Ok(Err(err)) => {
                     state.done = true;
                     let data = serde_json::json!({ "message": err.to_string() }).to_string();
-                    return Some((Ok(Bytes::from(frame(None, "error", &data))), state));
+                    return Some((Ok(Bytes::from(frame(None, "failure", &data))), state));
                 }
                 Err(_) => return None,
             };
             if let Some(last) = events.last().map(|event| event.seq) {
+                state.quiet_until = Instant::now() + keep_alive;
                 let mut chunk = String::new();
                 for event in &events {
                     let data = serde_json::to_string(event).expect("an event serializes");
@@ -208,37 +229,57 @@ pub(crate) fn run_events(
                 state.after = last;
                 return Some((Ok(Bytes::from(chunk)), state));
             }
+            // The state was read in the same snapshot: a finished run has no event to come.
             if run_state.is_finished() {
                 state.done = true;
                 let data = serde_json::json!({ "state": run_state }).to_string();
                 return Some((Ok(Bytes::from(frame(None, "end", &data))), state));
             }
-            match tokio::time::timeout(keep_alive, state.news.changed()).await {
+            let due = tokio::time::Instant::from_std(state.quiet_until);
+            match tokio::time::timeout_at(due, state.news.changed()).await {
                 Ok(Ok(())) => continue,
                 Ok(Err(_)) => return None,
-                Err(_) => return Some((Ok(Bytes::from_static(KEEP_ALIVE.as_bytes())), state)),
+                Err(_) => {
+                    state.quiet_until = Instant::now() + keep_alive;
+                    return Some((Ok(Bytes::from_static(KEEP_ALIVE.as_bytes())), state));
+                }
             }
         }
     })
 }
 
-/// `changed` whenever something was committed to the store (coalesced: one event for the
-/// commits made while the last one was sent), with keep-alive comments between.
+/// The least time between two `changed` events of one stream: the commits of a busy store
+/// coalesce into a few a second.
+const CHANGED_EVERY: Duration = Duration::from_millis(250);
+
+/// `changed` whenever something was committed to the store (coalesced: at most one per
+/// 250 ms), with keep-alive comments between.
 pub(crate) fn changes(
     hub: &Arc<Hub>,
     keep_alive: Duration,
 ) -> impl Stream<Item = Result<Bytes, actix_web::Error>> + use<> {
-    let state = (hub.subscribe(), Open::new(hub.counters.clone()));
+    let state = (
+        hub.subscribe(),
+        Open::new(hub.counters.clone()),
+        None::<Instant>,
+    );
     let first = stream::once(async { Ok(Bytes::from_static(b": connected\n\n")) });
-    first.chain(stream::unfold(state, move |(mut news, open)| async move {
-        let chunk = match tokio::time::timeout(keep_alive, news.changed()).await {
-            Ok(Ok(())) => {
-                news.borrow_and_update();
-                frame(None, "changed", "{}")
+    first.chain(stream::unfold(
+        state,
+        move |(mut news, open, sent)| async move {
+            if let Some(sent) = sent {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(sent + CHANGED_EVERY))
+                    .await;
             }
-            Ok(Err(_)) => return None,
-            Err(_) => KEEP_ALIVE.to_owned(),
-        };
-        Some((Ok(Bytes::from(chunk)), (news, open)))
-    }))
+            let chunk = match tokio::time::timeout(keep_alive, news.changed()).await {
+                Ok(Ok(())) => {
+                    news.borrow_and_update();
+                    frame(None, "changed", "{}")
+                }
+                Ok(Err(_)) => return None,
+                Err(_) => KEEP_ALIVE.to_owned(),
+            };
+            Some((Ok(Bytes::from(chunk)), (news, open, Some(Instant::now()))))
+        },
+    ))
 }

@@ -56,7 +56,9 @@ mod tests {
 
     #[test]
     fn the_console_is_served_under_the_scope_and_ui_gains_its_slash() {
-        let api = Api::new(Store::open(":memory:").unwrap()).token("alice", "t");
+        let api = Api::new(Store::open(":memory:").unwrap())
+            .token("alice", "a-token-of-the-tests")
+            .unwrap();
         actix_rt::System::new().block_on(async move {
             let app = web_test::init_service(App::new().service(api.scope("/ops"))).await;
             let get = |path: &str| web_test::TestRequest::get().uri(path).to_request();

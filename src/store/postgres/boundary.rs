@@ -17,7 +17,7 @@ use crate::{
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
         moves,
-        pulse::Pulse,
+        pulse::{Bell, Pulse},
     },
 };
 
@@ -71,9 +71,10 @@ impl Backend for Postgres {
         self: Arc<Self>,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
+        bell: Arc<Bell>,
     ) -> Result<Session> {
         self.refuse_read_only()?;
-        off_runtime(|| writer::session(self, clock, observer))
+        off_runtime(|| writer::session(self, clock, observer, bell))
     }
 
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {

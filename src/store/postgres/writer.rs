@@ -32,6 +32,7 @@ use crate::{
         },
         model::{Now, Renewal},
         moves,
+        pulse::Bell,
     },
     types::RunId,
 };
@@ -209,6 +210,7 @@ pub(super) fn session(
     store: Arc<Postgres>,
     clock: Arc<dyn Clock>,
     observer: Option<Arc<dyn MoveObserver>>,
+    bell: Arc<Bell>,
 ) -> Result<Session> {
     // The first connections open here, so that a server that does not answer fails the start.
     let renewer = PgRenewer {
@@ -223,6 +225,7 @@ pub(super) fn session(
             store: store.clone(),
             clock: clock.clone(),
             observed: observed.clone(),
+            bell: bell.clone(),
             conn: Some(store.pipe()?),
         };
         std::thread::Builder::new()
@@ -337,6 +340,8 @@ struct Lane {
     clock: Arc<dyn Clock>,
     /// The observer, shared by the lanes: it hears of one group at a time.
     observed: Arc<Mutex<Option<Arc<dyn MoveObserver>>>>,
+    /// Rung once a group has committed: the lanes commit after the store actor's call returns.
+    bell: Arc<Bell>,
     conn: Option<PipeConn>,
 }
 
@@ -402,6 +407,9 @@ impl Lane {
                 Attempt::Failed(failure) => break Some(failure),
             }
         };
+        if failure.is_none() {
+            self.bell.ring();
+        }
         if let Some(observer) = &observer
             && failure.is_none()
         {

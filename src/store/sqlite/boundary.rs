@@ -20,7 +20,7 @@ use crate::{
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
         moves,
-        pulse::Pulse,
+        pulse::{Bell, Pulse},
     },
 };
 
@@ -55,6 +55,8 @@ impl Backend for Sqlite {
         self: Arc<Self>,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
+        // Its groups have committed when `Writer::commit` returns: the store actor rings.
+        _: Arc<Bell>,
     ) -> Result<Session> {
         writer::session(self, clock, observer)
     }

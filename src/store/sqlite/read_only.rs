@@ -49,7 +49,7 @@ use crate::{
         Health, SCHEMA_VERSION, SchemaStatus, Space, Store,
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
-        pulse::Pulse,
+        pulse::{Bell, Pulse},
     },
 };
 
@@ -288,6 +288,7 @@ impl Backend for ReadOnly {
         self: Arc<Self>,
         _: Arc<dyn Clock>,
         _: Option<Arc<dyn MoveObserver>>,
+        _: Arc<Bell>,
     ) -> Result<Session> {
         Err(self.refused())
     }

@@ -294,13 +294,22 @@ mod tests {
                 .to_http_request();
             judge(&tokens, false, &req, true).map_err(|err| err.code())
         };
-        assert_eq!(judged("127.0.0.1:5000", "127.0.0.1:8080"), Ok(Caller::Local));
+        assert_eq!(
+            judged("127.0.0.1:5000", "127.0.0.1:8080"),
+            Ok(Caller::Local)
+        );
         assert_eq!(judged("[::1]:5000", "[::1]:8080"), Ok(Caller::Local));
         assert_eq!(judged("127.0.0.1:5000", "localhost"), Ok(Caller::Local));
         assert_eq!(judged("192.0.2.1:5000", "127.0.0.1:8080"), Err("forbidden"));
         assert_eq!(judged("10.0.0.2:5000", "localhost:8080"), Err("forbidden"));
-        assert_eq!(judged("127.0.0.1:5000", "agentrt.example"), Err("forbidden"));
-        assert_eq!(judged("127.0.0.1:5000", "127.0.0.1.example:80"), Err("forbidden"));
+        assert_eq!(
+            judged("127.0.0.1:5000", "agentrt.example"),
+            Err("forbidden")
+        );
+        assert_eq!(
+            judged("127.0.0.1:5000", "127.0.0.1.example:80"),
+            Err("forbidden")
+        );
     }
 
     #[test]

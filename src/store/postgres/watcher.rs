@@ -124,6 +124,16 @@ impl PgPulse {
     }
 }
 
+impl Drop for PgPulse {
+    /// The connection goes back to the store's idle ones: the check thread stops with the last
+    /// stream and starts again with the next.
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.store.give_back(conn);
+        }
+    }
+}
+
 impl Pulse for PgPulse {
     fn marker(&mut self) -> Result<String> {
         if !self.conn.as_ref().is_some_and(Conn::is_usable) {

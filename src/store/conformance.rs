@@ -66,6 +66,7 @@ macro_rules! conformance_suite {
                 a_renewal_extends_only_the_owners_unexpired_leases,
                 a_release_is_a_compare_and_set_on_the_owner,
                 inspection_reads_runs_events_and_leases,
+                runs_are_counted_by_state_every_state_named,
                 unknown_ids_are_not_found,
                 a_newer_schema_is_refused,
                 every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing,
@@ -930,6 +931,28 @@ pub(crate) fn inspection_reads_runs_events_and_leases(f: &dyn Fixture) {
     let health = store.health().unwrap();
     assert!(health.is_ok(), "{health:?}");
     assert!(health.stale_leases.is_empty());
+}
+
+pub(crate) fn runs_are_counted_by_state_every_state_named(f: &dyn Fixture) {
+    let store = f.store();
+    let zero: Vec<(RunState, u64)> = RunState::ALL.iter().map(|&s| (s, 0)).collect();
+    assert_eq!(store.count_by_state().unwrap(), zero, "an empty store");
+    create(&store, &run("a"), &me());
+    create(&store, &run("b"), &me());
+    create(&store, &run("c"), &me());
+    waiting(&store, &run("d"));
+    succeeded(&store, &run("e"));
+    store.cancel(&run("a"), "operator").unwrap();
+    assert_eq!(
+        store.count_by_state().unwrap(),
+        [
+            (RunState::Running, 2),
+            (RunState::WaitingForApproval, 1),
+            (RunState::Succeeded, 1),
+            (RunState::Failed, 0),
+            (RunState::Cancelled, 1),
+        ]
+    );
 }
 
 pub(crate) fn unknown_ids_are_not_found(f: &dyn Fixture) {

@@ -690,8 +690,9 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     f.expire_lease(&store, &run("r"));
     let events_before = store.events(&run("r")).unwrap().len();
 
-    let (interrupted, expires_at) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
+    let (interrupted, expires_at, held) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
     assert_eq!(interrupted, [1]);
+    assert!(held, "the expired lease was someone's");
     assert!(expires_at > wall_millis());
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
     let events = store.events(&run("r")).unwrap();
@@ -729,7 +730,8 @@ pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixtu
             .unwrap()
     );
     let mine = me();
-    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let (_, _, held) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    assert!(!held, "nobody held the released run");
     assert_eq!(
         kinds(&store, &run("r")),
         [EventKind::RunStarted, EventKind::RunResumed]
@@ -762,7 +764,7 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
             .unwrap()
     );
     let mine = me();
-    let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let (interrupted, ..) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
     assert_eq!(interrupted, [2]);
     let applied = Resolution::Applied(json!({"sent": true}));
     let reconcile = |resolution: &Resolution| {
@@ -1348,8 +1350,9 @@ pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_it
     let id = store.fork(&run("r"), 3, None).unwrap();
     assert_ne!(id, run("r"));
     let grant = me();
-    let (interrupted, _) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
+    let (interrupted, _, held) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
     assert!(interrupted.is_empty());
+    assert!(!held, "nobody held the fork");
     assert_eq!(
         (grant.token(), stored_token(&store, &id)),
         (FIRST_TOKEN, FIRST_TOKEN)

@@ -13,6 +13,8 @@ mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 mod types;
+#[cfg(feature = "web")]
+pub mod web;
 
 // The examples in docs/ compile as doctests.
 #[cfg(doctest)]

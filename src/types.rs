@@ -745,7 +745,7 @@ impl<'de> Deserialize<'de> for EventKind {
 
 /// `SystemTime` as integer milliseconds since the Unix epoch, negative before it: the
 /// precision agentrt stores times at, so a stored time round-trips exactly.
-mod millis {
+pub(crate) mod millis {
     use std::{
         fmt,
         time::{Duration, SystemTime},
@@ -753,7 +753,7 @@ mod millis {
 
     use serde::{Deserializer, Serializer, de};
 
-    pub(super) fn serialize<S: Serializer>(
+    pub(crate) fn serialize<S: Serializer>(
         time: &SystemTime,
         serializer: S,
     ) -> Result<S::Ok, S::Error> {

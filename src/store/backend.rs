@@ -560,6 +560,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ) -> Result<Session>;
     /// A watcher of the store's change feed, for a supervisor with `Config::watch`.
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>>;
+    /// A check for commits made by anyone, on a connection of its own (the web API's streams).
+    fn pulse(self: Arc<Self>) -> Result<Box<dyn super::pulse::Pulse>>;
     /// A health report.
     fn health(&self) -> Result<crate::store::Health>;
     /// Gives the free space of the database back to the disk, where the database allows it,

@@ -7,6 +7,7 @@ use super::{
     health::Health,
     model::Now,
     moves::{self, Move},
+    pulse::{Bell, Pulse, Ringing},
 };
 use crate::{
     clock::{Clock, SystemClock},
@@ -25,6 +26,8 @@ use crate::{
 #[derive(Clone)]
 pub struct Store {
     backend: Arc<dyn Backend>,
+    /// Rung by every commit made through this handle and its clones.
+    bell: Arc<Bell>,
 }
 
 impl std::fmt::Debug for Store {
@@ -37,7 +40,10 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     pub(crate) fn from_backend(backend: Arc<dyn Backend>) -> Store {
-        Store { backend }
+        Store {
+            backend,
+            bell: Arc::default(),
+        }
     }
 
     pub(crate) fn backend(&self) -> &dyn Backend {
@@ -50,7 +56,21 @@ impl Store {
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<Session> {
-        self.backend.clone().session(clock, observer)
+        let ringing = Ringing {
+            bell: self.bell.clone(),
+            inner: observer,
+        };
+        self.backend.clone().session(clock, Some(Arc::new(ringing)))
+    }
+
+    /// The bell this handle's commits ring.
+    pub(crate) fn bell(&self) -> &Arc<Bell> {
+        &self.bell
+    }
+
+    /// A check for commits made to the database by anyone, on a connection of its own.
+    pub(crate) fn pulse(&self) -> Result<Box<dyn Pulse>> {
+        self.backend.clone().pulse()
     }
 
     /// A watcher of this store's change feed.
@@ -92,6 +112,7 @@ impl Store {
             value = Some(apply(tx, now)?);
             Ok(())
         })?;
+        self.bell.ring();
         value.ok_or_else(|| Error::CommitFailed("the backend never applied the move".into()))
     }
 

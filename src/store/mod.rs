@@ -15,6 +15,7 @@ pub(crate) mod model;
 pub(crate) mod moves;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub(crate) mod pulse;
 mod retention;
 pub mod sqlite;
 

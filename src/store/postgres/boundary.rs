@@ -6,7 +6,7 @@ use super::{
     Postgres, SCHEMA_VERSION,
     conn::{Conn, Pg, off_runtime, take_noted},
     open::version,
-    watcher::PgWatcher,
+    watcher::{PgPulse, PgWatcher},
     writer::{self, read_on},
 };
 use crate::{
@@ -17,6 +17,7 @@ use crate::{
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
         moves,
+        pulse::Pulse,
     },
 };
 
@@ -79,6 +80,10 @@ impl Backend for Postgres {
         self.refuse_read_only()?;
         // A supervisor starts its watch on an actix arbiter.
         off_runtime(|| Ok(Box::new(PgWatcher::open(self)?) as Box<dyn Watcher>))
+    }
+
+    fn pulse(self: Arc<Self>) -> Result<Box<dyn Pulse>> {
+        off_runtime(|| Ok(Box::new(PgPulse::open(self)?) as Box<dyn Pulse>))
     }
 
     fn health(&self) -> Result<Health> {

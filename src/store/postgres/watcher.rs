@@ -15,6 +15,7 @@ use crate::{
     store::{
         backend::{Changes, Watcher},
         feed::{self, Feed},
+        pulse::Pulse,
     },
 };
 
@@ -101,5 +102,39 @@ impl Watcher for PgWatcher {
             let mut pending = notifications.iter();
             while let Ok(Some(_)) = pending.next() {}
         }
+    }
+}
+
+/// The web API's check for commits on PostgreSQL: the server's current snapshot, on a
+/// connection of its own. It changes whenever a writing transaction starts or ends on the
+/// server (in any database), which makes it a superset of this store's commits, read in one
+/// round trip that touches no table.
+pub(super) struct PgPulse {
+    store: Arc<Postgres>,
+    conn: Option<Conn>,
+}
+
+impl PgPulse {
+    pub(super) fn open(store: Arc<Postgres>) -> Result<Self> {
+        let conn = store.connection()?;
+        Ok(PgPulse {
+            store,
+            conn: Some(conn),
+        })
+    }
+}
+
+impl Pulse for PgPulse {
+    fn marker(&mut self) -> Result<String> {
+        if !self.conn.as_ref().is_some_and(Conn::is_usable) {
+            self.conn = None;
+            self.conn = Some(self.store.connection()?);
+        }
+        let conn = self.conn.as_mut().expect("a pulse connection");
+        let row = conn
+            .client()
+            .query_one("SELECT pg_current_snapshot()::text", &[])
+            .pg()?;
+        Ok(row.get(0))
     }
 }

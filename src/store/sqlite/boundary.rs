@@ -9,7 +9,7 @@ use super::{
     database::Sqlite,
     open::user_version,
     sql::{self, Sql},
-    watcher::SqliteWatcher,
+    watcher::{SqlitePulse, SqliteWatcher},
     writer,
 };
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
         moves,
+        pulse::Pulse,
     },
 };
 
@@ -60,6 +61,10 @@ impl Backend for Sqlite {
 
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {
         Ok(Box::new(SqliteWatcher::open(self)?))
+    }
+
+    fn pulse(self: Arc<Self>) -> Result<Box<dyn Pulse>> {
+        Ok(Box::new(SqlitePulse::open(self)?))
     }
 
     fn health(&self) -> Result<Health> {

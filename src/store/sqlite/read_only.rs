@@ -49,6 +49,7 @@ use crate::{
         Health, SCHEMA_VERSION, SchemaStatus, Space, Store,
         backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
         model::Now,
+        pulse::Pulse,
     },
 };
 
@@ -294,6 +295,10 @@ impl Backend for ReadOnly {
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>> {
         // Only a supervisor watches, and it needs a store that writes.
         Err(self.refused())
+    }
+
+    fn pulse(self: Arc<Self>) -> Result<Box<dyn Pulse>> {
+        Ok(Box::new(ReadOnlyPulse(self)))
     }
 
     fn health(&self) -> Result<Health> {
@@ -545,6 +550,16 @@ impl Stamp {
             len: metadata.len(),
             modified: metadata.modified().ok(),
         }
+    }
+}
+
+/// A read-only store's check for commits: the stamps of the database and its log, which a
+/// commit changes, read without opening anything.
+struct ReadOnlyPulse(Arc<ReadOnly>);
+
+impl Pulse for ReadOnlyPulse {
+    fn marker(&mut self) -> Result<String> {
+        Ok(format!("{:?}", self.0.look()?))
     }
 }
 

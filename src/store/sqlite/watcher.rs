@@ -17,6 +17,7 @@ use crate::{
     store::{
         backend::{Changes, Watcher},
         feed,
+        pulse::Pulse,
     },
 };
 
@@ -40,9 +41,9 @@ pub(super) struct SqliteWatcher {
     version: Option<i64>,
 }
 
-impl SqliteWatcher {
-    pub(super) fn open(store: Arc<Sqlite>) -> Result<Self> {
-        let source = match &store.path {
+impl Source {
+    fn open(store: Arc<Sqlite>) -> Result<Self> {
+        Ok(match &store.path {
             None => Source::Shared(store),
             Some(path) => {
                 // Read-only, and never the checkpoint the last connection to close a database
@@ -55,9 +56,14 @@ impl SqliteWatcher {
                     .db()?;
                 Source::Own(conn)
             }
-        };
+        })
+    }
+}
+
+impl SqliteWatcher {
+    pub(super) fn open(store: Arc<Sqlite>) -> Result<Self> {
         Ok(SqliteWatcher {
-            source,
+            source: Source::open(store)?,
             cursor: None,
             version: None,
         })
@@ -116,5 +122,39 @@ impl Watcher for SqliteWatcher {
             return Ok(None);
         }
         Ok(Some(changes))
+    }
+}
+
+/// The web API's check for commits on SQLite: `PRAGMA data_version` on a read-only connection
+/// of its own, which reads nothing of the database file; on `:memory:`, the changes the one
+/// connection has made.
+pub(super) struct SqlitePulse(Source);
+
+impl SqlitePulse {
+    pub(super) fn open(store: Arc<Sqlite>) -> Result<Self> {
+        Ok(SqlitePulse(Source::open(store)?))
+    }
+}
+
+impl Pulse for SqlitePulse {
+    fn marker(&mut self) -> Result<String> {
+        let (conn, sql) = match &self.0 {
+            Source::Own(conn) => (conn, "PRAGMA data_version"),
+            Source::Shared(store) => {
+                let conn = store.inspection();
+                let changes: i64 = conn
+                    .prepare_cached("SELECT total_changes()")
+                    .db()?
+                    .query_row([], |row| row.get(0))
+                    .db()?;
+                return Ok(changes.to_string());
+            }
+        };
+        let version: i64 = conn
+            .prepare_cached(sql)
+            .db()?
+            .query_row([], |row| row.get(0))
+            .db()?;
+        Ok(version.to_string())
     }
 }

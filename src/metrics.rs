@@ -2,7 +2,8 @@
 //! place that records. They go through the `metrics` facade, to whatever recorder the process
 //! installed (`agentrt::web` installs a Prometheus one); with none, each call is a no-op.
 //!
-//! Names and label values are static strings, so that recording one allocates nothing.
+//! Names and label values are static strings, so that recording one allocates nothing. The
+//! runs by state are not recorded here: they are read from the store when scraped.
 
 use std::{
     sync::atomic::{AtomicU64, Ordering},
@@ -16,6 +17,9 @@ use crate::{
     types::{LeaseLostReason, Outcome, Usage},
 };
 
+/// Gauge, label `state`: the runs in the store in each state, read at scrape time.
+#[cfg_attr(not(feature = "web"), allow(dead_code))]
+pub(crate) const RUNS: &str = "agentrt_runs";
 /// Histogram, label `kind` (`model`, `tool`): how long a model call or a tool call took, from
 /// its dispatch to its answer or error.
 pub(crate) const STEP_DURATION: &str = "agentrt_step_duration_seconds";
@@ -39,6 +43,24 @@ pub(crate) const COMMIT_MOVES: &str = "agentrt_commit_moves";
 pub(crate) const QUEUED_RUNS: &str = "agentrt_queued_runs";
 /// Counter, label `state`: runs this process's supervisors executed to a finished state.
 pub(crate) const RUNS_FINISHED: &str = "agentrt_runs_finished_total";
+
+/// The buckets of the step histogram, in seconds: a tool's call of a millisecond up to a
+/// model's answer of minutes.
+#[cfg_attr(not(feature = "web"), allow(dead_code))]
+pub(crate) const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+/// The buckets of the commit histogram, in seconds: from a commit in memory to a slow disk's
+/// sync.
+#[cfg_attr(not(feature = "web"), allow(dead_code))]
+pub(crate) const COMMIT_BUCKETS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+];
+/// The buckets of the moves per commit: powers of two up to the largest groups seen.
+#[cfg_attr(not(feature = "web"), allow(dead_code))]
+pub(crate) const MOVES_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
 
 /// The runs waiting for a slot across the process's supervisors. Kept here as well as in the
 /// gauge, so that the gauge is right even when the recorder was installed after runs queued.
@@ -118,6 +140,13 @@ pub(crate) fn runs_dequeued(runs: usize) {
     gauge!(QUEUED_RUNS).set(before.saturating_sub(runs) as f64);
 }
 
+/// Sets the queue's gauge from the count: what a recorder installed late needs before its
+/// first scrape.
+#[cfg_attr(not(feature = "web"), allow(dead_code))]
+pub(crate) fn refresh_queued() {
+    gauge!(QUEUED_RUNS).set(QUEUED.load(Ordering::Relaxed) as f64);
+}
+
 /// A call executing a run returned with `outcome`: counted when the run finished.
 pub(crate) fn run_returned(outcome: &Outcome) {
     match outcome {
@@ -127,4 +156,60 @@ pub(crate) fn run_returned(outcome: &Outcome) {
         Outcome::WaitingForApproval { .. } => return,
     }
     .increment(1);
+}
+
+/// Describes every recorded metric to the installed recorder, for its `# HELP` lines.
+#[cfg(feature = "web")]
+pub(crate) fn describe() {
+    use ::metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(
+        STEP_DURATION,
+        Unit::Seconds,
+        "How long model calls and tool calls took, from dispatch to answer."
+    );
+    describe_counter!(
+        MODEL_TOKENS,
+        Unit::Count,
+        "Tokens the models reported using."
+    );
+    describe_counter!(
+        TOOL_ERRORS,
+        Unit::Count,
+        "Tool calls that ended in an error."
+    );
+    describe_counter!(
+        LEASE_RENEWALS,
+        Unit::Count,
+        "Leases extended by a renewal, one per run per renewal."
+    );
+    describe_counter!(
+        TAKEOVERS,
+        Unit::Count,
+        "Runs taken over from an owner whose lease had expired."
+    );
+    describe_counter!(
+        LEASES_LOST,
+        Unit::Count,
+        "Leases a supervisor lost while executing their run."
+    );
+    describe_histogram!(
+        COMMIT_DURATION,
+        Unit::Seconds,
+        "How long group commits took, until their callers were answered."
+    );
+    describe_histogram!(
+        COMMIT_MOVES,
+        Unit::Count,
+        "Moves made durable together by each committed transaction."
+    );
+    describe_gauge!(
+        QUEUED_RUNS,
+        Unit::Count,
+        "Runs waiting for a free slot of their supervisor."
+    );
+    describe_counter!(
+        RUNS_FINISHED,
+        Unit::Count,
+        "Runs this process executed to a finished state."
+    );
 }

@@ -23,6 +23,7 @@
 
 mod auth;
 mod error;
+pub(crate) mod metrics;
 mod routes;
 mod stream;
 
@@ -119,6 +120,7 @@ impl Api {
         keep_alive: Duration,
         check_every: Duration,
     ) -> Api {
+        metrics::install();
         let hub = stream::Hub::new(store.clone(), check_every);
         Api {
             shared: Arc::new(Shared {

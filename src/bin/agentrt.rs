@@ -132,6 +132,28 @@ enum Command {
     },
     /// Check the database: schema, settings, integrity, stale leases, unleased running runs.
     Doctor,
+    /// Serve the HTTP API and the operator console (at /ui) on the database. Decisions and
+    /// cancels made there are recorded in the database; the process that executes the run (a
+    /// supervisor with `Config::watch`) acts on them.
+    Serve {
+        /// Where to listen. An address that is not loopback needs --tokens.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// The operators' tokens: a file of `OPERATOR DIGEST` lines, each digest the SHA-256 of
+        /// a token in hex (`agentrt token OPERATOR` makes one). With it, every write needs a
+        /// token, and a decision is recorded under its operator's name.
+        #[arg(long, env = "AGENTRT_TOKENS")]
+        tokens: Option<PathBuf>,
+        /// Reads need a token too.
+        #[arg(long, requires = "tokens")]
+        reads_need_token: bool,
+    },
+    /// Make a new random token for OPERATOR: prints the token (give it to the operator), then
+    /// the line to add to the --tokens file of `serve`, which keeps only its digest.
+    Token {
+        #[arg(value_parser = not_blank)]
+        operator: String,
+    },
 }
 
 /// Refuses an empty or blank value: a decision or a cancel names who and why.
@@ -179,11 +201,17 @@ impl From<State> for RunState {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // A server's operator reads its INFO lines (runs decided, cancelled); a command's, only
+    // what RUST_LOG asks for.
+    let filter = match (&cli.command, std::env::var_os("RUST_LOG")) {
+        (Command::Serve { .. }, None) => tracing_subscriber::EnvFilter::new("info"),
+        _ => tracing_subscriber::EnvFilter::from_default_env(),
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     match run(cli) {
         Ok(()) | Err(Failure::BrokenPipe) => ExitCode::SUCCESS,
         Err(Failure::Message(message)) => {
@@ -233,11 +261,21 @@ macro_rules! out {
 }
 
 fn run(cli: Cli) -> Outcome {
+    // The one command that needs no database.
+    if let Command::Token { operator } = &cli.command {
+        return token(operator, cli.json);
+    }
     let path = cli
         .db
         .ok_or("no database given: pass --db PATH or set AGENTRT_DB")?;
     let json = cli.json;
     match cli.command {
+        Command::Token { .. } => unreachable!("answered above"),
+        Command::Serve {
+            listen,
+            tokens,
+            reads_need_token,
+        } => serve(&path, &listen, tokens.as_deref(), reads_need_token),
         Command::Migrate { apply } => migrate(&path, apply, json),
         Command::Doctor => doctor(&path, json),
         Command::Purge {
@@ -1095,4 +1133,70 @@ fn doctor(path: &Path, json: bool) -> Outcome {
         return Err("the integrity check found problems".into());
     }
     Ok(())
+}
+
+/// `agentrt token OPERATOR`.
+fn token(operator: &str, json: bool) -> Outcome {
+    if operator.chars().any(char::is_whitespace) {
+        return Err("an operator's name has no spaces: it is the first word of its line".into());
+    }
+    let mut bytes = [0u8; 32];
+    rand::fill(&mut bytes);
+    let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let digest = agentrt::web::token_digest(&token);
+    if json {
+        out!(
+            "{}",
+            serde_json::json!({ "operator": operator, "token": token, "digest": digest })
+        );
+    } else {
+        out!("{token}");
+        out!("{operator} {digest}");
+    }
+    Ok(())
+}
+
+/// Reads a tokens file: `OPERATOR DIGEST` per line, blank lines and `#` comments skipped.
+fn read_tokens(api: agentrt::web::Api, file: &Path) -> Result<agentrt::web::Api, Failure> {
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("cannot read the tokens file {}: {e}", file.display()))?;
+    let mut api = api;
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut words = line.split_whitespace();
+        let (Some(operator), Some(digest), None) = (words.next(), words.next(), words.next())
+        else {
+            return Err(Failure::Message(format!(
+                "{} line {}: expected `OPERATOR DIGEST` (`agentrt token OPERATOR` makes one)",
+                file.display(),
+                n + 1
+            )));
+        };
+        api = api
+            .token_digest(operator, digest)
+            .map_err(|e| format!("{} line {}: {e}", file.display(), n + 1))?;
+    }
+    if !api.has_tokens() {
+        return Err(Failure::Message(format!(
+            "the tokens file {} names no operator",
+            file.display()
+        )));
+    }
+    Ok(api)
+}
+
+/// `agentrt serve`: the API and the console until Ctrl-C.
+fn serve(path: &Path, listen: &str, tokens: Option<&Path>, reads_need_token: bool) -> Outcome {
+    let store = open_for_writing(path)?;
+    let mut api = agentrt::web::Api::new(store);
+    if let Some(file) = tokens {
+        api = read_tokens(api, file)?.tokens_for_reads(reads_need_token);
+    }
+    let system = actix_rt::System::new();
+    system
+        .block_on(agentrt::web::serve(api, listen))
+        .map_err(|e| Failure::Message(format!("cannot serve on {listen}: {e}")))
 }

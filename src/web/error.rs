@@ -157,3 +157,40 @@ pub(crate) fn query_error(err: QueryPayloadError) -> ApiError {
         "the query string is not one this route takes: {err}"
     ))
 }
+
+/// Gives an error answered by actix-web itself (a body over the limit before a route read
+/// it, a path it could not match) the API's JSON shape; the routes' own errors pass as they
+/// are.
+pub(crate) fn as_json<B>(
+    res: actix_web::dev::ServiceResponse<B>,
+) -> actix_web::Result<actix_web::middleware::ErrorHandlerResponse<B>> {
+    use actix_web::middleware::ErrorHandlerResponse;
+    let is_json = res
+        .response()
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/json"));
+    if is_json {
+        return Ok(ErrorHandlerResponse::Response(res.map_into_left_body()));
+    }
+    let status = res.status();
+    let code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+        StatusCode::NOT_FOUND => "not_found",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        StatusCode::UNAUTHORIZED => "unauthorized",
+        StatusCode::FORBIDDEN => "forbidden",
+        StatusCode::SERVICE_UNAVAILABLE => "unavailable",
+        status if status.is_client_error() => "bad_request",
+        _ => "internal",
+    };
+    let message = status
+        .canonical_reason()
+        .unwrap_or("the request failed")
+        .to_owned();
+    let response = ApiError::new(status, code, message).error_response();
+    let (req, _) = res.into_parts();
+    let res = actix_web::dev::ServiceResponse::new(req, response).map_into_right_body();
+    Ok(ErrorHandlerResponse::Response(res))
+}

@@ -35,7 +35,8 @@ use std::{
 
 use actix::Addr;
 use actix_web::{
-    App, HttpServer, Scope,
+    App, HttpServer,
+    dev::HttpServiceFactory,
     web::{self, Data},
 };
 
@@ -89,6 +90,8 @@ pub struct Stats {
     /// The checks for commits made so far: at most one per commit this process makes, and
     /// one per check period, only while a stream is open.
     pub commit_checks: u64,
+    /// Whether the check for commits runs: only while a stream is open.
+    pub checking: bool,
 }
 
 /// How often the streams check for commits made by other processes (this process's own
@@ -215,21 +218,24 @@ impl Api {
             open_streams: counters.open_streams.load(SeqCst),
             store_reads: counters.store_reads.load(SeqCst),
             commit_checks: counters.checks.load(SeqCst),
+            checking: self.shared.hub.checking(),
         }
     }
 
     /// The routes and the console under `path` (`"/agentrt"`; `""` for the root), for
     /// `App::service`.
-    pub fn scope(&self, path: &str) -> Scope {
+    pub fn scope(&self, path: &str) -> impl HttpServiceFactory + 'static {
         let json = web::JsonConfig::default()
             .limit(MAX_BODY)
             .error_handler(|err, _| error::json_error(err).into());
         let query =
             web::QueryConfig::default().error_handler(|err, _| error::query_error(err).into());
         web::scope(path)
+            .wrap(actix_web::middleware::ErrorHandlers::new().default_handler(error::as_json))
             .app_data(Data::from(self.shared.clone()))
             .app_data(json)
             .app_data(query)
+            .app_data(web::PayloadConfig::new(MAX_BODY))
             .configure(routes::configure)
             .default_service(web::to(routes::no_route))
     }

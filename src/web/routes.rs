@@ -393,6 +393,29 @@ fn inbox(store: &Store) -> crate::Result<Vec<Waiting>> {
     Ok(calls)
 }
 
+/// A body that may be left out (a decision needs no note): empty, or JSON of `T`.
+fn optional_body<T: serde::de::DeserializeOwned + Default>(
+    req: &HttpRequest,
+    body: &[u8],
+) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.starts_with("application/json"));
+    if !json {
+        return Err(super::error::json_error(
+            actix_web::error::JsonPayloadError::ContentType,
+        ));
+    }
+    serde_json::from_slice(body).map_err(|err| {
+        super::error::json_error(actix_web::error::JsonPayloadError::Deserialize(err))
+    })
+}
+
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct DecisionBody {
@@ -403,7 +426,7 @@ async fn approve(
     shared: Data<Shared>,
     req: HttpRequest,
     path: Path<(String, String)>,
-    body: Option<Json<DecisionBody>>,
+    body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
     decide(shared, req, path, body, true).await
 }
@@ -412,7 +435,7 @@ async fn deny(
     shared: Data<Shared>,
     req: HttpRequest,
     path: Path<(String, String)>,
-    body: Option<Json<DecisionBody>>,
+    body: web::Bytes,
 ) -> Result<HttpResponse, ApiError> {
     decide(shared, req, path, body, false).await
 }
@@ -423,13 +446,13 @@ async fn decide(
     shared: Data<Shared>,
     req: HttpRequest,
     path: Path<(String, String)>,
-    body: Option<Json<DecisionBody>>,
+    body: web::Bytes,
     approved: bool,
 ) -> Result<HttpResponse, ApiError> {
     let by = writer(&shared, &req)?;
     let (id, call_id) = path.into_inner();
     let run_id = run_id(&id)?;
-    let note = body.and_then(|body| body.into_inner().note);
+    let note = optional_body::<DecisionBody>(&req, &body)?.note;
     let mut approval = if approved {
         Approval::approve(run_id.clone(), call_id, by)
     } else {

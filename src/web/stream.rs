@@ -52,6 +52,11 @@ impl Hub {
         self.every
     }
 
+    /// Whether the checking thread runs.
+    pub(crate) fn checking(&self) -> bool {
+        *self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// News of commits, from now on: the checking thread runs while a receiver is held.
     fn subscribe(self: &Arc<Self>) -> watch::Receiver<u64> {
         let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());

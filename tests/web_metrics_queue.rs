@@ -75,10 +75,10 @@ fn a_run_waiting_for_a_slot_is_scraped_as_queued_until_its_turn() {
     assert_eq!(scraped(address, "agentrt_queued_runs"), 0.0);
 
     // The first run holds the only slot in its tool until the second is scraped as queued.
+    // (The second, once its turn comes, blocks in the tool in turn, until the system ends.)
     let model = ScriptedModel::new(vec![
         ModelResponse::calls(vec![ToolCall::new("c1", "hold", json!({}))]),
-        ModelResponse::answer("first"),
-        ModelResponse::answer("second"),
+        ModelResponse::answer("done"),
     ]);
     let hold = RecordingTool::new("hold").behaviour(Behaviour::Block);
     let agent = Agent::new(model).tool(hold.clone());

@@ -5,6 +5,7 @@ mod actors;
 mod agent;
 mod clock;
 mod error;
+mod metrics;
 mod model_policy;
 #[cfg(any(feature = "openai", feature = "anthropic"))]
 pub mod models;

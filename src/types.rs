@@ -69,6 +69,15 @@ pub enum RunState {
 }
 
 impl RunState {
+    /// Every state, in the order of a run's life.
+    pub const ALL: [RunState; 5] = [
+        RunState::Running,
+        RunState::WaitingForApproval,
+        RunState::Succeeded,
+        RunState::Failed,
+        RunState::Cancelled,
+    ];
+
     /// The name stored in the database and shown to people.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -15,6 +15,7 @@ use std::{
 use super::store::{RenewLeases, StoreActor};
 use crate::{
     error::{Error, Result},
+    metrics,
     store::{
         backend,
         model::{Grant, LeaseRow, Renewal},
@@ -135,6 +136,7 @@ impl LeaseKeeper {
             Ok(Renewal {
                 renewed, missing, ..
             }) => {
+                metrics::leases_renewed(renewed.len());
                 for run_id in renewed {
                     if let Some(held) = self.held.get(&run_id)
                         && still(held, &run_id)
@@ -206,6 +208,7 @@ impl LeaseKeeper {
     /// Tells the subscribers of a loss, once per call, and remembers the reason for the call.
     fn tell(&mut self, run_id: RunId, token: u64, reason: LeaseLostReason) -> LeaseLost {
         tracing::warn!(%run_id, owner = %self.owner, fencing_token = token, %reason, "lease lost");
+        metrics::lease_lost(&reason);
         self.told.insert(run_id.clone(), reason.clone());
         let lost = LeaseLost {
             run_id,

@@ -8,7 +8,7 @@ use std::{
     panic::AssertUnwindSafe,
     rc::Rc,
     sync::Arc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use actix::{
@@ -26,6 +26,7 @@ use super::{
 use crate::{
     agent::{Agent, Cancellation, Decision, ModelError, ModelRequest, Reconciliation, ToolContext},
     error::{Error, Result},
+    metrics,
     store::{
         backend::{Durability, MoveKind},
         model::{
@@ -190,6 +191,9 @@ impl Handler<Execute> for RunActor {
                 if let Ok(Err(err)) | Err(err) = released.map_err(Error::from) {
                     tracing::warn!(%err, "could not release the lease; it will expire");
                 }
+            }
+            if let Ok(outcome) = &result {
+                metrics::run_returned(outcome);
             }
             result.map(|outcome| RunReply { run_id, outcome })
         };
@@ -400,14 +404,20 @@ impl RunLoop {
                             // Whose lease it was, for the record: none for a run that waited
                             // for a slot, or a fork.
                             let previous = tx.lease_row(&id)?.and_then(|row| row.owner);
-                            let (interrupted, _) = Move::new(tx, now, &id).take_over(&grant)?;
+                            let (interrupted, _, held) =
+                                Move::new(tx, now, &id).take_over(&grant)?;
                             // The steps as the takeover leaves them, read in its transaction:
                             // an owner whose lease lapsed may have written an outcome since
                             // the read above, and that step must not run again.
-                            Ok((interrupted.len(), previous, moves::load(tx, &id)?))
+                            Ok((interrupted.len(), previous, held, moves::load(tx, &id)?))
                         });
-                        let (interrupted, previous, snapshot) =
+                        let (interrupted, previous, held, snapshot) =
                             env.store.apply(take, Durability::Durable).await?;
+                        // A run nobody held (a fork, a queued run's turn) is not taken from
+                        // anyone.
+                        if held {
+                            metrics::taken_over();
+                        }
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold();
                         run.taken("takeover");
@@ -997,6 +1007,7 @@ impl RunLoop {
                 None => std::future::pending().await,
             }
         };
+        let dispatched = Instant::now();
         // A model call has no side effect: on cancel or timeout it is dropped, not awaited.
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
@@ -1006,11 +1017,13 @@ impl RunLoop {
                 policy.attempt_timeout().unwrap_or_default().as_secs_f64()
             )))),
         };
+        metrics::step_took(StepKind::Model, dispatched.elapsed());
         let answer = answer.map_err(|panic| self.panicked(step, "the model".into(), panic))?;
         let mut response = match answer {
             Ok(response) => response,
             Err(error) => return self.model_failed(step, attempt, error).await,
         };
+        metrics::model_used(response.usage);
         self.make_call_ids_unique(step, &mut response);
         let stored_json = serde_json::to_value(&response).expect("a response serializes");
         let created: Vec<StepRow> = response
@@ -1194,14 +1207,22 @@ impl RunLoop {
         span.record("otel.name", format!("execute_tool {}", call.name));
         let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.
-            None => ToolResult::Error(format!("the agent has no tool named {:?}", call.name)),
+            None => {
+                metrics::tool_failed();
+                ToolResult::Error(format!("the agent has no tool named {:?}", call.name))
+            }
             Some(tool) => {
                 let ctx = self.tool_context(number, &call, attempt);
+                let started = Instant::now();
                 // Cancellation is the tool's to honour: its outcome is awaited and recorded.
                 let outcome = AssertUnwindSafe(tool.call(&ctx, &call.args))
                     .catch_unwind()
                     .instrument(span)
                     .await;
+                metrics::step_took(StepKind::Tool, started.elapsed());
+                if !matches!(outcome, Ok(Ok(_))) {
+                    metrics::tool_failed();
+                }
                 match outcome
                     .map_err(|panic| self.panicked(number, format!("tool {}", call.name), panic))?
                 {

@@ -43,6 +43,8 @@ pub(crate) trait Reads {
     fn run(&mut self, run_id: &RunId) -> Result<Option<Run>>;
     /// The runs, oldest first (ties by id); only those in `state` when given.
     fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>>;
+    /// How many runs are in each state, for the states that have any.
+    fn count_by_state(&mut self) -> Result<Vec<(RunState, u64)>>;
     /// A run's events after sequence number `after`, in order (none for an unknown run).
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>>;
     /// A run's first event, its `run.started` (`None` for an unknown run): where the run's

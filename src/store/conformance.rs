@@ -67,6 +67,7 @@ macro_rules! conformance_suite {
                 a_release_is_a_compare_and_set_on_the_owner,
                 inspection_reads_runs_events_and_leases,
                 a_new_run_keeps_its_trace_context_in_its_run_started,
+                runs_are_counted_by_state_every_state_named,
                 unknown_ids_are_not_found,
                 a_newer_schema_is_refused,
                 every_acquisition_takes_a_higher_token_and_an_older_one_writes_nothing,
@@ -690,8 +691,9 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     f.expire_lease(&store, &run("r"));
     let events_before = store.events(&run("r")).unwrap().len();
 
-    let (interrupted, expires_at) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
+    let (interrupted, expires_at, held) = on(&store, &run("r"), |m| m.take_over(&me())).unwrap();
     assert_eq!(interrupted, [1]);
+    assert!(held, "the expired lease was someone's");
     assert!(expires_at > wall_millis());
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
     let events = store.events(&run("r")).unwrap();
@@ -729,7 +731,8 @@ pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixtu
             .unwrap()
     );
     let mine = me();
-    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let (_, _, held) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    assert!(!held, "nobody held the released run");
     assert_eq!(
         kinds(&store, &run("r")),
         [EventKind::RunStarted, EventKind::RunResumed]
@@ -762,7 +765,7 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
             .unwrap()
     );
     let mine = me();
-    let (interrupted, _) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let (interrupted, ..) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
     assert_eq!(interrupted, [2]);
     let applied = Resolution::Applied(json!({"sent": true}));
     let reconcile = |resolution: &Resolution| {
@@ -958,6 +961,28 @@ pub(crate) fn inspection_reads_runs_events_and_leases(f: &dyn Fixture) {
     let health = store.health().unwrap();
     assert!(health.is_ok(), "{health:?}");
     assert!(health.stale_leases.is_empty());
+}
+
+pub(crate) fn runs_are_counted_by_state_every_state_named(f: &dyn Fixture) {
+    let store = f.store();
+    let zero: Vec<(RunState, u64)> = RunState::ALL.iter().map(|&s| (s, 0)).collect();
+    assert_eq!(store.count_by_state().unwrap(), zero, "an empty store");
+    create(&store, &run("a"), &me());
+    create(&store, &run("b"), &me());
+    create(&store, &run("c"), &me());
+    waiting(&store, &run("d"));
+    succeeded(&store, &run("e"));
+    store.cancel(&run("a"), "operator").unwrap();
+    assert_eq!(
+        store.count_by_state().unwrap(),
+        [
+            (RunState::Running, 2),
+            (RunState::WaitingForApproval, 1),
+            (RunState::Succeeded, 1),
+            (RunState::Failed, 0),
+            (RunState::Cancelled, 1),
+        ]
+    );
 }
 
 pub(crate) fn unknown_ids_are_not_found(f: &dyn Fixture) {
@@ -1353,8 +1378,9 @@ pub(crate) fn a_fork_is_taken_over_with_the_first_token_and_asks_the_model_at_it
     let id = store.fork(&run("r"), 3, None).unwrap();
     assert_ne!(id, run("r"));
     let grant = me();
-    let (interrupted, _) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
+    let (interrupted, _, held) = on(&store, &id, |m| m.take_over(&grant)).unwrap();
     assert!(interrupted.is_empty());
+    assert!(!held, "nobody held the fork");
     assert_eq!(
         (grant.token(), stored_token(&store, &id)),
         (FIRST_TOKEN, FIRST_TOKEN)

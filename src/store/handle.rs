@@ -135,6 +135,19 @@ impl Store {
         self.read(|reads| reads.runs(state))
     }
 
+    /// How many runs are in each state: every state, in the order of [`RunState::ALL`], zero
+    /// for a state no run is in. One read of an index, however many runs the store holds.
+    pub fn count_by_state(&self) -> Result<Vec<(RunState, u64)>> {
+        let found = self.read(|reads| reads.count_by_state())?;
+        Ok(RunState::ALL
+            .iter()
+            .map(|&state| {
+                let count = found.iter().find(|(s, _)| *s == state).map(|(_, n)| *n);
+                (state, count.unwrap_or(0))
+            })
+            .collect())
+    }
+
     /// A run's events, in order (see `docs/events.md`).
     pub fn events(&self, run_id: &RunId) -> Result<Vec<Event>> {
         self.events_after(run_id, 0)

@@ -657,11 +657,12 @@ impl<'a, 'c> Move<'a, 'c> {
 
     /// Takes over a RUNNING run whose lease expired or is absent: the lease is taken and every
     /// step in flight marked interrupted, in one transaction with `run.resumed` (and
-    /// `lease.taken_over` when someone held it). Returns the steps marked and the new expiry.
+    /// `lease.taken_over` when someone held it). Returns the steps marked, the new expiry, and
+    /// whether someone held it.
     ///
     /// A live lease of another owner is refused with `RunLeased` before the clock is read or
     /// anything is written.
-    pub(crate) fn take_over(&mut self, grant: &Grant) -> Result<(Vec<u32>, i64)> {
+    pub(crate) fn take_over(&mut self, grant: &Grant) -> Result<(Vec<u32>, i64, bool)> {
         let holder = &grant.holder;
         let what = "only a RUNNING run can be taken over";
         let run_id = self.run_id;
@@ -714,7 +715,7 @@ impl<'a, 'c> Move<'a, 'c> {
             self.append(EventKind::StepInterrupted, Some(step), &payload)?;
             steps.push(step);
         }
-        Ok((steps, expires_at))
+        Ok((steps, expires_at, row.owner.is_some()))
     }
 
     /// Records the one reconciliation of an interrupted step together with what it leads to.

@@ -25,6 +25,7 @@
 
 mod auth;
 mod error;
+pub(crate) mod metrics;
 mod routes;
 mod stream;
 mod ui;
@@ -125,6 +126,7 @@ impl Api {
         keep_alive: Duration,
         check_every: Duration,
     ) -> Api {
+        metrics::install();
         let hub = stream::Hub::new(store.clone(), check_every);
         Api {
             shared: Arc::new(Shared {

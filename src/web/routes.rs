@@ -29,6 +29,7 @@ pub(crate) fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(resource("/health").get(health))
         .service(resource("/ready").get(ready))
         .service(resource("/openapi.json").get(openapi))
+        .service(resource("/metrics").get(super::metrics::scrape))
         .service(resource("/whoami").get(whoami))
         .service(resource("/stream").get(changes))
         .service(resource("/approvals").get(approvals))

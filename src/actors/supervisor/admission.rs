@@ -10,6 +10,7 @@ use super::{Execution, Supervisor};
 use crate::{
     actors::{run::Job, store::ApplyMove},
     error::{Error, Result},
+    metrics,
     store::{
         backend::{Durability, MoveKind},
         moves::Move,
@@ -29,6 +30,14 @@ pub const DEFAULT_MAX_CONCURRENT_RUNS: usize = 1_000;
 pub(super) struct Admission {
     waiting: VecDeque<(RunId, Job, oneshot::Sender<Result<RunReply>>)>,
     ids: HashSet<RunId>,
+}
+
+impl Drop for Admission {
+    /// A supervisor that stops leaves its line: its runs no longer wait here (recovery takes
+    /// them).
+    fn drop(&mut self) {
+        metrics::runs_dequeued(self.waiting.len());
+    }
 }
 
 impl Admission {
@@ -100,6 +109,7 @@ impl Supervisor {
         let (reply, turn) = oneshot::channel();
         self.admission.ids.insert(run_id.clone());
         self.admission.waiting.push_back((run_id, job, reply));
+        metrics::run_queued();
         turn
     }
 
@@ -110,6 +120,7 @@ impl Supervisor {
             let Some((run_id, job, reply)) = self.admission.waiting.pop_front() else {
                 return;
             };
+            metrics::runs_dequeued(1);
             self.admission.ids.remove(&run_id);
             let execution = self.execute_now(run_id, job, ctx);
             actix_rt::spawn(async move {

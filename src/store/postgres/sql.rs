@@ -320,6 +320,16 @@ impl Reads for PgTx<'_> {
         rows.iter().map(run_from_row).collect()
     }
 
+    fn count_by_state(&mut self) -> Result<Vec<(RunState, u64)>> {
+        let rows = self.rows("SELECT state, count(*) FROM runs GROUP BY state", &[])?;
+        rows.iter()
+            .map(|row| {
+                let state = get::<String>(row, 0)?.parse().map_err(Error::Corrupt)?;
+                Ok((state, get::<i64>(row, 1)? as u64))
+            })
+            .collect()
+    }
+
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
         let rows = self.rows(
             "SELECT seq, kind, at, step, payload FROM events

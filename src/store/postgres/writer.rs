@@ -25,6 +25,7 @@ use super::{
 use crate::{
     clock::Clock,
     error::{Error, Result},
+    metrics,
     store::{
         backend::{
             Durability, GroupFailure, Isolation, LeaseWrites, MoveObserver, Pending, Reads,
@@ -394,6 +395,7 @@ impl Lane {
                 .flat_map(|pending| pending.infos())
                 .for_each(|info| observer.before_apply(info));
         }
+        let started = Instant::now();
         let mut tries = 0;
         let failure = loop {
             tries += 1;
@@ -422,8 +424,14 @@ impl Lane {
                 observer.committed(&committed);
             }
         }
-        if let Some(failure) = &failure {
-            tracing::error!(?failure, moves = batch.len(), "a group commit failed");
+        match &failure {
+            None => {
+                let moves: usize = batch.iter().map(|pending| pending.applied().len()).sum();
+                metrics::group_committed(moves, started.elapsed());
+            }
+            Some(failure) => {
+                tracing::error!(?failure, moves = batch.len(), "a group commit failed")
+            }
         }
         for pending in batch {
             pending.answer(failure.as_ref());

@@ -262,6 +262,27 @@ impl Reads for Sql<'_> {
         Ok(runs)
     }
 
+    fn count_by_state(&mut self) -> Result<Vec<(RunState, u64)>> {
+        // Counted off `runs_by_state`, which holds every run's state: no row is read.
+        self.0
+            .prepare_cached("SELECT state, count(*) FROM runs GROUP BY state")
+            .db()?
+            .query_map([], |row| {
+                let state: String = row.get(0)?;
+                let state = state.parse().map_err(|err: String| {
+                    rusqlite::Error::FromSqlConversionFailure(
+                        0,
+                        rusqlite::types::Type::Text,
+                        err.into(),
+                    )
+                })?;
+                Ok((state, row.get::<_, i64>(1)? as u64))
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
         self.0
             .prepare_cached(

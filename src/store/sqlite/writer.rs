@@ -26,6 +26,7 @@ use super::{
 use crate::{
     clock::Clock,
     error::{Error, Result},
+    metrics,
     store::{
         backend::{
             Durability, GroupFailure, Isolation, MoveInfo, MoveObserver, Pending, Reads, Session,
@@ -466,6 +467,7 @@ impl SqliteWriter {
     /// process's group, not yet durable): its moves wait in `written` for the next sync, and
     /// the observer hears of them then.
     fn commit_as(&mut self, mut batch: Vec<Box<dyn Pending>>, sync: LogSync) {
+        let started = Instant::now();
         let committed = self.apply_group(&mut batch, sync);
         if committed.is_ok()
             && sync == LogSync::Deferred
@@ -478,6 +480,7 @@ impl SqliteWriter {
                 .flat_map(|pending| pending.applied())
                 .cloned()
                 .collect();
+            metrics::group_committed(applied.len(), started.elapsed());
             self.written.push(applied);
             for pending in batch {
                 pending.answer(None);
@@ -492,7 +495,8 @@ impl SqliteWriter {
         let failure = match committed {
             Ok(()) if sync == LogSync::Deferred => {
                 if let Some(syncer) = &self.syncer {
-                    match syncer.send(UnsyncedGroup::new(written, batch, &self.unsynced)) {
+                    let group = UnsyncedGroup::new(written, batch, &self.unsynced, started);
+                    match syncer.send(group) {
                         Ok(()) => return,
                         // The syncer thread is gone: sync here.
                         Err(mpsc::SendError(mut returned)) => {
@@ -502,6 +506,7 @@ impl SqliteWriter {
                                 std::mem::take(&mut returned.written),
                                 batch,
                                 GroupFailure::of_sync(self.store.sync_log()),
+                                started,
                             );
                         }
                     }
@@ -518,7 +523,7 @@ impl SqliteWriter {
             Ok(()) => None,
             Err(err) => Some(GroupFailure::of(&err)),
         };
-        finish_group(self.observer.as_deref(), written, batch, failure);
+        finish_group(self.observer.as_deref(), written, batch, failure, started);
     }
 
     /// Waits until every group committed so far is durable: a read or a lease write answered
@@ -560,16 +565,20 @@ fn observe_durable(observer: Option<&dyn MoveObserver>, written: &[Vec<MoveInfo>
     }
 }
 
-/// Tells the observer and the callers of a group what became of it, and the observer of the
-/// groups answered before their sync that this group's sync made durable (`written`).
+/// Tells the observer and the callers of a group begun at `started` what became of it, and the
+/// observer of the groups answered before their sync that this group's sync made durable
+/// (`written`).
 fn finish_group(
     observer: Option<&dyn MoveObserver>,
     written: Vec<Vec<MoveInfo>>,
     batch: Vec<Box<dyn Pending>>,
     failure: Option<GroupFailure>,
+    started: Instant,
 ) {
     match &failure {
         None => {
+            let moves: usize = batch.iter().map(|pending| pending.applied().len()).sum();
+            metrics::group_committed(moves, started.elapsed());
             observe_durable(observer, &written);
             if let Some(observer) = observer {
                 let committed: Vec<&MoveInfo> =
@@ -606,6 +615,8 @@ struct UnsyncedGroup {
     written: Vec<Vec<MoveInfo>>,
     batch: Vec<Box<dyn Pending>>,
     unsynced: Arc<Unsynced>,
+    /// When its transaction began.
+    started: Instant,
 }
 
 impl UnsyncedGroup {
@@ -613,12 +624,14 @@ impl UnsyncedGroup {
         written: Vec<Vec<MoveInfo>>,
         batch: Vec<Box<dyn Pending>>,
         unsynced: &Arc<Unsynced>,
+        started: Instant,
     ) -> Self {
         unsynced.add();
         UnsyncedGroup {
             written,
             batch,
             unsynced: Arc::clone(unsynced),
+            started,
         }
     }
 
@@ -654,7 +667,14 @@ fn spawn_syncer(
                 let failure = GroupFailure::of_sync(store.sync_log());
                 for mut group in groups {
                     let written = std::mem::take(&mut group.written);
-                    finish_group(observer.as_deref(), written, group.take(), failure.clone());
+                    let started = group.started;
+                    finish_group(
+                        observer.as_deref(),
+                        written,
+                        group.take(),
+                        failure.clone(),
+                        started,
+                    );
                 }
             }
         });

@@ -419,6 +419,7 @@ fn the_openapi_document_lists_every_route() {
             "/health",
             "/ready",
             "/openapi.json",
+            "/metrics",
             "/whoami",
             "/stream",
             "/approvals",

@@ -568,6 +568,7 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// A watcher of the store's change feed, for a supervisor with `Config::watch`.
     fn watcher(self: Arc<Self>) -> Result<Box<dyn Watcher>>;
     /// A check for commits made by anyone, on a connection of its own (the web API's streams).
+    #[cfg_attr(not(feature = "web"), allow(dead_code))]
     fn pulse(self: Arc<Self>) -> Result<Box<dyn super::pulse::Pulse>>;
     /// A health report.
     fn health(&self) -> Result<crate::store::Health>;

@@ -78,6 +78,7 @@ impl Store {
     }
 
     /// A check for commits made to the database by anyone, on a connection of its own.
+    #[cfg_attr(not(feature = "web"), allow(dead_code))]
     pub(crate) fn pulse(&self) -> Result<Box<dyn Pulse>> {
         self.backend.clone().pulse()
     }

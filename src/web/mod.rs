@@ -102,7 +102,7 @@ pub struct Stats {
 pub const DEFAULT_CHECK_EVERY: Duration = Duration::from_millis(100);
 
 /// The keep-alive comment's period on an idle stream.
-pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(15);
+pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
 impl Api {
     /// The API over `store`: no tokens (so it answers only loopback connections), no

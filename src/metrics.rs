@@ -55,7 +55,8 @@ pub(crate) const STEP_BUCKETS: &[f64] = &[
 /// sync.
 #[cfg_attr(not(feature = "web"), allow(dead_code))]
 pub(crate) const COMMIT_BUCKETS: &[f64] = &[
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
 ];
 /// The buckets of the moves per commit: powers of two up to the largest groups seen.
 #[cfg_attr(not(feature = "web"), allow(dead_code))]
@@ -201,7 +202,7 @@ pub(crate) fn describe() {
     describe_histogram!(
         COMMIT_MOVES,
         Unit::Count,
-        "Moves made durable together by each committed transaction."
+        "Moves committed together by each transaction."
     );
     describe_gauge!(
         QUEUED_RUNS,
@@ -213,4 +214,19 @@ pub(crate) fn describe() {
         Unit::Count,
         "Runs this process executed to a finished state."
     );
+    // Every counter's series from the start, at 0: a series that first appears at 1 adds
+    // nothing to `increase()`, and an alert on the first takeover after a restart would miss it.
+    use ::metrics::counter;
+    for direction in ["input", "output"] {
+        counter!(MODEL_TOKENS, "direction" => direction).increment(0);
+    }
+    counter!(TOOL_ERRORS).increment(0);
+    counter!(LEASE_RENEWALS).increment(0);
+    counter!(TAKEOVERS).increment(0);
+    for reason in ["taken_over", "released_or_cancelled", "expired"] {
+        counter!(LEASES_LOST, "reason" => reason).increment(0);
+    }
+    for state in ["SUCCEEDED", "FAILED", "CANCELLED"] {
+        counter!(RUNS_FINISHED, "state" => state).increment(0);
+    }
 }

@@ -110,9 +110,15 @@ fn a_run_taken_over_after_a_crash_stays_one_trace() {
         // What this process exported before it died: the model call had ended.
         finished()
     });
+    // Of this run: the other tests of this binary export into the same exporter meanwhile.
+    let kept = stored_trace(&db.open(), &run_id);
     let first_model_call = before_crash
         .iter()
-        .find(|s| s.name == "chat" && attribute(s, "step") == Some(Value::I64(1)))
+        .find(|s| {
+            s.name == "chat"
+                && attribute(s, "step") == Some(Value::I64(1))
+                && s.span_context.trace_id() == kept
+        })
         .cloned()
         .unwrap_or_else(|| {
             panic!("the first model call ended before the crash: {before_crash:#?}")

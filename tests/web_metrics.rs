@@ -8,16 +8,17 @@ use std::{
     collections::HashMap,
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    sync::mpsc,
     time::{Duration, Instant},
 };
 
-use actix_web::{App, HttpServer};
+#[path = "common/metrics_server.rs"]
+mod metrics_server;
+
 use agentrt::{
-    Agent, Config, ModelResponse, RunId, RunState, StartRun, Store, Supervisor, ToolCall, Usage,
+    Agent, Config, ModelResponse, RunId, RunState, StartRun, Supervisor, ToolCall, Usage,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
-    web::Api,
 };
+use metrics_server::serve;
 use serde_json::json;
 
 /// A short TTL: renewals come every 100 ms, and a crashed supervisor's run is free soon.
@@ -28,24 +29,6 @@ const PATIENCE: Duration = Duration::from_secs(20);
 
 /// One sample of a scrape: its name with its labels as printed, and its value.
 type Samples = HashMap<String, f64>;
-
-/// Serves `store`'s scope on 127.0.0.1, on a thread and actix system of its own that outlive
-/// the supervisors' systems; returns its address.
-fn serve(store: Store) -> SocketAddr {
-    let (sender, address) = mpsc::channel();
-    std::thread::spawn(move || {
-        actix_rt::System::new().block_on(async move {
-            let api = Api::new(store);
-            let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
-                .workers(1)
-                .bind(("127.0.0.1", 0))
-                .expect("a port on 127.0.0.1");
-            sender.send(server.addrs()[0]).unwrap();
-            server.run().await
-        })
-    });
-    address.recv().expect("the server starts")
-}
 
 /// `GET /agentrt/metrics`: the status line and the body.
 fn get_metrics(address: SocketAddr) -> (String, String, String) {

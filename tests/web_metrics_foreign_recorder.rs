@@ -8,18 +8,20 @@ use std::{
     collections::HashMap,
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    sync::{Arc, Mutex, mpsc},
+    sync::{Arc, Mutex},
 };
 
-use actix_web::{App, HttpServer};
+#[path = "common/metrics_server.rs"]
+mod metrics_server;
+
 use agentrt::{
-    Agent, ModelResponse, Outcome, StartRun, Store, Supervisor, Usage,
+    Agent, ModelResponse, Outcome, StartRun, Supervisor, Usage,
     testkit::{ScriptedModel, TempStore, with_system},
-    web::Api,
 };
 use metrics::{
     Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
 };
+use metrics_server::serve;
 use serde_json::json;
 
 /// The application's recorder: the sum of each counter, by name.
@@ -76,23 +78,6 @@ impl Recorder for Tally {
     fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
         Histogram::noop()
     }
-}
-
-/// Serves `store`'s scope on 127.0.0.1 on a thread of its own; returns its address.
-fn serve(store: Store) -> SocketAddr {
-    let (sender, address) = mpsc::channel();
-    std::thread::spawn(move || {
-        actix_rt::System::new().block_on(async move {
-            let api = Api::new(store);
-            let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
-                .workers(1)
-                .bind(("127.0.0.1", 0))
-                .expect("a port on 127.0.0.1");
-            sender.send(server.addrs()[0]).unwrap();
-            server.run().await
-        })
-    });
-    address.recv().expect("the server starts")
 }
 
 /// `GET /agentrt/metrics`: the status line and the body.

@@ -6,37 +6,21 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    sync::mpsc,
     time::{Duration, Instant},
 };
 
-use actix_web::{App, HttpServer};
+#[path = "common/metrics_server.rs"]
+mod metrics_server;
+
 use agentrt::{
-    Agent, Config, ModelResponse, Outcome, StartRun, Store, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, Outcome, StartRun, Supervisor, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
-    web::Api,
 };
+use metrics_server::serve;
 use serde_json::json;
 
 /// How long a condition is waited for at most: far longer than it takes.
 const PATIENCE: Duration = Duration::from_secs(20);
-
-/// Serves `store`'s scope on 127.0.0.1 on a thread of its own; returns its address.
-fn serve(store: Store) -> SocketAddr {
-    let (sender, address) = mpsc::channel();
-    std::thread::spawn(move || {
-        actix_rt::System::new().block_on(async move {
-            let api = Api::new(store);
-            let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
-                .workers(1)
-                .bind(("127.0.0.1", 0))
-                .expect("a port on 127.0.0.1");
-            sender.send(server.addrs()[0]).unwrap();
-            server.run().await
-        })
-    });
-    address.recv().expect("the server starts")
-}
 
 /// The value of `series` in a scrape of `/agentrt/metrics`; 0 when it is not printed.
 fn scraped(address: SocketAddr, series: &str) -> f64 {

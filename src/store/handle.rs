@@ -173,6 +173,23 @@ impl Store {
         })
     }
 
+    /// A run with its lease, its waiting calls and its usage, in one snapshot: what the web
+    /// API shows of it.
+    #[cfg(feature = "web")]
+    pub(crate) fn run_shown(
+        &self,
+        run_id: &RunId,
+    ) -> Result<(Run, Option<Lease>, Vec<PendingCall>, crate::RunUsage)> {
+        self.read(|reads| {
+            Ok((
+                moves::run(reads, run_id)?,
+                moves::lease(reads, run_id)?,
+                moves::pending_calls(reads, run_id)?,
+                moves::usage(reads, run_id)?,
+            ))
+        })
+    }
+
     /// What a run's model calls used: the tokens of every answer, summed, and the attempts
     /// dispatched (see [`RunUsage`](crate::RunUsage)).
     pub fn usage(&self, run_id: &RunId) -> Result<crate::RunUsage> {

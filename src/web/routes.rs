@@ -99,28 +99,29 @@ async fn health() -> HttpResponse {
 
 async fn ready(shared: Data<Shared>) -> Result<HttpResponse, ApiError> {
     let store = shared.store.clone();
-    let version = web::block(move || store.schema_version())
+    let version = blocking(move || store.schema_version())
         .await
-        .map_err(|err| ApiError::internal(err.to_string()))?;
-    match version {
-        Ok(version) if version == SCHEMA_VERSION => Ok(HttpResponse::Ok().json(json!({
-            "status": "ready",
-            "schema_version": version,
-            "backend": shared.store.backend_name(),
-        }))),
-        Ok(version) => Err(ApiError::new(
+        .map_err(|err| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not_ready",
+                format!("the store does not answer: {err}"),
+            )
+        })?;
+    if version != SCHEMA_VERSION {
+        return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "not_ready",
             format!(
                 "the database's schema is version {version}; this build needs {SCHEMA_VERSION}"
             ),
-        )),
-        Err(err) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            format!("the store does not answer: {err}"),
-        )),
+        ));
     }
+    Ok(HttpResponse::Ok().json(json!({
+        "status": "ready",
+        "schema_version": version,
+        "backend": shared.store.backend_name(),
+    })))
 }
 
 async fn openapi() -> HttpResponse {
@@ -233,20 +234,16 @@ async fn get_run(
     id: Path<String>,
 ) -> Result<Json<Shown>, ApiError> {
     let (store, run_id) = (shared.store.clone(), run_id(&id)?);
-    let shown = blocking(move || {
-        let run = store.run(&run_id)?;
-        let lease = store.lease(&run_id)?;
-        Ok(Shown {
-            lease_expired: lease
-                .as_ref()
-                .is_some_and(|lease| lease.expires_at <= SystemTime::now()),
-            lease,
-            pending_calls: store.pending_calls(&run_id)?,
-            usage: store.usage(&run_id)?,
-            run,
-        })
-    })
-    .await?;
+    let (run, lease, pending_calls, usage) = blocking(move || store.run_shown(&run_id)).await?;
+    let shown = Shown {
+        lease_expired: lease
+            .as_ref()
+            .is_some_and(|lease| lease.expires_at <= SystemTime::now()),
+        lease,
+        pending_calls,
+        usage,
+        run,
+    };
     Ok(Json(shown))
 }
 

@@ -59,9 +59,10 @@ pub fn seed(path: &Path) {
             .await
             .unwrap()
             .unwrap();
-        // A short TTL, so that the lease is stale soon after the crash.
+        // A short TTL, so that the lease is stale soon after the crash; not so short that a
+        // renewal late on a loaded machine lets it lapse before the tool runs.
         let doomed = Supervisor::builder(store)
-            .config(Config::default().lease_ttl(Duration::from_millis(100)))
+            .config(Config::default().lease_ttl(Duration::from_millis(500)))
             .agent("plain", blocking)
             .start()
             .unwrap();

@@ -12,10 +12,7 @@ use std::{
 
 use ::metrics::{counter, gauge, histogram};
 
-use crate::{
-    store::model::StepKind,
-    types::{LeaseLostReason, Outcome, Usage},
-};
+use crate::types::{LeaseLostReason, Outcome, StepKind, Usage};
 
 /// Gauge, label `state`: the runs in the store in each state, read at scrape time.
 #[cfg_attr(not(feature = "web"), allow(dead_code))]

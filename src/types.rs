@@ -799,3 +799,68 @@ pub(crate) mod millis {
         }
     }
 }
+
+/// What a step is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepKind {
+    Model,
+    Tool,
+}
+
+impl StepKind {
+    /// As stored and as `step.interrupted` names it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Model => "model",
+            StepKind::Tool => "tool",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> crate::error::Result<Self> {
+        match s {
+            "model" => Ok(StepKind::Model),
+            "tool" => Ok(StepKind::Tool),
+            other => Err(crate::error::Error::Corrupt(format!(
+                "unknown step kind {other:?}"
+            ))),
+        }
+    }
+}
+
+/// Where a step is: `pending` (a tool call not decided yet), `waiting` (for an approval),
+/// `in_flight` (started, not finished), `interrupted` (its executor died), `finished`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StepState {
+    Pending,
+    Waiting,
+    InFlight,
+    Interrupted,
+    Finished,
+}
+
+impl StepState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            StepState::Pending => "pending",
+            StepState::Waiting => "waiting",
+            StepState::InFlight => "in_flight",
+            StepState::Interrupted => "interrupted",
+            StepState::Finished => "finished",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> crate::error::Result<Self> {
+        Ok(match s {
+            "pending" => StepState::Pending,
+            "waiting" => StepState::Waiting,
+            "in_flight" => StepState::InFlight,
+            "interrupted" => StepState::Interrupted,
+            "finished" => StepState::Finished,
+            other => {
+                return Err(crate::error::Error::Corrupt(format!(
+                    "unknown step state {other:?}"
+                )));
+            }
+        })
+    }
+}

@@ -1,5 +1,5 @@
-//! `StoreActor`: the queue between the actors and the backend's writer. A sync actor on its
-//! own thread: the moves submitted to it are handed to the writer in batches (everything that
+//! `StoreActor`: drains the store's move queue into the backend's writer. A sync actor on its
+//! own thread: the moves queued for it are handed to the writer in batches (everything that
 //! arrived while the last batch was committing), so nothing blocking runs on the arbiters that
 //! host runs. The writer commits each batch with the durability each caller asked for and
 //! answers the callers; the actor's other messages (reads, renewals through the writer,
@@ -11,26 +11,20 @@ use std::{
     time::{Duration, Instant},
 };
 
-use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
-use tokio::sync::oneshot;
-
 use crate::{
     clock::Clock,
     error::{Error, Result},
     store::{
         Store,
-        backend::{
-            Durability, GroupFailure, Isolation, MoveInfo, MoveKind, MoveObserver, Pending, Reads,
-            Renewer, Tx, Writer,
-        },
-        model::{Now, Renewal},
+        backend::{Durability, MoveObserver, Pending, Reads, Renewer, Writer},
+        model::Renewal,
+        moves::Move,
+        queue::{MoveQueue, PairResult},
     },
     types::RunId,
 };
+use actix::{Actor, Addr, Handler, Message, SyncArbiter, SyncContext};
 
-/// A move's work. It may be applied twice (see [`Pending::apply`]), with the same clock
-/// reading and on the same state each time.
-type ApplyFn<R> = Box<dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R> + Send>;
 type ReadFn<R> = Box<dyn FnMut(&mut dyn Reads) -> Result<R> + Send>;
 
 /// Hands the queued moves to the backend's writer for one supervisor.
@@ -47,32 +41,8 @@ type SharedWriter = Arc<Mutex<Box<dyn Writer>>>;
 /// How long one Drain keeps committing before the actor's other messages get their turn.
 const DRAIN_SLICE: Duration = Duration::from_millis(5);
 
-/// Moves waiting for the store actor, in the order they were submitted.
+/// The queue this actor drains, shared with the handles that fill it.
 type Queue = Arc<MoveQueue>;
-
-#[derive(Default)]
-struct MoveQueue {
-    moves: Mutex<Vec<Box<dyn Pending>>>,
-    /// A Drain is in the actor's mailbox and has not taken the queue yet: a move submitted
-    /// meanwhile needs no Drain of its own. At most one Drain waits in the mailbox, so the
-    /// actor's other messages wait for at most one of them.
-    drain_sent: std::sync::atomic::AtomicBool,
-}
-
-impl MoveQueue {
-    fn lock(&self) -> MutexGuard<'_, Vec<Box<dyn Pending>>> {
-        self.moves
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Whether a Drain must be sent: none is waiting.
-    fn needs_drain(&self) -> bool {
-        !self
-            .drain_sent
-            .swap(true, std::sync::atomic::Ordering::SeqCst)
-    }
-}
 
 impl StoreActor {
     /// Opens a session of `store`'s backend and starts the actor on a thread of its own; moves
@@ -120,15 +90,8 @@ impl StoreActor {
         }
     }
 
-    /// Puts `batch` back at the head of the queue.
-    fn requeue(&self, mut batch: Vec<Box<dyn Pending>>) {
-        let mut queue = self.queue.lock();
-        batch.append(&mut queue);
-        *queue = batch;
-    }
-
     fn take_queue(&self) -> Vec<Box<dyn Pending>> {
-        std::mem::take(&mut *self.queue.lock())
+        self.queue.take()
     }
 }
 
@@ -146,9 +109,7 @@ impl Handler<Drain> for StoreActor {
 
     fn handle(&mut self, _: Drain, ctx: &mut SyncContext<Self>) {
         // From here on, a move submitted after the queue is taken sends a Drain of its own.
-        self.queue
-            .drain_sent
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.queue.drain_started();
         // Empty when an earlier Drain took these moves with its own.
         let mut batch = self.take_queue();
         let started = Instant::now();
@@ -157,13 +118,13 @@ impl Handler<Drain> for StoreActor {
             if started.elapsed() >= DRAIN_SLICE {
                 // The other messages (reads, releases, renewals in memory) get their turn;
                 // these moves are first in the queue for the next Drain.
-                self.requeue(batch);
-                if self.queue.needs_drain() {
+                self.queue.requeue(batch);
+                if self.queue.request_drain() {
                     ctx.address().do_send(Drain);
                 }
                 return;
             }
-            let more_queued = !self.queue.lock().is_empty();
+            let more_queued = !self.queue.is_empty();
             self.writer().commit(batch, more_queued);
             self.bell.ring();
             batch = self.next_batch(watch);
@@ -251,242 +212,38 @@ pub(crate) struct StoreHandle {
 impl StoreHandle {
     /// Submits a move; completes with its result once it committed (or was refused), with the
     /// durability asked for: see [`Durability`].
-    pub(crate) fn apply<R: Send + 'static>(
+    pub(crate) fn apply<M: Move>(
         &self,
-        mv: ApplyMove<R>,
+        mv: M,
         durability: Durability,
-    ) -> impl Future<Output = Result<R>> + 'static {
-        let (reply, answer) = oneshot::channel();
-        let pending = PendingMove {
-            info: mv.info,
-            apply: mv.apply,
-            reading: None,
-            result: None,
-            reply,
-            durability,
-        };
-        self.submit(Box::new(pending));
-        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
-    }
-
-    /// Submits `first` and `then` to be committed in one transaction, `then` applied only if
-    /// `first` was and `proceed` says so of its result, each all-or-nothing with its own
-    /// clock reading: for a move whose successor is known before the commit and no side
-    /// effect lies between them. Completes once they committed, with `durability`, with
-    /// `first`'s result (an error if it was refused) and `then`'s (`None` if it was not
-    /// attempted).
-    pub(crate) fn apply_then<A: Send + 'static, B: Send + 'static>(
-        &self,
-        first: ApplyMove<A>,
-        then: ApplyMove<B>,
-        proceed: fn(&A) -> bool,
-        durability: Durability,
-    ) -> impl Future<Output = Result<(A, Option<Result<B>>)>> + 'static {
-        let (reply, answer) = oneshot::channel();
-        let pending = PendingPair {
-            infos: [first.info, then.info],
-            first: first.apply,
-            then: then.apply,
-            proceed,
-            readings: [None; 2],
-            result: None,
-            reply,
-            durability,
-        };
-        self.submit(Box::new(pending));
-        async move { answer.await.map_err(|_| Error::StoreUnavailable)? }
-    }
-
-    fn submit(&self, pending: Box<dyn Pending>) {
-        self.queue.lock().push(pending);
-        if self.queue.needs_drain() {
+    ) -> impl Future<Output = Result<M::Output>> + 'static {
+        let (answer, drain) = self.queue.push(mv, durability);
+        if drain {
             self.addr.do_send(Drain);
         }
+        answer
+    }
+
+    /// Submits `first` and `then` to be committed in one transaction: see
+    /// [`MoveQueue::push_pair`].
+    pub(crate) fn apply_then<A: Move, B: Move>(
+        &self,
+        first: A,
+        then: B,
+        proceed: fn(&A::Output) -> bool,
+        durability: Durability,
+    ) -> impl Future<Output = PairResult<A, B>> + 'static {
+        let (answer, drain) = self.queue.push_pair(first, then, proceed, durability);
+        if drain {
+            self.addr.do_send(Drain);
+        }
+        answer
     }
 
     /// The actor, for messages other than moves.
     pub(crate) fn addr(&self) -> &Addr<StoreActor> {
         &self.addr
     }
-}
-
-/// One state move: `apply` runs inside a group's transaction, committed only if it succeeds.
-pub(crate) struct ApplyMove<R> {
-    info: MoveInfo,
-    apply: ApplyFn<R>,
-}
-
-impl<R> ApplyMove<R> {
-    /// A move of kind `kind` of run `run_id`, that `apply` carries out.
-    pub(crate) fn new(
-        kind: MoveKind,
-        run_id: &RunId,
-        apply: impl FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<R> + Send + 'static,
-    ) -> Self {
-        ApplyMove {
-            info: MoveInfo {
-                kind,
-                run_id: run_id.clone(),
-            },
-            apply: Box::new(apply),
-        }
-    }
-}
-
-struct PendingMove<R> {
-    info: MoveInfo,
-    apply: ApplyFn<R>,
-    /// The clock reading of an earlier attempt.
-    reading: Option<i64>,
-    result: Option<Result<R>>,
-    reply: oneshot::Sender<Result<R>>,
-    durability: Durability,
-}
-
-impl<R: Send> Pending for PendingMove<R> {
-    fn infos(&self) -> &[MoveInfo] {
-        std::slice::from_ref(&self.info)
-    }
-
-    fn applied(&self) -> &[MoveInfo] {
-        match self.result {
-            Some(Ok(_)) => self.infos(),
-            _ => &[],
-        }
-    }
-
-    fn refused(&self) -> bool {
-        matches!(self.result, Some(Err(_)))
-    }
-
-    fn durability(&self) -> Durability {
-        self.durability
-    }
-
-    fn apply(&mut self, tx: &mut dyn Tx, clock: &dyn Clock, _: Isolation) -> bool {
-        let mut now = Now::resume(clock, self.reading);
-        let result = refused_logged(&self.info, (self.apply)(tx, &mut now));
-        self.reading = now.reading();
-        let applied = result.is_ok();
-        self.result = Some(result);
-        applied
-    }
-
-    fn answer(self: Box<Self>, failed: Option<&GroupFailure>) {
-        // The caller may be gone (its system stopped): nobody to answer.
-        let _ = self.reply.send(final_result(self.result, failed));
-    }
-}
-
-/// Two moves of one run committed together; the second applied only if the first was, in a
-/// savepoint of its own so that its refusal keeps the first.
-struct PendingPair<A, B> {
-    infos: [MoveInfo; 2],
-    first: ApplyFn<A>,
-    then: ApplyFn<B>,
-    /// Whether `then` is attempted, given `first`'s result.
-    proceed: fn(&A) -> bool,
-    /// The clock readings of an earlier attempt.
-    readings: [Option<i64>; 2],
-    result: Option<Result<(A, Option<Result<B>>)>>,
-    reply: oneshot::Sender<Result<(A, Option<Result<B>>)>>,
-    durability: Durability,
-}
-
-impl<A: Send, B: Send> Pending for PendingPair<A, B> {
-    fn infos(&self) -> &[MoveInfo] {
-        &self.infos
-    }
-
-    fn applied(&self) -> &[MoveInfo] {
-        match &self.result {
-            Some(Ok((_, Some(Ok(_))))) => &self.infos,
-            Some(Ok(_)) => &self.infos[..1],
-            _ => &[],
-        }
-    }
-
-    fn refused(&self) -> bool {
-        matches!(self.result, Some(Err(_)) | Some(Ok((_, Some(Err(_))))))
-    }
-
-    fn durability(&self) -> Durability {
-        self.durability
-    }
-
-    fn apply(&mut self, tx: &mut dyn Tx, clock: &dyn Clock, isolation: Isolation) -> bool {
-        let mut now = Now::resume(clock, self.readings[0]);
-        let first = refused_logged(&self.infos[0], (self.first)(tx, &mut now));
-        self.readings[0] = now.reading();
-        let a = match first {
-            Ok(a) => a,
-            Err(err) => {
-                self.result = Some(Err(err));
-                return false;
-            }
-        };
-        if !(self.proceed)(&a) {
-            self.result = Some(Ok((a, None)));
-            return true;
-        }
-        let mut now = Now::resume(clock, self.readings[1]);
-        let then = &mut self.then;
-        let b = match isolation {
-            Isolation::Shared => Ok(then(tx, &mut now)),
-            Isolation::Savepoint => in_savepoint(tx, |tx| then(tx, &mut now)),
-        };
-        self.readings[1] = now.reading();
-        let b = match b {
-            Ok(b) => refused_logged(&self.infos[1], b),
-            // The savepoint itself failed: nothing of the pair may stand.
-            Err(err) => {
-                self.result = Some(Err(err));
-                return false;
-            }
-        };
-        // Without a savepoint of its own, a refused second move cannot be rolled back alone:
-        // the group is applied again with savepoints.
-        let stands = b.is_ok() || isolation == Isolation::Savepoint;
-        self.result = Some(Ok((a, Some(b))));
-        stands
-    }
-
-    fn answer(self: Box<Self>, failed: Option<&GroupFailure>) {
-        let _ = self.reply.send(final_result(self.result, failed));
-    }
-}
-
-/// Runs `f` in a savepoint nested in the move's own: rolled back alone if it is refused. The
-/// outer error is the savepoint's own failure, which must fail the whole move.
-fn in_savepoint<R>(tx: &mut dyn Tx, f: impl FnOnce(&mut dyn Tx) -> Result<R>) -> Result<Result<R>> {
-    tx.savepoint("agentrt_then")?;
-    let result = f(tx);
-    if result.is_err() {
-        tx.rollback_to("agentrt_then")?;
-    }
-    tx.release_savepoint("agentrt_then")?;
-    Ok(result)
-}
-
-/// What a caller is answered: its move's refusal, or its result if the group committed (and
-/// synced).
-pub(crate) fn final_result<R>(
-    result: Option<Result<R>>,
-    failed: Option<&GroupFailure>,
-) -> Result<R> {
-    match (result, failed) {
-        (Some(Err(err)), _) => Err(err),
-        (Some(Ok(value)), None) => Ok(value),
-        (_, Some(failure)) => Err(failure.error()),
-        (None, None) => Err(Error::CommitFailed("the move was never applied".into())),
-    }
-}
-
-fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
-    if let Err(err) = &result {
-        tracing::debug!(r#move = %info.kind, run_id = %info.run_id, %err, "move refused");
-    }
-    result
 }
 
 #[cfg(test)]
@@ -500,9 +257,11 @@ mod tests {
         clock::SystemClock,
         sqlite::{Options, Sqlite},
         store::{
+            backend::{MoveInfo, MoveKind},
             model::{Grant, Holder},
-            moves::Move,
+            moves::{CreateRun, Cx, Leased, Move},
         },
+        types::RunId,
     };
 
     /// Counts its readings.
@@ -527,22 +286,46 @@ mod tests {
         }
     }
 
-    /// A move that creates run `r{n}` (reading the clock), then is refused if `refuse`.
-    fn create(n: u32, refuse: bool) -> ApplyMove<()> {
-        let run_id = RunId::from(format!("r{n}"));
-        let id = run_id.clone();
+    /// A run's insert (reading the clock), then refused if `refuse`.
+    struct Create {
+        create: CreateRun,
+        refuse: bool,
+    }
+
+    impl Move for Create {
+        type Output = ();
+
+        fn kind(&self) -> MoveKind {
+            self.create.kind()
+        }
+
+        fn run_id(&self) -> &RunId {
+            self.create.run_id()
+        }
+
+        fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
+            self.create.apply(cx)?;
+            if self.refuse {
+                return Err(Error::InvalidInput("refused after writing".into()));
+            }
+            Ok(())
+        }
+    }
+
+    /// A move that creates run `r{n}`, then is refused if `refuse`.
+    fn create(n: u32, refuse: bool) -> Create {
         let grant = Grant::new(Holder {
             owner: "me/000000000001".into(),
             ttl: Duration::from_secs(30),
             margin: Duration::from_secs(10),
         });
-        ApplyMove::new(MoveKind::CreateRun, &run_id, move |tx, now| {
-            Move::new(tx, now, &id).create_run("a", &json!({}), &grant)?;
-            if refuse {
-                return Err(Error::InvalidInput("refused after writing".into()));
-            }
-            Ok(())
-        })
+        let create = CreateRun {
+            by: Leased::new(&RunId::from(format!("r{n}")), &grant),
+            agent: "a".into(),
+            input: json!({}),
+            trace: None,
+        };
+        Create { create, refuse }
     }
 
     fn run_ids(store: &Store) -> Vec<String> {

@@ -9,7 +9,6 @@ pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 pub use recovery::Recovery;
 pub use watch::Watch;
 
-use crate::store::moves::Move;
 use std::{
     collections::{BTreeMap, HashMap},
     sync::Arc,
@@ -26,7 +25,7 @@ use tokio::sync::oneshot;
 use super::{
     lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
     run::{Agents, Execute, Job, RunActor},
-    store::{ApplyMove, ReadState, StoreActor, StoreHandle},
+    store::{ReadState, StoreActor, StoreHandle},
 };
 use crate::{
     agent::{Agent, Cancellation},
@@ -34,7 +33,7 @@ use crate::{
     error::{Error, Result},
     store::{
         Store,
-        backend::{Durability, MoveKind, MoveObserver},
+        backend::{Durability, MoveObserver},
         model::Holder,
         moves,
     },
@@ -755,20 +754,13 @@ impl Handler<ForkRun> for Supervisor {
     fn handle(&mut self, msg: ForkRun, ctx: &mut Context<Self>) -> Self::Result {
         let ForkRun { run_id, at, new_id } = msg;
         let new_id = new_id.unwrap_or_else(RunId::random);
-        let (id, agents) = (new_id.clone(), self.agents.clone());
-        let trace = crate::trace_context::forked(&new_id, &run_id, at);
-        let fork = ApplyMove::new(MoveKind::ForkRun, &new_id, move |tx, now| {
-            // Refused before anything is written: a fork this supervisor cannot execute would
-            // be left for another to resume.
-            if let Some(origin) = tx.run(&run_id)?
-                && !agents.contains_key(&origin.agent)
-            {
-                return Err(Error::UnknownAgent(origin.agent));
-            }
-            Move::new(tx, now, &id)
-                .traced(trace.as_deref())
-                .fork_run(&run_id, at)
-        });
+        let fork = moves::ForkRun {
+            trace: crate::trace_context::forked(&new_id, &run_id, at),
+            run_id: new_id.clone(),
+            origin: run_id,
+            at,
+            agents: Some(self.agents.keys().cloned().collect()),
+        };
         let fork = self.store_actor.apply(fork, Durability::Durable);
         let supervisor = ctx.address();
         Box::pin(async move {
@@ -813,10 +805,10 @@ impl Handler<CancelRun> for Supervisor {
 
     fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
         let CancelRun { run_id, reason } = msg;
-        let id = run_id.clone();
-        let cancel = ApplyMove::new(MoveKind::CancelRun, &run_id, move |tx, now| {
-            Move::new(tx, now, &id).cancel_run(&reason)
-        });
+        let cancel = moves::CancelRun {
+            run_id: run_id.clone(),
+            reason,
+        };
         let cancel = self.store_actor.apply(cancel, Durability::Durable);
         Box::pin(
             cancel
@@ -846,10 +838,7 @@ impl Handler<RecordApproval> for Supervisor {
 
     fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
         let approval = msg.0;
-        let run_id = approval.run_id.clone();
-        let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
-            Move::new(tx, now, &approval.run_id).record_approval(&approval)
-        });
+        let record = moves::RecordApproval { approval };
         let record = self.store_actor.apply(record, Durability::Durable);
         Box::pin(record.into_actor(self))
     }
@@ -871,9 +860,7 @@ impl Handler<DecideAndResume> for Supervisor {
         let run_id = approval.run_id.clone();
         // Before the decision commits: the watch, which hears of it, leaves the resume to us.
         self.claim(&run_id);
-        let record = ApplyMove::new(MoveKind::RecordApproval, &run_id, move |tx, now| {
-            Move::new(tx, now, &approval.run_id).record_approval(&approval)
-        });
+        let record = moves::RecordApproval { approval };
         let record = self.store_actor.apply(record, Durability::Durable);
         let supervisor = ctx.address();
         Box::pin(async move {

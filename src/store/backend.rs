@@ -20,12 +20,15 @@ use serde_json::Value;
 use super::{
     health::Space,
     listing::ListQuery,
-    model::{ApprovalRow, LeaseRow, Now, Renewal, StepKind, StepRow, StepState},
+    model::{ApprovalRow, LeaseRow, Now, Renewal, StepRow},
 };
 use crate::{
     clock::Clock,
     error::{Error, Result},
-    types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
+    types::{
+        Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, StepKind, StepState,
+        ToolCall,
+    },
 };
 
 /// Reads of a run's rows, inside a transaction or outside.

@@ -6,7 +6,10 @@
 //! fixture says how to make a fresh store (and, if the backend can hold one, a database of a
 //! newer schema). Every case must pass unchanged on every backend.
 
-use crate::store::moves::{FIRST_TOKEN, Move};
+use crate::{
+    store::moves::{FIRST_TOKEN, Leased},
+    types::StepState,
+};
 use std::{sync::Arc, time::Duration};
 
 use serde_json::{Value, json};
@@ -14,7 +17,7 @@ use serde_json::{Value, json};
 use super::{
     Store,
     backend::{ChangeKind, Changes, Session},
-    model::{Grant, Holder, ModelOutcome, Resolution, StepState, ToolDecision, wall_millis},
+    model::{Grant, Holder, ModelOutcome, Resolution, ToolDecision, wall_millis},
     moves,
 };
 use crate::{
@@ -122,21 +125,160 @@ pub(crate) fn call(id: &str) -> ToolCall {
     ToolCall::new(id, "send", json!({"to": "a@example.com"}))
 }
 
-/// Applies one move in a transaction of its own.
-fn apply<R: Send>(
-    store: &Store,
-    f: impl FnMut(&mut dyn super::backend::Tx, &mut super::model::Now<'_>) -> Result<R> + Send,
-) -> Result<R> {
-    store.transact(&SystemClock, f)
-}
-
-/// Applies one move of `run_id` in a transaction of its own.
+/// Applies one move of `run_id` in a transaction of its own, as `f` makes it through
+/// [`Moves`].
 pub(crate) fn on<R: Send>(
     store: &Store,
     run_id: &RunId,
-    mut f: impl FnMut(&mut Move<'_, '_>) -> Result<R> + Send,
+    f: impl FnOnce(&mut Moves<'_>) -> Result<R>,
 ) -> Result<R> {
-    apply(store, |tx, now| f(&mut Move::new(tx, now, run_id)))
+    f(&mut Moves { store, run_id })
+}
+
+/// The moves of one run, each applied in a transaction of its own as the suite's cases name
+/// them: by what they do and with the values they carry.
+pub(crate) struct Moves<'a> {
+    store: &'a Store,
+    run_id: &'a RunId,
+}
+
+impl Moves<'_> {
+    fn by(&self, grant: &Grant) -> Leased {
+        Leased::new(self.run_id, grant)
+    }
+
+    fn apply<M: moves::Move>(&self, mv: M) -> Result<M::Output> {
+        self.store.apply(&SystemClock, mv)
+    }
+
+    pub(crate) fn create_run(&mut self, agent: &str, input: &Value, grant: &Grant) -> Result<i64> {
+        self.apply(moves::CreateRun {
+            by: self.by(grant),
+            agent: agent.into(),
+            input: input.clone(),
+            trace: None,
+        })
+    }
+
+    pub(crate) fn begin_model_step(&mut self, grant: &Grant, step: u32) -> Result<()> {
+        self.apply(moves::BeginModelStep {
+            by: self.by(grant),
+            step,
+        })
+    }
+
+    pub(crate) fn fail_run(&mut self, grant: &Grant, error: &str) -> Result<()> {
+        self.apply(moves::FailRun {
+            by: self.by(grant),
+            error: error.into(),
+        })
+    }
+
+    pub(crate) fn finish_model_step(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        outcome: &ModelOutcome,
+    ) -> Result<()> {
+        self.apply(moves::FinishModelStep {
+            by: self.by(grant),
+            step,
+            attempt,
+            outcome: outcome.clone(),
+        })
+    }
+
+    pub(crate) fn decide_tool(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        call: &ToolCall,
+        decision: &ToolDecision,
+    ) -> Result<()> {
+        self.apply(decide_tool(self.run_id, grant, step, call, decision))
+    }
+
+    pub(crate) fn finish_tool(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        call_id: &str,
+        result: &ToolResult,
+        result_json: &Value,
+    ) -> Result<bool> {
+        self.apply(moves::FinishTool {
+            by: self.by(grant),
+            step,
+            attempt,
+            call_id: call_id.into(),
+            result: result.clone(),
+            result_json: result_json.clone(),
+        })
+    }
+
+    pub(crate) fn reconcile(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        call: Option<&ToolCall>,
+        resolution: &Resolution,
+    ) -> Result<()> {
+        self.apply(moves::Reconcile {
+            by: self.by(grant),
+            step,
+            attempt,
+            call: call.cloned(),
+            resolution: resolution.clone(),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn resume_waiting(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        call: &ToolCall,
+        reason: crate::ApprovalReason,
+        decision: &ToolDecision,
+        source: &'static str,
+    ) -> Result<i64> {
+        self.apply(moves::ResumeWaiting {
+            by: self.by(grant),
+            step,
+            attempt,
+            call: call.clone(),
+            reason,
+            decision: decision.clone(),
+            source,
+        })
+    }
+
+    /// The steps it marked interrupted, the new expiry, and whether someone held the lease.
+    pub(crate) fn take_over(&mut self, grant: &Grant) -> Result<(Vec<u32>, i64, bool)> {
+        let taken = self.apply(moves::TakeOver { by: self.by(grant) })?;
+        let held = taken.previous_owner.is_some();
+        Ok((taken.interrupted, taken.expires_at, held))
+    }
+}
+
+/// The policy's decision on step `step`'s `call`, as a run's loop makes it under `grant`.
+pub(crate) fn decide_tool(
+    run_id: &RunId,
+    grant: &Grant,
+    step: u32,
+    call: &ToolCall,
+    decision: &ToolDecision,
+) -> moves::DecideTool {
+    moves::DecideTool {
+        by: Leased::new(run_id, grant),
+        step,
+        call: call.clone(),
+        decision: decision.clone(),
+    }
 }
 
 pub(crate) fn create(store: &Store, run_id: &RunId, holder: &Grant) {
@@ -356,57 +498,51 @@ pub(crate) fn a_refused_move_writes_nothing(f: &dyn Fixture) {
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OTHER);
 }
 
-/// Applies `moves` through a supervisor's writer as one group (held back until all are
-/// queued); returns whether each committed.
-pub(crate) fn in_one_group(
-    store: &Store,
-    moves: Vec<crate::actors::store::ApplyMove<()>>,
-) -> Vec<bool> {
-    use crate::actors::store::{ReadState, StoreActor};
+/// A move queued for a group, and how to read whether it committed once the group is answered.
+pub(crate) type Queued = (
+    Box<dyn super::backend::Pending>,
+    Box<dyn FnOnce() -> bool + Send>,
+);
 
-    let store = store.clone();
-    actix::System::new().block_on(async move {
-        let (handle, _) = StoreActor::start(&store, Arc::new(SystemClock), None).unwrap();
-        let (release, gate) = std::sync::mpsc::channel::<()>();
-        handle.addr().do_send(ReadState::new(move |_| {
-            gate.recv().ok();
-            Ok(())
-        }));
-        let calls: Vec<_> = moves
-            .into_iter()
-            .map(|mv| actix_rt::spawn(handle.apply(mv, crate::store::backend::Durability::Durable)))
-            .collect();
-        actix_rt::task::yield_now().await;
-        release.send(()).unwrap();
-        let mut committed = Vec::new();
-        for call in calls {
-            committed.push(call.await.unwrap().is_ok());
-        }
-        committed
-    })
+/// `mv`, queued for [`in_one_group`].
+pub(crate) fn queued<M: moves::Move>(mv: M) -> Queued {
+    let (pending, answer) = super::queue::pending(mv, super::backend::Durability::Durable);
+    let committed = move || matches!(answer.blocking_recv(), Ok(Ok(_)));
+    (pending, Box::new(committed))
+}
+
+/// Applies `moves` through a supervisor's writer as one group (one batch, as a store actor
+/// hands the writer what queued during its last commit); returns whether each committed.
+pub(crate) fn in_one_group(store: &Store, moves: Vec<Queued>) -> Vec<bool> {
+    let session = store
+        .session(Arc::new(SystemClock), None)
+        .expect("a writer session");
+    let mut writer = session.writer;
+    let (batch, answers): (Vec<_>, Vec<_>) = moves.into_iter().unzip();
+    writer.commit(batch, false);
+    // A writer may answer from threads of its own: each answer is awaited.
+    let committed = answers.into_iter().map(|committed| committed()).collect();
+    writer.idle();
+    committed
 }
 
 pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &dyn Fixture) {
-    use crate::{actors::store::ApplyMove, store::backend::MoveKind};
-
     let store = f.store();
     create(&store, &run("r"), &me());
     model_answered(&store, &run("r"), vec![call("c1")]);
     decide(&store, &run("r"), 2, &call("c1"), &allow()).unwrap();
     let before = store.events(&run("r")).unwrap();
     let creates = |n: &str| {
-        let id = run(n);
-        ApplyMove::new(MoveKind::CreateRun, &id.clone(), move |tx, now| {
-            Move::new(tx, now, &id)
-                .create_run("agent", &json!({}), &me())
-                .map(|_| ())
+        queued(moves::CreateRun {
+            by: Leased::new(&run(n), &me()),
+            agent: "agent".into(),
+            input: json!({}),
+            trace: None,
         })
     };
     // Deciding the call again stamps the run and appends `policy.decided` before its step
     // guard refuses it: those writes must go with it, and nothing else.
-    let again = ApplyMove::new(MoveKind::DecideTool, &run("r"), move |tx, now| {
-        Move::new(tx, now, &run("r")).decide_tool(&me(), 2, &call("c1"), &allow())
-    });
+    let again = queued(decide_tool(&run("r"), &me(), 2, &call("c1"), &allow()));
     let committed = in_one_group(&store, vec![creates("r1"), again, creates("r3")]);
     assert_eq!(committed, [true, false, true]);
     assert_eq!(
@@ -906,12 +1042,17 @@ pub(crate) fn a_new_run_keeps_its_trace_context_in_its_run_started(f: &dyn Fixtu
     let store = f.store();
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let traced = run("traced");
-    apply(&store, |tx, now| {
-        Move::new(tx, now, &traced)
-            .traced(Some(traceparent))
-            .create_run("agent", &json!({}), &me())
-    })
-    .unwrap();
+    store
+        .apply(
+            &SystemClock,
+            moves::CreateRun {
+                by: Leased::new(&traced, &me()),
+                agent: "agent".into(),
+                input: json!({}),
+                trace: Some(traceparent.into()),
+            },
+        )
+        .unwrap();
     on(&store, &traced, |m| m.begin_model_step(&me(), 1)).unwrap();
     create(&store, &run("plain"), &me());
     let started = |id: &RunId| store.events(id).unwrap().remove(0);

@@ -6,7 +6,7 @@ use super::{
     backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
     health::Health,
     model::Now,
-    moves::{self, Move},
+    moves::{self, CancelRun, Cx, ForkRun, Move, RecordApproval},
     pulse::{Bell, Pulse},
 };
 use crate::{
@@ -126,6 +126,14 @@ impl Store {
         value.ok_or_else(|| Error::CommitFailed("the backend never applied the move".into()))
     }
 
+    /// One move in a transaction of its own, outside any supervisor (an operator's), stamped
+    /// by `clock`.
+    pub(crate) fn apply<M: Move>(&self, clock: &dyn Clock, mv: M) -> Result<M::Output> {
+        self.transact(clock, |tx, now| {
+            mv.apply(&mut Cx::new(tx, now, mv.run_id()))
+        })
+    }
+
     /// A run.
     pub fn run(&self, run_id: &RunId) -> Result<Run> {
         self.read(|reads| moves::run(reads, run_id))
@@ -215,18 +223,19 @@ impl Store {
     /// about a poll; one without learns it at its next lease renewal or write. Either way its
     /// loop stops at its next write, and a tool running then has its outcome recorded late.
     pub fn cancel(&self, run_id: &RunId, reason: &str) -> Result<()> {
-        self.transact(&SystemClock, |tx, now| {
-            Move::new(tx, now, run_id).cancel_run(reason)
-        })
+        let cancel = CancelRun {
+            run_id: run_id.clone(),
+            reason: reason.to_owned(),
+        };
+        self.apply(&SystemClock, cancel)
     }
 
     /// Records an operator's approval or denial of a waiting call, from outside a supervisor,
     /// stamped by the system clock. Resume the run afterwards, or let a supervisor with
     /// [`Config::watch`](crate::Config::watch) and the run's agent do it.
     pub fn record_approval(&self, approval: &Approval) -> Result<()> {
-        self.transact(&SystemClock, |tx, now| {
-            Move::new(tx, now, &approval.run_id).record_approval(approval)
-        })
+        let approval = approval.clone();
+        self.apply(&SystemClock, RecordApproval { approval })
     }
 
     /// Forks run `origin` at step `at` into a new run, from outside a supervisor, stamped by
@@ -244,12 +253,14 @@ impl Store {
     /// and nothing is written.
     pub fn fork(&self, origin: &RunId, at: u32, new_id: Option<RunId>) -> Result<RunId> {
         let run_id = new_id.unwrap_or_else(RunId::random);
-        let trace = crate::trace_context::forked(&run_id, origin, at);
-        self.transact(&SystemClock, |tx, now| {
-            Move::new(tx, now, &run_id)
-                .traced(trace.as_deref())
-                .fork_run(origin, at)
-        })?;
+        let fork = ForkRun {
+            trace: crate::trace_context::forked(&run_id, origin, at),
+            run_id: run_id.clone(),
+            origin: origin.clone(),
+            at,
+            agents: None,
+        };
+        self.apply(&SystemClock, fork)?;
         Ok(run_id)
     }
 

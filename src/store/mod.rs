@@ -16,6 +16,7 @@ pub(crate) mod moves;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub(crate) mod pulse;
+pub(crate) mod queue;
 mod retention;
 pub mod sqlite;
 

@@ -15,68 +15,10 @@ use serde_json::{Value, json};
 pub(crate) use crate::clock::{from_millis, to_millis};
 use crate::{
     clock::Clock,
-    error::{Error, Result},
-    types::{ApprovalReason, Lease, ModelResponse, Run, RunId, RunState, ToolCall},
+    types::{
+        ApprovalReason, Lease, ModelResponse, Run, RunId, RunState, StepKind, StepState, ToolCall,
+    },
 };
-
-/// What a step is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StepKind {
-    Model,
-    Tool,
-}
-
-impl StepKind {
-    /// As stored and as `step.interrupted` names it.
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            StepKind::Model => "model",
-            StepKind::Tool => "tool",
-        }
-    }
-
-    pub(crate) fn parse(s: &str) -> Result<Self> {
-        match s {
-            "model" => Ok(StepKind::Model),
-            "tool" => Ok(StepKind::Tool),
-            other => Err(Error::Corrupt(format!("unknown step kind {other:?}"))),
-        }
-    }
-}
-
-/// Where a step is: `pending` (a tool call not decided yet), `waiting` (for an approval),
-/// `in_flight` (started, not finished), `interrupted` (its executor died), `finished`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StepState {
-    Pending,
-    Waiting,
-    InFlight,
-    Interrupted,
-    Finished,
-}
-
-impl StepState {
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            StepState::Pending => "pending",
-            StepState::Waiting => "waiting",
-            StepState::InFlight => "in_flight",
-            StepState::Interrupted => "interrupted",
-            StepState::Finished => "finished",
-        }
-    }
-
-    pub(crate) fn parse(s: &str) -> Result<Self> {
-        Ok(match s {
-            "pending" => StepState::Pending,
-            "waiting" => StepState::Waiting,
-            "in_flight" => StepState::InFlight,
-            "interrupted" => StepState::Interrupted,
-            "finished" => StepState::Finished,
-            other => return Err(Error::Corrupt(format!("unknown step state {other:?}"))),
-        })
-    }
-}
 
 /// A step as stored.
 #[derive(Debug, Clone, PartialEq)]
@@ -273,6 +215,7 @@ impl LeaseRow {
 }
 
 /// How a model step ended.
+#[derive(Clone)]
 pub(crate) enum ModelOutcome {
     /// The answer, and its JSON as recorded (built by the loop, off the writer's thread).
     Answered {

@@ -8,13 +8,10 @@ use tokio::sync::oneshot;
 
 use super::{Execution, Supervisor};
 use crate::{
-    actors::{run::Job, store::ApplyMove},
+    actors::run::Job,
     error::{Error, Result},
     metrics,
-    store::{
-        backend::{Durability, MoveKind},
-        moves::Move,
-    },
+    store::{backend::Durability, moves::QueueRun},
     types::{RunId, RunReply},
 };
 
@@ -75,13 +72,12 @@ impl Supervisor {
         };
         // Held from now: no other call executes the run while its insert is written.
         self.admission.ids.insert(run_id.clone());
-        let id = run_id.clone();
-        let trace = crate::trace_context::queued(&run_id, &agent);
-        let insert = ApplyMove::new(MoveKind::QueueRun, &run_id, move |tx, now| {
-            Move::new(tx, now, &id)
-                .traced(trace.as_deref())
-                .queue_run(&agent, &input)
-        });
+        let insert = QueueRun {
+            trace: crate::trace_context::queued(&run_id, &agent),
+            run_id: run_id.clone(),
+            agent,
+            input,
+        };
         let insert = self.store_actor.apply(insert, Durability::Durable);
         let supervisor = ctx.address();
         Box::pin(async move {

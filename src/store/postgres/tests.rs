@@ -165,14 +165,12 @@ fn a_start_that_waited_for_the_runs_row_past_its_lease_is_refused() {
 /// by the loop's deadline (which has time left here) or a reading from before the wait.
 #[test]
 fn a_start_whose_group_waited_for_the_runs_row_past_its_lease_is_refused() {
-    use crate::{
-        actors::store::ApplyMove,
-        store::{
-            backend::MoveKind,
-            conformance::{allow, call, create, in_one_group, model_answered_by, run},
-            model::{Grant, Holder},
-            moves::{FIRST_TOKEN, Move},
+    use crate::store::{
+        conformance::{
+            allow, call, create, decide_tool, in_one_group, model_answered_by, queued, run,
         },
+        model::{Grant, Holder},
+        moves::FIRST_TOKEN,
     };
     use std::time::Duration;
 
@@ -213,10 +211,8 @@ fn a_start_whose_group_waited_for_the_runs_row_past_its_lease_is_refused() {
     let starter = {
         let (store, grant) = (store.clone(), grant.clone());
         std::thread::spawn(move || {
-            let decide = ApplyMove::new(MoveKind::DecideTool, &run("r"), move |tx, now| {
-                Move::new(tx, now, &run("r")).decide_tool(&grant, 2, &call("c1"), &allow())
-            });
-            in_one_group(&store, vec![decide])
+            let decide = decide_tool(&run("r"), &grant, 2, &call("c1"), &allow());
+            in_one_group(&store, vec![queued(decide)])
         })
     };
     // Held until the stored lease has ended, by the server's clock.

@@ -140,11 +140,13 @@ mod tests {
         };
         let grant = Grant::new(holder.clone());
         let run_id = RunId::from("r");
-        store
-            .transact(&SystemClock, |tx, now| {
-                moves::Move::new(tx, now, &run_id).create_run("a", &serde_json::json!({}), &grant)
-            })
-            .unwrap();
+        let create = moves::CreateRun {
+            by: moves::Leased::new(&run_id, &grant),
+            agent: "a".into(),
+            input: serde_json::json!({}),
+            trace: None,
+        };
+        store.apply(&SystemClock, create).unwrap();
 
         // A writer that commits back to back, yielding only as the supervisor's writer does.
         let pending = RenewalPending::default();

@@ -12,10 +12,13 @@ use crate::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, StepKind, StepRow, StepState, from_millis},
+        model::{ApprovalRow, LeaseRow, StepRow, from_millis},
         moves::FIRST_TOKEN,
     },
-    types::{Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, ToolCall},
+    types::{
+        Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, StepKind, StepState,
+        ToolCall,
+    },
 };
 
 /// A connection seen through the backend's primitives. A transaction derefs to its

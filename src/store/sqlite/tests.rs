@@ -340,9 +340,13 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         for id in &ids {
             let clock = crate::clock::SystemClock;
             let (mut sql, mut now) = (Sql(&tx), Now::new(&clock));
-            moves::Move::new(&mut sql, &mut now, id)
-                .create_run("a", &serde_json::json!({}), &me)
-                .unwrap();
+            let create = moves::CreateRun {
+                by: moves::Leased::new(id, &me),
+                agent: "a".into(),
+                input: serde_json::json!({}),
+                trace: None,
+            };
+            moves::Move::apply(&create, &mut moves::Cx::new(&mut sql, &mut now, id)).unwrap();
         }
         tx.commit().unwrap();
         conn.trace_v2(
@@ -437,11 +441,13 @@ fn create_run(store: &Store, run_id: &RunId, owner: &str, ttl: Duration) -> Resu
         ttl,
         margin: Duration::ZERO,
     });
-    store
-        .transact(&crate::clock::SystemClock, |tx, now| {
-            moves::Move::new(tx, now, run_id).create_run("a", &serde_json::json!({}), &holder)
-        })
-        .map(drop)
+    let create = moves::CreateRun {
+        by: moves::Leased::new(run_id, &holder),
+        agent: "a".into(),
+        input: serde_json::json!({}),
+        trace: None,
+    };
+    store.apply(&crate::clock::SystemClock, create).map(drop)
 }
 
 #[test]

@@ -1,0 +1,253 @@
+//! `RunActor`: executes one run's loop, from the call that started or resumed it until that call
+//! returns. Every move goes to the `StoreActor` before and after each side effect.
+//!
+//! The loop ([`run_loop`]) plans the next move and commits it; each kind of step has a file of
+//! its own: [`start`] (the first move of a call), [`model`], [`tool`], [`decision`] (resuming a
+//! decision), [`reconcile`]; [`lease`] holds the waits for the lease's start margin, and
+//! [`outcome`] how a call ends.
+
+mod decision;
+mod lease;
+mod model;
+mod outcome;
+mod reconcile;
+mod run_loop;
+mod start;
+mod tool;
+
+use std::{
+    any::Any, cell::RefCell, collections::BTreeMap, panic::AssertUnwindSafe, rc::Rc, sync::Arc,
+};
+
+use actix::{
+    Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, Handler, Message,
+    ResponseActFuture, WrapFuture,
+};
+use futures_util::FutureExt;
+use serde_json::Value;
+use tracing::Instrument;
+
+use self::run_loop::{Env, RunLoop};
+use super::{
+    lease_keeper::{LeaseKeeper, LeaseLost, Lost, Release},
+    store::{ReadState, ReleaseLease, StoreActor, StoreHandle},
+};
+use crate::{
+    agent::{Agent, Cancellation},
+    error::{Error, Result},
+    metrics,
+    store::model::{Grant, Holder},
+    types::{LeaseLostReason, RunId, RunReply},
+};
+
+/// The registry a supervisor hands to its runs: agent name to agent.
+pub(crate) type Agents = Arc<BTreeMap<String, Arc<Agent>>>;
+
+/// Executes one run; stops when the call it serves returns.
+pub(crate) struct RunActor {
+    cancellation: Cancellation,
+    /// Set when the lease keeper reports this run's lease lost.
+    lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
+}
+
+impl RunActor {
+    pub(crate) fn new(cancellation: Cancellation) -> Self {
+        RunActor {
+            cancellation,
+            lease_lost: Rc::default(),
+        }
+    }
+}
+
+impl Actor for RunActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<LeaseLost> for RunActor {
+    type Result = ();
+
+    /// The loop stops before its next side effect; the tool running now is told through its
+    /// cancellation signal (its outcome is written only if the lease is still held).
+    fn handle(&mut self, msg: LeaseLost, _: &mut Context<Self>) {
+        *self.lease_lost.borrow_mut() = Some(msg.reason);
+        self.cancellation.fire();
+    }
+}
+
+/// What the call asks of the run.
+pub(crate) enum Job {
+    /// Insert the run, then execute it. `started`, when given, hears once the insert is
+    /// durable: the insert then commits alone and synced, where a call that waits for the
+    /// end commits it with the first model reservation.
+    Start {
+        agent: String,
+        input: Value,
+        started: Option<tokio::sync::oneshot::Sender<()>>,
+    },
+    /// Continue a run that waits for approval, or whose executor died.
+    Resume,
+    /// Execute a run inserted to wait for a slot, now that its turn came: as a resume, except
+    /// that a run cancelled while it waited ends the call cancelled (its start's outcome),
+    /// not refused.
+    Turn,
+}
+
+/// Execute the run; the reply is the call's outcome.
+#[derive(Message)]
+#[rtype(result = "Result<RunReply>")]
+pub(crate) struct Execute {
+    pub run_id: RunId,
+    pub job: Job,
+    pub agents: Agents,
+    pub store: StoreHandle,
+    pub keeper: Addr<LeaseKeeper>,
+    pub holder: Holder,
+}
+
+impl Handler<Execute> for RunActor {
+    type Result = ResponseActFuture<Self, Result<RunReply>>;
+
+    fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
+        // A resumed run's agent is known once the run is read, and recorded then: the field
+        // is declared empty so that it is written once either way. So is the execution's
+        // kind (start, resume, takeover) and the fencing token it takes.
+        let span = tracing::info_span!(
+            "run",
+            run_id = %msg.run_id,
+            agent = tracing::field::Empty,
+            execution = tracing::field::Empty,
+            owner = %msg.holder.owner,
+            fencing_token = tracing::field::Empty,
+            otel.name = tracing::field::Empty,
+        );
+        if let Job::Start { agent, .. } = &msg.job {
+            span.record("agent", agent.as_str());
+            #[cfg(feature = "otel")]
+            span.record("otel.name", format!("invoke_agent {agent}"));
+        }
+        // A resume or a takeover joins the trace the run's start began.
+        #[cfg(feature = "otel")]
+        let joins = (!matches!(msg.job, Job::Start { .. }))
+            .then(|| (msg.run_id.clone(), msg.store.clone()));
+        let env = Env {
+            run_id: msg.run_id.clone(),
+            store: msg.store.clone(),
+            keeper: msg.keeper.clone(),
+            grant: Grant::new(msg.holder),
+            recipient: ctx.address().recipient(),
+            cancellation: self.cancellation.clone(),
+            lease_lost: self.lease_lost.clone(),
+        };
+        let work = async move {
+            let (run_id, store, keeper, grant) = (
+                env.run_id.clone(),
+                env.store.clone(),
+                env.keeper.clone(),
+                env.grant.clone(),
+            );
+            // A panic outside the model's and tools' calls (which are caught where they run)
+            // still ends the call like an error: the lease is released below.
+            let result = AssertUnwindSafe(RunLoop::prepare(msg.job, msg.agents, env))
+                .catch_unwind()
+                .await
+                .unwrap_or_else(|panic| {
+                    Err(Error::Panicked {
+                        run_id: run_id.clone(),
+                        step: 0,
+                        what: "the run loop".into(),
+                        message: panic_message(panic),
+                    })
+                });
+            // A loss this call found itself is told to the subscribers; one the keeper told
+            // them of first gives the call its reason: both hear the same.
+            let result = match result {
+                Err(Error::LeaseLost { run_id, reason }) => {
+                    let lost = Lost {
+                        run_id: run_id.clone(),
+                        token: grant.token(),
+                        reason: reason.clone(),
+                    };
+                    let reason = keeper.send(lost).await.unwrap_or(reason);
+                    Err(Error::LeaseLost { run_id, reason })
+                }
+                other => other,
+            };
+            keeper.do_send(Release {
+                run_id: run_id.clone(),
+            });
+            // A call that acquired nothing has nothing to release.
+            if result.is_err() && grant.token() != 0 {
+                // Paused and finished runs released the lease in their move; any other return
+                // releases it here, so another process need not wait out the TTL.
+                let released = store
+                    .addr()
+                    .send(ReleaseLease {
+                        run_id: run_id.clone(),
+                        owner: grant.holder.owner.clone(),
+                        token: grant.token(),
+                    })
+                    .await;
+                if let Ok(Err(err)) | Err(err) = released.map_err(Error::from) {
+                    tracing::warn!(%err, "could not release the lease; it will expire");
+                }
+            }
+            if let Ok(outcome) = &result {
+                metrics::run_returned(outcome);
+            }
+            result.map(|outcome| RunReply { run_id, outcome })
+        };
+        // The parent is set before the span is first entered: it is fixed from then on.
+        #[cfg(feature = "otel")]
+        let work = async move {
+            if let Some((run_id, store)) = &joins {
+                join_trace(&span, run_id, store).await;
+            }
+            work.instrument(span).await
+        };
+        #[cfg(not(feature = "otel"))]
+        let work = work.instrument(span);
+        Box::pin(work.into_actor(self).map(|result, _, ctx| {
+            ctx.stop();
+            result
+        }))
+    }
+}
+
+/// Makes the trace kept in the run's `run.started` the parent of `span`, the span of this
+/// execution, and names the span after the run's agent. A run whose start kept no trace
+/// leaves `span` the root of a trace of its own; so does a failed read (the execution's own
+/// read of the run then reports the error).
+#[cfg(feature = "otel")]
+async fn join_trace(span: &tracing::Span, run_id: &RunId, store: &StoreHandle) {
+    let id = run_id.clone();
+    let read = ReadState::new(move |reads| reads.first_event(&id));
+    match send(store.addr(), read).await {
+        Ok(Some(started)) => {
+            if let Some(agent) = started.payload["agent"].as_str() {
+                span.record("otel.name", format!("invoke_agent {agent}"));
+            }
+            crate::trace_context::set_parent(span, &started.payload);
+        }
+        Ok(None) => {}
+        Err(err) => tracing::debug!(%run_id, %err, "could not read the run's trace context"),
+    }
+}
+
+/// Sends a message to the store actor, flattening its mailbox error into ours.
+async fn send<M, R>(store: &Addr<StoreActor>, msg: M) -> Result<R>
+where
+    M: Message<Result = Result<R>> + Send + 'static,
+    R: Send + 'static,
+    StoreActor: Handler<M>,
+{
+    store.send(msg).await?
+}
+
+/// The message a panic carried.
+fn panic_message(panic: Box<dyn Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".into())
+}

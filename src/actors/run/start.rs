@@ -1,0 +1,155 @@
+//! The first move of a call: a new run's insert, a waiting run's resume, or a takeover of a
+//! run whose owner died. Each takes the lease.
+
+use super::{
+    Agents, Job,
+    run_loop::{Env, Next, RunLoop},
+    send,
+};
+use crate::{
+    actors::store::ReadState,
+    error::{Error, Result},
+    metrics,
+    store::{
+        backend::Durability,
+        moves::{self, CreateRun, Leased, TakeOver},
+    },
+    types::{LeaseLostReason, Outcome, RunState},
+};
+
+impl RunLoop {
+    /// Starts or resumes the run (the first move, which takes the lease), then drives it.
+    pub(super) async fn prepare(job: Job, agents: Agents, env: Env) -> Result<Outcome> {
+        let find = |name: &str| {
+            agents
+                .get(name)
+                .cloned()
+                .ok_or_else(|| Error::UnknownAgent(name.to_owned()))
+        };
+        let run_id = env.run_id.clone();
+        // Where the loop goes after its first move, when it already made its second.
+        let mut first_next = Ok(Next::Continue);
+        let mut run = match job {
+            Job::Start {
+                agent,
+                input,
+                started,
+            } => {
+                let found = find(&agent)?;
+                let create = CreateRun {
+                    by: Leased::new(&run_id, &env.grant),
+                    agent: agent.clone(),
+                    input: input.clone(),
+                    trace: crate::trace_context::started(),
+                };
+                let mut run = RunLoop::new(env, found, input, Vec::new());
+                match started {
+                    // Answered once durable: the loop plans its first model call after.
+                    // A failed insert drops `started`: the caller reads the error from the call.
+                    Some(started) => {
+                        run.env.store.apply(create, Durability::Durable).await?;
+                        let _ = started.send(());
+                    }
+                    None => {
+                        // The first model step's reservation commits with the insert.
+                        let next = run.plan();
+                        let (_, next) = run.commit_with(create, next, |_| true).await?;
+                        first_next = next;
+                    }
+                }
+                run.taken("start");
+                tracing::info!(
+                    %run_id,
+                    agent = %agent,
+                    owner = %run.env.grant.holder.owner,
+                    fencing_token = run.env.grant.token(),
+                    "run started"
+                );
+                run.hold();
+                run
+            }
+            job @ (Job::Resume | Job::Turn) => {
+                let id = run_id.clone();
+                let snapshot = send(
+                    env.store.addr(),
+                    ReadState::new(move |reads| moves::load(reads, &id)),
+                )
+                .await?;
+                tracing::Span::current().record("agent", snapshot.run.agent.as_str());
+                let agent = find(&snapshot.run.agent)?;
+                match snapshot.run.state {
+                    RunState::WaitingForApproval => {
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
+                        if let Some(outcome) = run.resume_waiting(&snapshot).await? {
+                            // Nothing was decided: it waits as it did.
+                            run.ended(&Ok(outcome.clone()));
+                            return Ok(outcome);
+                        }
+                        run
+                    }
+                    RunState::Running => {
+                        let take = TakeOver {
+                            by: Leased::new(&run_id, &env.grant),
+                        };
+                        let taken = env.store.apply(take, Durability::Durable).await?;
+                        let (interrupted, previous, snapshot) = (
+                            taken.interrupted.len(),
+                            taken.previous_owner,
+                            taken.snapshot,
+                        );
+                        let held = previous.is_some();
+                        // A run nobody held (a fork, a queued run's turn) is not taken from
+                        // anyone.
+                        if held {
+                            metrics::taken_over();
+                        }
+                        let run = RunLoop::from_snapshot(&snapshot, agent, env);
+                        run.hold();
+                        run.taken("takeover");
+                        tracing::info!(
+                            %run_id,
+                            previous_owner = %previous.as_deref().unwrap_or("none"),
+                            owner = %run.env.grant.holder.owner,
+                            fencing_token = run.env.grant.token(),
+                            interrupted,
+                            "run taken over"
+                        );
+                        run
+                    }
+                    RunState::Cancelled if matches!(job, Job::Turn) => {
+                        return Ok(Outcome::Cancelled {
+                            reason: snapshot.run.error.unwrap_or_default(),
+                        });
+                    }
+                    state => {
+                        return Err(Error::RunState {
+                            run_id,
+                            state,
+                            reason: "a finished run cannot be resumed".into(),
+                        });
+                    }
+                }
+            }
+        };
+        let result = match first_next {
+            Ok(Next::Continue) => run.drive().await,
+            Ok(Next::Return(outcome)) => Ok(outcome),
+            Err(err) => Err(err),
+        };
+        let result = match result {
+            // An operator cancelled the run: the loop stops at its next write.
+            Err(Error::RunState {
+                state: RunState::Cancelled,
+                ..
+            }) => run.cancelled().await,
+            // Another owner took the run over while this loop was between writes.
+            Err(Error::RunLeased { run_id, owner, .. }) => Err(Error::LeaseLost {
+                run_id,
+                reason: LeaseLostReason::TakenBy(owner),
+            }),
+            other => other,
+        };
+        run.ended(&result);
+        result
+    }
+}

@@ -2,22 +2,26 @@
 //! and spawns one `RunActor` per run.
 
 mod admission;
+mod config;
+mod operator;
 mod recovery;
 mod watch;
 
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
+use config::lease_owner;
+pub use config::{Config, DEFAULT_LEASE_TTL};
+pub use operator::{CancelRun, DecideAndResume, ForkRun, RecordApproval};
 pub use recovery::Recovery;
 pub use watch::Watch;
 
 use std::{
     collections::{BTreeMap, HashMap},
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::SystemTime,
 };
 
 use actix::{
-    Actor, ActorFutureExt, Addr, Arbiter, AsyncContext, Context, Handler, Message, Recipient,
-    ResponseActFuture, ResponseFuture, WrapFuture,
+    Actor, Addr, Arbiter, AsyncContext, Context, Handler, Message, Recipient, ResponseFuture,
 };
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -29,190 +33,10 @@ use super::{
 };
 use crate::{
     agent::{Agent, Cancellation},
-    clock::{Clock, SystemClock},
     error::{Error, Result},
-    store::{
-        Store,
-        backend::{Durability, MoveObserver},
-        model::Holder,
-        moves,
-    },
-    types::{Approval, Outcome, RunId, RunReply},
+    store::{Store, model::Holder, moves},
+    types::{Outcome, RunId, RunReply},
 };
-
-/// The lease TTL when [`Config::lease_ttl`] is not set: 30 s.
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
-
-/// How a supervisor behaves: built from [`Config::default`] with its setters.
-///
-/// ```
-/// use std::time::Duration;
-///
-/// let config = agentrt::Config::default()
-///     .lease_owner("billing@host-3")
-///     .lease_ttl(Duration::from_secs(10));
-/// # let _ = config;
-/// ```
-///
-/// How the database writes (group commit, the watch for the next move, durability) is the
-/// store's business: see [`sqlite::Options`](crate::sqlite::Options).
-#[derive(Clone)]
-pub struct Config {
-    clock: Arc<dyn Clock>,
-    lease_owner: Option<String>,
-    lease_ttl: Duration,
-    start_margin: Option<Duration>,
-    observer: Option<Arc<dyn MoveObserver>>,
-    recovery: Option<Recovery>,
-    max_concurrent_runs: usize,
-    watch: Option<Watch>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            clock: Arc::new(SystemClock),
-            lease_owner: None,
-            lease_ttl: DEFAULT_LEASE_TTL,
-            start_margin: None,
-            observer: None,
-            recovery: None,
-            max_concurrent_runs: DEFAULT_MAX_CONCURRENT_RUNS,
-            watch: None,
-        }
-    }
-}
-
-impl Config {
-    /// Uses `clock` to stamp events and run rows; read once per committed move (default: the
-    /// system clock). Lease times never read it.
-    pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Arc::new(clock);
-        self
-    }
-
-    /// Names the lease owner for the operator reading a lease (`"billing@host-3"`). The stored
-    /// owner is this name, `/`, and a random suffix drawn once per supervisor, so no two
-    /// supervisors share an owner; without a name, the suffix alone.
-    pub fn lease_owner(mut self, name: impl Into<String>) -> Self {
-        self.lease_owner = Some(name.into());
-        self
-    }
-
-    /// How long a lease lasts without renewal ([`DEFAULT_LEASE_TTL`]; zero means the default).
-    /// It is how long a crashed process blocks the resume of its runs; renewals run every
-    /// third of it.
-    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
-        self.lease_ttl = ttl;
-        self
-    }
-
-    /// How much of its lease a run must have left for a side effect (a tool call, a model
-    /// call) to start: a third of the TTL by default, which a lease renewed on time has. At
-    /// most the TTL less a renewal period (two thirds of it); zero asks only that the lease
-    /// has not expired.
-    ///
-    /// The loop judges what is left by its own monotonic clock (the time its last successful
-    /// renewal was sent, plus the TTL), and the write that starts the side effect checks it
-    /// against the stored expiry too. A loop short of it waits for the next renewal, and stops
-    /// with [`Error::LeaseLost`] if none comes before the lease expires: it never starts the
-    /// side effect. The margin is the time a process may stall between that write and the
-    /// call without another taking the run over; the fencing token
-    /// ([`ToolContext::fencing_token`](crate::ToolContext::fencing_token)) covers a longer
-    /// stall.
-    pub fn start_margin(mut self, margin: Duration) -> Self {
-        self.start_margin = Some(margin);
-        self
-    }
-
-    /// Recovers the runs a dead process left: at start and then periodically, the supervisor
-    /// takes over the `RUNNING` runs of its agents whose lease expired or that nobody holds
-    /// (see [`Recovery`]). Off by default: without it, a run is taken over only by a
-    /// [`ResumeRun`].
-    pub fn recovery(mut self, recovery: Recovery) -> Self {
-        self.recovery = Some(recovery);
-        self
-    }
-
-    /// How many runs the supervisor executes at once ([`DEFAULT_MAX_CONCURRENT_RUNS`]; at
-    /// least 1). Every execution counts: a start, a resume, a fork, a recovery. Past the
-    /// limit, a run waits its turn, oldest first: a new run is inserted before it waits,
-    /// `RUNNING` and with no lease (its `run.started` says `queued`), so that
-    /// [`SpawnRun`] answers at once and a crash loses nothing: a recovering supervisor (this
-    /// one after a restart, or another replica with free slots) takes it over. A resume waits
-    /// in the same line. A call that waits for the end ([`StartRun`], [`ResumeRun`]) answers
-    /// once the run has had its turn.
-    pub fn max_concurrent_runs(mut self, runs: usize) -> Self {
-        self.max_concurrent_runs = runs.max(1);
-        self
-    }
-
-    /// Watches the store for decisions and cancels recorded elsewhere (another process, the
-    /// CLI, [`Store::record_approval`]): a decided run of one of its agents is resumed, and a
-    /// cancelled run it executes has its tool told, within about a poll period (see
-    /// [`Watch`]). Off by default: without it, a decision waits for a [`ResumeRun`], and a
-    /// cancel reaches the loop at its next write or lease renewal.
-    pub fn watch(mut self, watch: Watch) -> Self {
-        self.watch = Some(watch);
-        self
-    }
-
-    /// Tells `observer` of every move the supervisor's store actor applies, before and after;
-    /// none by default.
-    pub fn observer(mut self, observer: impl MoveObserver) -> Self {
-        self.observer = Some(Arc::new(observer));
-        self
-    }
-
-    /// The lease TTL in force: the one set, or the default for zero.
-    pub(crate) fn effective_ttl(&self) -> Duration {
-        if self.lease_ttl.is_zero() {
-            DEFAULT_LEASE_TTL
-        } else {
-            self.lease_ttl
-        }
-    }
-
-    /// The start margin in force: the one set, or a third of the TTL; refused when more than
-    /// what a lease renewed on time has left at worst (the TTL less a renewal period), which a
-    /// loop could wait for forever.
-    pub(crate) fn effective_margin(&self) -> Result<Duration> {
-        let ttl = self.effective_ttl();
-        let margin = self.start_margin.unwrap_or(ttl / 3);
-        let most = ttl - LeaseKeeper::period(ttl);
-        if margin > most {
-            return Err(Error::InvalidInput(format!(
-                "the start margin ({margin:?}) must leave a renewal period of the lease TTL \
-                 ({ttl:?}): it can be {most:?} at most"
-            )));
-        }
-        Ok(margin)
-    }
-}
-
-impl std::fmt::Debug for Config {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Config")
-            .field("lease_owner", &self.lease_owner)
-            .field("lease_ttl", &self.lease_ttl)
-            .field("start_margin", &self.start_margin)
-            .field("observer", &self.observer.is_some())
-            .field("recovery", &self.recovery)
-            .field("max_concurrent_runs", &self.max_concurrent_runs)
-            .field("watch", &self.watch)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The owner a supervisor stamps its leases with: the configured name, `/`, and 12 random hex
-/// characters.
-fn lease_owner(name: Option<&str>) -> String {
-    let suffix = format!("{:012x}", rand::random::<u64>() & 0xffff_ffff_ffff);
-    match name {
-        Some(name) => format!("{name}/{suffix}"),
-        None => suffix,
-    }
-}
 
 /// The actor an application talks to: it starts, resumes and cancels runs, and records
 /// approvals.
@@ -707,194 +531,6 @@ impl Handler<ResumeRun> for Supervisor {
     }
 }
 
-/// Forks a run at a step and executes the fork, answering when the call returns, like
-/// [`ResumeRun`]: the new run (id `new_id`, or a random one) has the origin's agent and input
-/// and copies of its steps before `at` (completed tool calls are not run again), and its
-/// model is asked again at step `at`. How a failed or cancelled run is retried, or another
-/// answer at step `at` explored. The origin is only read, in any state.
-///
-/// The fork is one move, written before anything executes ([`Store::fork`] writes the same
-/// without executing it); this supervisor then takes the new run over as a resume does. Its
-/// refusals write nothing: an origin whose agent is not registered here is
-/// [`Error::UnknownAgent`]; `at` 0, a tool step or a step past the one after the origin's
-/// last is [`Error::InvalidInput`]; a step before `at` that has not finished is a state error;
-/// an existing `new_id` is [`Error::RunExists`]. See `docs/runs.md` ("Forking a run").
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<RunReply>")]
-pub struct ForkRun {
-    /// The run forked.
-    pub run_id: RunId,
-    /// The step the fork asks the model again at: a model step of the origin, or the step after
-    /// its last.
-    pub at: u32,
-    /// The new run's id; a random one when `None`.
-    pub new_id: Option<RunId>,
-}
-
-impl ForkRun {
-    /// Fork `run_id` at step `at`, into a run with a random id.
-    pub fn new(run_id: impl Into<RunId>, at: u32) -> Self {
-        ForkRun {
-            run_id: run_id.into(),
-            at,
-            new_id: None,
-        }
-    }
-
-    /// Uses `new_id` as the new run's id.
-    pub fn with_id(mut self, new_id: impl Into<RunId>) -> Self {
-        self.new_id = Some(new_id.into());
-        self
-    }
-}
-
-impl Handler<ForkRun> for Supervisor {
-    type Result = Execution;
-
-    fn handle(&mut self, msg: ForkRun, ctx: &mut Context<Self>) -> Self::Result {
-        let ForkRun { run_id, at, new_id } = msg;
-        let new_id = new_id.unwrap_or_else(RunId::random);
-        let fork = moves::ForkRun {
-            trace: crate::trace_context::forked(&new_id, &run_id, at),
-            run_id: new_id.clone(),
-            origin: run_id,
-            at,
-            agents: Some(self.agents.keys().cloned().collect()),
-        };
-        let fork = self.store_actor.apply(fork, Durability::Durable);
-        let supervisor = ctx.address();
-        Box::pin(async move {
-            let copied = fork.await?;
-            tracing::info!(run_id = %new_id, at, copied, "run forked");
-            let execute = ExecuteRun {
-                run_id: new_id,
-                job: Job::Resume,
-            };
-            supervisor
-                .send(execute)
-                .await
-                .map_err(|_| Error::StoreUnavailable)?
-        })
-    }
-}
-
-/// An operator cancels a run that is running or waiting. A tool running at that moment is told
-/// through its cancellation signal; its outcome is still recorded, marked late. The run may be
-/// executed by another supervisor: one with [`Config::watch`] tells its tool too.
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<()>")]
-pub struct CancelRun {
-    /// The run.
-    pub run_id: RunId,
-    /// Why, for the record.
-    pub reason: String,
-}
-
-impl CancelRun {
-    /// Cancel `run_id` for `reason`.
-    pub fn new(run_id: impl Into<RunId>, reason: impl Into<String>) -> Self {
-        CancelRun {
-            run_id: run_id.into(),
-            reason: reason.into(),
-        }
-    }
-}
-
-impl Handler<CancelRun> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<()>>;
-
-    fn handle(&mut self, msg: CancelRun, _: &mut Context<Self>) -> Self::Result {
-        let CancelRun { run_id, reason } = msg;
-        let cancel = moves::CancelRun {
-            run_id: run_id.clone(),
-            reason,
-        };
-        let cancel = self.store_actor.apply(cancel, Durability::Durable);
-        Box::pin(
-            cancel
-                .into_actor(self)
-                .map(move |result, this: &mut Supervisor, _| {
-                    if result.is_ok() {
-                        if let Some((_, cancellation)) = this.executing.get(&run_id) {
-                            cancellation.fire();
-                        }
-                        tracing::info!(%run_id, "run cancelled");
-                    }
-                    result
-                }),
-        )
-    }
-}
-
-/// Records an operator's approval or denial of a waiting tool call. Resume the run afterwards
-/// with [`ResumeRun`], or let a supervisor with [`Config::watch`] (this one included) resume
-/// it.
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<()>")]
-pub struct RecordApproval(pub Approval);
-
-impl Handler<RecordApproval> for Supervisor {
-    type Result = ResponseActFuture<Self, Result<()>>;
-
-    fn handle(&mut self, msg: RecordApproval, _: &mut Context<Self>) -> Self::Result {
-        let approval = msg.0;
-        let record = moves::RecordApproval { approval };
-        let record = self.store_actor.apply(record, Durability::Durable);
-        Box::pin(record.into_actor(self))
-    }
-}
-
-/// Records an operator's approval or denial of a waiting tool call, then resumes the run, as
-/// [`RecordApproval`] then [`ResumeRun`] would: answers when the resumed call returns. The
-/// decision stays recorded when the resume is refused (another process resumed the run
-/// first, say).
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<RunReply>")]
-pub struct DecideAndResume(pub Approval);
-
-impl Handler<DecideAndResume> for Supervisor {
-    type Result = Execution;
-
-    fn handle(&mut self, msg: DecideAndResume, ctx: &mut Context<Self>) -> Self::Result {
-        let approval = msg.0;
-        let run_id = approval.run_id.clone();
-        // Before the decision commits: the watch, which hears of it, leaves the resume to us.
-        self.claim(&run_id);
-        let record = moves::RecordApproval { approval };
-        let record = self.store_actor.apply(record, Durability::Durable);
-        let supervisor = ctx.address();
-        Box::pin(async move {
-            let recorded = record.await;
-            supervisor
-                .send(Decided { run_id, recorded })
-                .await
-                .map_err(|_| Error::StoreUnavailable)?
-        })
-    }
-}
-
-/// A `DecideAndResume`'s decision was recorded (or failed to be): the run is resumed, and the
-/// watch no longer leaves it to this call.
-#[derive(Message)]
-#[rtype(result = "Result<RunReply>")]
-struct Decided {
-    run_id: RunId,
-    recorded: Result<()>,
-}
-
-impl Handler<Decided> for Supervisor {
-    type Result = Execution;
-
-    fn handle(&mut self, msg: Decided, ctx: &mut Context<Self>) -> Execution {
-        let Decided { run_id, recorded } = msg;
-        self.unclaim(&run_id, recorded.is_ok(), ctx);
-        match recorded {
-            Ok(()) => self.execute(run_id, Job::Resume, ctx),
-            Err(err) => Box::pin(std::future::ready(Err(err))),
-        }
-    }
-}
-
 /// Registers (or replaces) an agent on a running supervisor. Runs already executing keep the
 /// agent they started with.
 #[derive(Message)]
@@ -930,36 +566,5 @@ impl Handler<HeldLeases> for Supervisor {
     fn handle(&mut self, msg: HeldLeases, _: &mut Context<Self>) -> Self::Result {
         let held = self.keeper.send(msg);
         Box::pin(async move { held.await.unwrap_or_default() })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_lease_owner_is_the_name_a_slash_and_twelve_random_hex_characters() {
-        let owner = lease_owner(Some("billing@host-3"));
-        let suffix = owner
-            .strip_prefix("billing@host-3/")
-            .expect("the name comes first");
-        assert_eq!(suffix.len(), 12);
-        assert!(suffix.chars().all(|c| c.is_ascii_hexdigit()));
-        let bare = lease_owner(None);
-        assert_eq!(bare.len(), 12);
-        assert_ne!(
-            lease_owner(Some("x")),
-            lease_owner(Some("x")),
-            "drawn anew for each supervisor"
-        );
-    }
-
-    #[test]
-    fn a_zero_ttl_means_the_default() {
-        assert_eq!(
-            Config::default().lease_ttl(Duration::ZERO).effective_ttl(),
-            DEFAULT_LEASE_TTL
-        );
-        assert_eq!(Config::default().effective_ttl(), Duration::from_secs(30));
     }
 }

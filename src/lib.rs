@@ -25,8 +25,8 @@ mod lease_md {}
 #[doc = include_str!("../docs/runs.md")]
 mod runs_md {}
 #[cfg(doctest)]
-#[doc = include_str!("../docs/upgrading-0.6.md")]
-mod upgrading_0_6_md {}
+#[doc = include_str!("../docs/upgrading.md")]
+mod upgrading_md {}
 #[cfg(all(doctest, feature = "testkit"))]
 #[doc = include_str!("../docs/testing.md")]
 mod testing_md {}

@@ -49,6 +49,7 @@ mod operate_md {}
 #[doc = include_str!("../docs/postgres.md")]
 mod postgres_md {}
 
+pub use actix;
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{

@@ -42,6 +42,9 @@ mod models_md {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/production.md")]
 mod production_md {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/reconciliation.md")]
+mod reconciliation_md {}
 #[cfg(all(doctest, feature = "web", feature = "otel"))]
 #[doc = include_str!("../docs/operate.md")]
 mod operate_md {}

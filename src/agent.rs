@@ -237,8 +237,16 @@ pub trait Tool: Send + Sync + 'static {
         serde_json::json!({ "type": "object" })
     }
 
-    /// True when running the same call twice has the effect of running it once. An interrupted
-    /// call of an idempotent tool whose outcome is unknown is simply run again.
+    /// True when running the same call twice has the effect of running it once (a read, an
+    /// upsert by a key, an API that deduplicates on [`ToolContext::idempotency_key`]). False
+    /// by default.
+    ///
+    /// It is read only after a crash, for a call that was in flight and whose outcome nobody
+    /// can tell (no [`reconcile`](Self::reconcile) hook, or the hook answered
+    /// [`Reconciliation::Unknown`]): the call of an idempotent tool is run again, with the
+    /// same idempotency key; that of any other waits for a person to approve or deny running
+    /// it again. A hook's `Applied` or `NotApplied` is followed whatever this says. See
+    /// `docs/reconciliation.md`.
     fn idempotent(&self) -> bool {
         false
     }
@@ -267,8 +275,37 @@ pub enum Decision {
 }
 
 /// Decides each tool call before it runs. Called again when a waiting run is resumed.
+///
+/// A policy decides from the call alone, at once and with no side effect: it runs on the
+/// run's thread between two commits, and may be asked again for the same call (at a resume,
+/// or after a crash before its decision was written). A closure
+/// `Fn(&RunId, &ToolCall) -> Decision` is a policy too. See `docs/models.md`, "Writing a
+/// policy".
+///
+/// ```
+/// use agentrt::{Decision, Policy, RunId, ToolCall};
+///
+/// /// Calls that delete something wait for a person.
+/// struct CarefulWithDeletes;
+///
+/// impl Policy for CarefulWithDeletes {
+///     fn decide(&self, _run: &RunId, call: &ToolCall) -> Decision {
+///         if call.name.starts_with("delete_") {
+///             Decision::RequireApproval(format!("{} deletes data", call.name))
+///         } else {
+///             Decision::Allow
+///         }
+///     }
+/// }
+///
+/// let call = ToolCall::new("c1", "delete_account", serde_json::json!({"id": 7}));
+/// let decision = CarefulWithDeletes.decide(&RunId::from("r1"), &call);
+/// assert!(matches!(decision, Decision::RequireApproval(_)));
+/// ```
 pub trait Policy: Send + Sync + 'static {
-    /// The decision for `call` in run `run_id`.
+    /// The decision for `call` in run `run_id`: [`Decision::Allow`] runs it,
+    /// [`Decision::Deny`] gives the model the reason as the call's failed result, and
+    /// [`Decision::RequireApproval`] pauses the run until a person decides.
     fn decide(&self, run_id: &RunId, call: &ToolCall) -> Decision;
 }
 

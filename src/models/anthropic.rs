@@ -1,13 +1,14 @@
 //! Anthropic's Messages API (`POST {base_url}/v1/messages`).
 
-use std::{fmt, time::Duration};
+use std::fmt;
 
 use async_trait::async_trait;
 use reqwest::header::HeaderValue;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
+use super::http::{cut_off, excerpt};
+use super::options::{HttpOptions, http_setters};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -40,14 +41,9 @@ pub const DEFAULT_MAX_TOKENS: u32 = 4096;
 #[derive(Clone)]
 pub struct Anthropic {
     model: String,
-    base_url: String,
-    api_key: Option<String>,
     version: String,
     max_tokens: u32,
-    temperature: Option<f64>,
-    headers: Vec<(String, String)>,
-    body: Map<String, Value>,
-    http: LazyClient,
+    http: HttpOptions,
 }
 
 impl Anthropic {
@@ -56,14 +52,9 @@ impl Anthropic {
     pub fn new(model: impl Into<String>) -> Self {
         Anthropic {
             model: model.into(),
-            base_url: DEFAULT_BASE_URL.to_owned(),
-            api_key: None,
             version: DEFAULT_VERSION.to_owned(),
             max_tokens: DEFAULT_MAX_TOKENS,
-            temperature: None,
-            headers: Vec::new(),
-            body: Map::new(),
-            http: LazyClient::new(),
+            http: HttpOptions::new(DEFAULT_BASE_URL),
         }
     }
 
@@ -71,38 +62,21 @@ impl Anthropic {
     /// `ANTHROPIC_BASE_URL` (else [`DEFAULT_BASE_URL`]), each without surrounding blanks. An
     /// empty variable counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
-        // Without the blanks around it: a key pasted with its newline.
-        let var = |name| {
-            std::env::var(name)
-                .ok()
-                .map(|v| v.trim().to_owned())
-                .filter(|v| !v.is_empty())
-        };
         let mut adapter = Anthropic::new(model);
-        if let Some(url) = var("ANTHROPIC_BASE_URL") {
-            adapter = adapter.base_url(url);
-        }
-        if let Some(key) = var("ANTHROPIC_API_KEY") {
-            adapter = adapter.api_key(key);
-        }
+        adapter
+            .http
+            .read_env("ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY");
         adapter
     }
 
-    /// The API's root, without the version: `https://api.anthropic.com`. Requests go to
-    /// `{base_url}/v1/messages`.
-    ///
-    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
-    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
-    pub fn base_url(mut self, url: impl Into<String>) -> Self {
-        self.base_url = url.into().trim_end_matches('/').to_owned();
-        self.http.set_base_url(&self.base_url);
-        self
-    }
-
-    /// Sent as `x-api-key`. Without one no such header is sent (a gateway that adds it).
-    pub fn api_key(mut self, key: impl Into<String>) -> Self {
-        self.api_key = Some(key.into());
-        self
+    http_setters! {
+        /// The API's root, without the version: `https://api.anthropic.com`. Requests go to
+        /// `{base_url}/v1/messages`.
+        base_url;
+        /// Sent as `x-api-key`. Without one no such header is sent (a gateway that adds it).
+        api_key;
+        header: "`anthropic-beta`";
+        body_field: "`top_k` or `metadata`";
     }
 
     /// The `anthropic-version` header ([`DEFAULT_VERSION`] unless set).
@@ -114,40 +88,6 @@ impl Anthropic {
     /// The most tokens an answer may have ([`DEFAULT_MAX_TOKENS`] unless set).
     pub fn max_tokens(mut self, max_tokens: u32) -> Self {
         self.max_tokens = max_tokens;
-        self
-    }
-
-    /// The sampling temperature (left to the server unless set).
-    pub fn temperature(mut self, temperature: f64) -> Self {
-        self.temperature = Some(temperature);
-        self
-    }
-
-    /// A header sent with every request, such as `anthropic-beta`.
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// A field added to every request's body, such as `top_k` or `metadata`; it replaces a
-    /// field the adapter would have sent.
-    pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
-        self.body.insert(name.into(), value.into());
-        self
-    }
-
-    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
-    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
-    /// URL.
-    pub fn no_proxy(mut self) -> Self {
-        self.http.set_no_proxy();
-        self
-    }
-
-    /// How long opening a connection may take (10 s by default). The whole attempt's
-    /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.http.set_connect_timeout(timeout);
         self
     }
 
@@ -171,16 +111,13 @@ impl Anthropic {
         if !request.tools.is_empty() {
             body.insert("tools".into(), request.tools.iter().map(tool).collect());
         }
-        if let Some(temperature) = self.temperature {
-            body.insert("temperature".into(), json!(temperature));
-        }
-        body.extend(self.body.clone());
-        Value::Object(body)
+        self.http.finish_body(body)
     }
 
     /// The `max_tokens` sent: a body field replaces [`max_tokens`](Self::max_tokens).
     fn token_limit(&self) -> u64 {
-        self.body
+        self.http
+            .body
             .get("max_tokens")
             .and_then(Value::as_u64)
             .unwrap_or(u64::from(self.max_tokens))
@@ -189,22 +126,12 @@ impl Anthropic {
 
 impl fmt::Debug for Anthropic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Anthropic")
-            .field("model", &self.model)
-            .field("base_url", &shown_url(&self.base_url))
-            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
-            // Names only: a header's value may be a token.
-            .field(
-                "headers",
-                &self
-                    .headers
-                    .iter()
-                    .map(|(name, _)| name)
-                    .collect::<Vec<_>>(),
-            )
+        let mut debug = f.debug_struct("Anthropic");
+        debug.field("model", &self.model);
+        self.http.debug_fields(&mut debug);
+        debug
             .field("version", &self.version)
             .field("max_tokens", &self.max_tokens)
-            .field("temperature", &self.temperature)
             .finish_non_exhaustive()
     }
 }
@@ -212,33 +139,21 @@ impl fmt::Debug for Anthropic {
 #[async_trait(?Send)]
 impl Model for Anthropic {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let api = Api {
-            name: "the Anthropic API",
-            secret: self.api_key.as_deref(),
-            base_url: &self.base_url,
-        };
+        let api = self.http.api("the Anthropic API");
         let body = self.body(&request);
         opens_with_user(&body["messages"])?;
-        let body = serde_json::to_vec(&body).expect("a request body serializes");
         let mut post = self
             .http
-            .get()?
-            .post(format!("{}/v1/messages", self.base_url))
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header("anthropic-version", self.version.as_str())
-            .body(body);
-        if let Some(key) = &self.api_key {
+            .post("/v1/messages", &body)?
+            .header("anthropic-version", self.version.as_str());
+        if let Some(key) = &self.http.api_key {
             let mut value = HeaderValue::from_str(key).map_err(|_| {
                 ModelError::fatal("the Anthropic API key is not a valid header value")
             })?;
             value.set_sensitive(true);
             post = post.header("x-api-key", value);
         }
-        for (name, value) in &self.headers {
-            let (name, value) = header(name, value)?;
-            post = post.header(name, value);
-        }
-        let answer: Answer = api.send(post).await?;
+        let answer: Answer = api.send(self.http.with_headers(post)?).await?;
         answer
             .into_response(self.token_limit())
             .map_err(|why| api.unusable(&why))

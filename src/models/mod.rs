@@ -19,6 +19,7 @@
 //! ```
 
 mod http;
+mod options;
 
 #[cfg(feature = "anthropic")]
 pub mod anthropic;

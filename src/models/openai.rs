@@ -2,13 +2,14 @@
 //! servers that speak it (llama.cpp's `llama-server`, vLLM, Ollama, and the gateways that
 //! front them).
 
-use std::{fmt, time::Duration};
+use std::fmt;
 
 use async_trait::async_trait;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 
-use super::http::{Api, LazyClient, cut_off, excerpt, header, shown_url};
+use super::http::{cut_off, excerpt};
+use super::options::{HttpOptions, http_setters};
 use crate::agent::{Model, ModelError, ModelRequest};
 use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
@@ -39,13 +40,8 @@ pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
 #[derive(Clone)]
 pub struct OpenAi {
     model: String,
-    base_url: String,
-    api_key: Option<String>,
-    temperature: Option<f64>,
     max_tokens: Option<u32>,
-    headers: Vec<(String, String)>,
-    body: Map<String, Value>,
-    http: LazyClient,
+    http: HttpOptions,
 }
 
 impl OpenAi {
@@ -54,13 +50,8 @@ impl OpenAi {
     pub fn new(model: impl Into<String>) -> Self {
         OpenAi {
             model: model.into(),
-            base_url: DEFAULT_BASE_URL.to_owned(),
-            api_key: None,
-            temperature: None,
             max_tokens: None,
-            headers: Vec::new(),
-            body: Map::new(),
-            http: LazyClient::new(),
+            http: HttpOptions::new(DEFAULT_BASE_URL),
         }
     }
 
@@ -69,37 +60,19 @@ impl OpenAi {
     /// counts as unset.
     pub fn from_env(model: impl Into<String>) -> Self {
         let mut adapter = OpenAi::new(model);
-        if let Some(url) = non_empty_var("OPENAI_BASE_URL") {
-            adapter = adapter.base_url(url);
-        }
-        if let Some(key) = non_empty_var("OPENAI_API_KEY") {
-            adapter = adapter.api_key(key);
-        }
+        adapter.http.read_env("OPENAI_BASE_URL", "OPENAI_API_KEY");
         adapter
     }
 
-    /// The API's root, up to and including its version: `https://api.openai.com/v1`,
-    /// `http://localhost:11434/v1`. Requests go to `{base_url}/chat/completions`.
-    ///
-    /// A loopback host (`localhost`, `127.0.0.1`, `[::1]`) is always called directly, never
-    /// through a proxy that `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY` names.
-    pub fn base_url(mut self, url: impl Into<String>) -> Self {
-        self.base_url = url.into().trim_end_matches('/').to_owned();
-        self.http.set_base_url(&self.base_url);
-        self
-    }
-
-    /// Sent as `Authorization: Bearer KEY`. Without one no such header is sent, as a local
-    /// server wants.
-    pub fn api_key(mut self, key: impl Into<String>) -> Self {
-        self.api_key = Some(key.into());
-        self
-    }
-
-    /// The sampling temperature (left to the server unless set).
-    pub fn temperature(mut self, temperature: f64) -> Self {
-        self.temperature = Some(temperature);
-        self
+    http_setters! {
+        /// The API's root, up to and including its version: `https://api.openai.com/v1`,
+        /// `http://localhost:11434/v1`. Requests go to `{base_url}/chat/completions`.
+        base_url;
+        /// Sent as `Authorization: Bearer KEY`. Without one no such header is sent, as a local
+        /// server wants.
+        api_key;
+        header: "`OpenAI-Organization` or a gateway's own";
+        body_field: "`top_p`, `seed` or `max_completion_tokens`";
     }
 
     /// The most tokens an answer may have, sent as `max_tokens` (left to the server unless
@@ -107,34 +80,6 @@ impl OpenAi {
     /// [`body_field`](Self::body_field) instead.
     pub fn max_tokens(mut self, max_tokens: u32) -> Self {
         self.max_tokens = Some(max_tokens);
-        self
-    }
-
-    /// A header sent with every request, such as `OpenAI-Organization` or a gateway's own.
-    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.push((name.into(), value.into()));
-        self
-    }
-
-    /// A field added to every request's body, such as `top_p`, `seed` or
-    /// `max_completion_tokens`; it replaces a field the adapter would have sent.
-    pub fn body_field(mut self, name: impl Into<String>, value: impl Into<Value>) -> Self {
-        self.body.insert(name.into(), value.into());
-        self
-    }
-
-    /// Calls the server directly, whatever proxy `HTTP_PROXY`, `HTTPS_PROXY` or `ALL_PROXY`
-    /// names (`NO_PROXY` does the same for the hosts it lists). Implied for a loopback base
-    /// URL.
-    pub fn no_proxy(mut self) -> Self {
-        self.http.set_no_proxy();
-        self
-    }
-
-    /// How long opening a connection may take (10 s by default). The whole attempt's
-    /// timeout is the agent's [`ModelPolicy`](crate::ModelPolicy).
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.http.set_connect_timeout(timeout);
         self
     }
 
@@ -150,14 +95,10 @@ impl OpenAi {
             body.insert("tools".into(), request.tools.iter().map(tool).collect());
             body.insert("tool_choice".into(), json!("auto"));
         }
-        if let Some(temperature) = self.temperature {
-            body.insert("temperature".into(), json!(temperature));
-        }
         if let Some(max_tokens) = self.max_tokens {
             body.insert("max_tokens".into(), json!(max_tokens));
         }
-        body.extend(self.body.clone());
-        Value::Object(body)
+        self.http.finish_body(body)
     }
 
     /// The token limit sent, by the name it was sent under: a body field replaces
@@ -165,7 +106,7 @@ impl OpenAi {
     fn token_limit(&self) -> Option<(&'static str, u64)> {
         ["max_completion_tokens", "max_tokens"]
             .into_iter()
-            .find_map(|name| Some((name, self.body.get(name)?.as_u64()?)))
+            .find_map(|name| Some((name, self.http.body.get(name)?.as_u64()?)))
             .or(self
                 .max_tokens
                 .map(|limit| ("max_tokens", u64::from(limit))))
@@ -174,20 +115,10 @@ impl OpenAi {
 
 impl fmt::Debug for OpenAi {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpenAi")
-            .field("model", &self.model)
-            .field("base_url", &shown_url(&self.base_url))
-            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
-            // Names only: a header's value may be a token.
-            .field(
-                "headers",
-                &self
-                    .headers
-                    .iter()
-                    .map(|(name, _)| name)
-                    .collect::<Vec<_>>(),
-            )
-            .field("temperature", &self.temperature)
+        let mut debug = f.debug_struct("OpenAi");
+        debug.field("model", &self.model);
+        self.http.debug_fields(&mut debug);
+        debug
             .field("max_tokens", &self.max_tokens)
             .finish_non_exhaustive()
     }
@@ -196,26 +127,12 @@ impl fmt::Debug for OpenAi {
 #[async_trait(?Send)]
 impl Model for OpenAi {
     async fn complete(&self, request: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
-        let api = Api {
-            name: "the chat completions server",
-            secret: self.api_key.as_deref(),
-            base_url: &self.base_url,
-        };
-        let body = serde_json::to_vec(&self.body(&request)).expect("a request body serializes");
-        let mut post = self
-            .http
-            .get()?
-            .post(format!("{}/chat/completions", self.base_url))
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body);
-        if let Some(key) = &self.api_key {
+        let api = self.http.api("the chat completions server");
+        let mut post = self.http.post("/chat/completions", &self.body(&request))?;
+        if let Some(key) = &self.http.api_key {
             post = post.bearer_auth(key);
         }
-        for (name, value) in &self.headers {
-            let (name, value) = header(name, value)?;
-            post = post.header(name, value);
-        }
-        let completion: Completion = api.send(post).await?;
+        let completion: Completion = api.send(self.http.with_headers(post)?).await?;
         completion
             .into_response(self.token_limit())
             .map_err(|unusable| match unusable {
@@ -223,14 +140,6 @@ impl Model for OpenAi {
                 Unusable::Stopped(why) => api.unusable(&why),
             })
     }
-}
-
-/// A variable's value without the blanks around it (a key pasted with its newline), if any.
-fn non_empty_var(name: &str) -> Option<String> {
-    std::env::var(name)
-        .ok()
-        .map(|value| value.trim().to_owned())
-        .filter(|value| !value.is_empty())
 }
 
 fn tool(spec: &ToolSpec) -> Value {

@@ -10,8 +10,21 @@ use serde_json::json;
 use crate::Error;
 
 /// An error as every route answers it: the status, and
-/// `{"error": {"code": CODE, "message": MESSAGE}}`. The codes are stable; the messages may
-/// change.
+/// `{"error": {"code": CODE, "message": MESSAGE}}`. The codes are stable; the messages are
+/// for people and may change. A `401` also carries `WWW-Authenticate: Bearer`.
+///
+/// ```text
+/// HTTP/1.1 409 Conflict
+/// content-type: application/json
+///
+/// {"error": {"code": "run_leased", "message": "run order-17 is leased by ..."}}
+/// ```
+///
+/// A route of the application's own that returns `Result<_, ApiError>` answers in the same
+/// shape: `?` converts an [`Error`] (`not_found`, `run_state`, `run_leased`, `run_exists`,
+/// `unknown_agent`, `invalid_input`, `unavailable`; any other is `internal`, its details
+/// logged and not answered) and an `actix::MailboxError` (`unavailable`). `docs/operate.md`,
+/// "Errors", lists every code with its status and when it is answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     status: StatusCode,
@@ -28,7 +41,8 @@ impl ApiError {
         }
     }
 
-    /// The stable code (`"not_found"`, `"unauthorized"`, ...): see `docs/operate.md`.
+    /// The stable code (`"not_found"`, `"unauthorized"`, ...): `docs/operate.md`, "Errors",
+    /// lists them.
     pub fn code(&self) -> &'static str {
         self.code
     }

@@ -23,8 +23,9 @@ use std::{
 
 use actix::{Actor, Context, Handler};
 use agentrt::{
-    Agent, Config, Message, Model, ModelError, ModelRequest, ModelResponse, RunSettled, SpawnRun,
-    Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
+    Agent, ChatMessage, Config, Model, ModelError, ModelRequest, ModelResponse, RunSettled,
+    SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError,
+    async_trait,
 };
 use clap::Parser;
 use memory::status_kib;
@@ -174,7 +175,7 @@ impl Model for TimedModel {
         let turn = request
             .messages
             .iter()
-            .filter(|m| matches!(m, Message::Assistant(_)))
+            .filter(|m| matches!(m, ChatMessage::Assistant(_)))
             .count();
         if turn < self.steps {
             let id = format!("c{turn}");

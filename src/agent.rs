@@ -7,7 +7,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use crate::model_policy::ModelPolicy;
-use crate::types::{FencingToken, Message, ModelResponse, RunId, ToolCall, ToolSpec};
+use crate::types::{ChatMessage, FencingToken, ModelResponse, RunId, ToolCall, ToolSpec};
 
 /// The default for [`Agent::max_steps`].
 pub const DEFAULT_MAX_STEPS: u32 = 64;
@@ -28,10 +28,10 @@ pub struct ModelRequest<'a> {
     /// The run's input, as it was started.
     pub input: &'a Value,
     /// The whole conversation, in order: the agent's instructions as a
-    /// [`Message::System`] (when it has some), the run's input as [`Message::User`] turns
+    /// [`ChatMessage::System`] (when it has some), the run's input as [`ChatMessage::User`] turns
     /// (see [`Agent::map_input`]), then every earlier response and the result of each of its
     /// tool calls.
-    pub messages: &'a [Message],
+    pub messages: &'a [ChatMessage],
     /// The tools the model may call, with their descriptions and argument schemas, in name
     /// order.
     pub tools: &'a [ToolSpec],
@@ -43,7 +43,7 @@ impl<'a> ModelRequest<'a> {
     pub fn new(
         run_id: &'a RunId,
         input: &'a Value,
-        messages: &'a [Message],
+        messages: &'a [ChatMessage],
         tools: &'a [ToolSpec],
     ) -> Self {
         ModelRequest {
@@ -384,7 +384,7 @@ pub fn schema_for<T: schemars::JsonSchema>() -> Value {
 }
 
 /// Turns a run's input into the user turns that open its conversation.
-pub type InputMapper = dyn Fn(&Value) -> Vec<Message> + Send + Sync;
+pub type InputMapper = dyn Fn(&Value) -> Vec<ChatMessage> + Send + Sync;
 
 /// A tool as an agent holds it: with its description and schema, read once, and the
 /// schema's validator.
@@ -541,7 +541,7 @@ impl Agent {
         self
     }
 
-    /// The system prompt: the conversation's first message, a [`Message::System`].
+    /// The system prompt: the conversation's first message, a [`ChatMessage::System`].
     pub fn instructions(mut self, instructions: impl Into<String>) -> Self {
         self.instructions = Some(instructions.into());
         self
@@ -552,7 +552,7 @@ impl Agent {
     /// is one user message of its JSON.
     pub fn map_input<F>(mut self, map: F) -> Self
     where
-        F: Fn(&Value) -> Vec<Message> + Send + Sync + 'static,
+        F: Fn(&Value) -> Vec<ChatMessage> + Send + Sync + 'static,
     {
         self.map_input = Some(Arc::new(map));
         self
@@ -567,17 +567,17 @@ impl Agent {
     }
 
     /// The messages that open a run's conversation: the instructions, then the input's turns.
-    pub(crate) fn opening(&self, input: &Value) -> Vec<Message> {
+    pub(crate) fn opening(&self, input: &Value) -> Vec<ChatMessage> {
         let system = self
             .instructions
             .iter()
-            .map(|text| Message::System { text: text.clone() });
+            .map(|text| ChatMessage::System { text: text.clone() });
         let user = match &self.map_input {
             Some(map) => map(input),
             None => match input {
                 Value::Null => Vec::new(),
-                Value::String(text) => vec![Message::User { text: text.clone() }],
-                other => vec![Message::User {
+                Value::String(text) => vec![ChatMessage::User { text: text.clone() }],
+                other => vec![ChatMessage::User {
                     text: other.to_string(),
                 }],
             },

@@ -72,6 +72,8 @@ pub use error::{DatabaseError, Error, Result};
 pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
 /// The `schemars` this crate derives schemas with (see [`schema_for`]).
 pub use schemars;
+/// The `serde_json` whose `Value` runs take as input and tools take and return.
+pub use serde_json;
 #[cfg(feature = "postgres")]
 pub use store::postgres;
 pub use store::{
@@ -81,13 +83,24 @@ pub use store::{
     backend::{MoveInfo, MoveKind, MoveObserver},
     sqlite,
 };
-#[allow(deprecated)]
-pub use types::RunOutcome;
 pub use types::{
-    Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
+    Approval, ApprovalReason, ChatMessage, Event, EventKind, FencingToken, Lease, LeaseLostReason,
     ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, RunUsage, ToolCall,
     ToolResult, ToolSpec, Usage,
 };
+
+/// What an application that defines and runs agents uses: `use agentrt::prelude::*;`.
+///
+/// It brings no name that collides with actix's own (`Message` is actix's; a chat turn is
+/// [`ChatMessage`](crate::ChatMessage)).
+pub mod prelude {
+    pub use crate::{
+        Agent, Approval, CancelRun, ChatMessage, Config, Decision, Error, Model, ModelError,
+        ModelRequest, ModelResponse, Outcome, Policy, RecordApproval, Result, ResumeRun, RunId,
+        RunReply, SpawnRun, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError,
+        ToolResult, actix, async_trait, serde_json,
+    };
+}
 
 #[cfg(test)]
 mod tests {

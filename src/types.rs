@@ -461,7 +461,7 @@ pub enum ToolResult {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 #[non_exhaustive]
-pub enum Message {
+pub enum ChatMessage {
     /// The agent's instructions (the system prompt).
     System {
         /// Their text.
@@ -581,10 +581,6 @@ pub struct RunReply {
     /// How the call ended.
     pub outcome: Outcome,
 }
-
-/// The name [`RunReply`] had before 0.6.
-#[deprecated(since = "0.6.0", note = "renamed `RunReply`")]
-pub type RunOutcome = RunReply;
 
 /// An operator's decision on a waiting tool call.
 ///

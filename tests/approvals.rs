@@ -6,9 +6,9 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, ApprovalReason, Decision, Error, EventKind, Message, ModelResponse, Outcome,
-    RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunState, StartRun, Store, Supervisor,
-    ToolCall, ToolResult,
+    Agent, Approval, ApprovalReason, ChatMessage, Decision, Error, EventKind, ModelResponse,
+    Outcome, RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunState, StartRun, Store,
+    Supervisor, ToolCall, ToolResult,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
@@ -42,7 +42,7 @@ fn last_tool_result(model: &ScriptedModel) -> ToolResult {
         .iter()
         .rev()
         .find_map(|m| match m {
-            Message::Tool { result, .. } => Some(result.clone()),
+            ChatMessage::Tool { result, .. } => Some(result.clone()),
             _ => None,
         })
         .unwrap()

@@ -1,7 +1,7 @@
 //! Bad input gets a clear error and loses nothing.
 
 use agentrt::{
-    Agent, Error, EventKind, Message, ModelError, ModelResponse, Outcome, ResumeRun, RunId,
+    Agent, ChatMessage, Error, EventKind, ModelError, ModelResponse, Outcome, ResumeRun, RunId,
     RunState, SCHEMA_VERSION, StartRun, Store, Supervisor, ToolCall, ToolResult,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
@@ -49,7 +49,7 @@ fn results_seen(model: &ScriptedModel) -> Vec<ToolResult> {
         .unwrap()
         .into_iter()
         .filter_map(|m| match m {
-            Message::Tool { result, .. } => Some(result),
+            ChatMessage::Tool { result, .. } => Some(result),
             _ => None,
         })
         .collect()

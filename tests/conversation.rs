@@ -2,13 +2,13 @@
 //! turn, then every response and tool result in order; a denial's note reaches the model.
 
 use agentrt::{
-    Agent, Approval, Message, ModelResponse, Outcome, RecordApproval, RequireApprovalFor,
+    Agent, Approval, ChatMessage, ModelResponse, Outcome, RecordApproval, RequireApprovalFor,
     ResumeRun, StartRun, Supervisor, ToolCall, ToolResult,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
 
-fn first_request(agent: Agent, model: &ScriptedModel, input: Value) -> Vec<Message> {
+fn first_request(agent: Agent, model: &ScriptedModel, input: Value) -> Vec<ChatMessage> {
     let db = TempStore::new();
     let store = db.open();
     with_system(|| async move {
@@ -22,12 +22,12 @@ fn first_request(agent: Agent, model: &ScriptedModel, input: Value) -> Vec<Messa
     model.seen().remove(0)
 }
 
-fn system(text: &str) -> Message {
-    Message::System { text: text.into() }
+fn system(text: &str) -> ChatMessage {
+    ChatMessage::System { text: text.into() }
 }
 
-fn user(text: &str) -> Message {
-    Message::User { text: text.into() }
+fn user(text: &str) -> ChatMessage {
+    ChatMessage::User { text: text.into() }
 }
 
 #[test]
@@ -129,7 +129,7 @@ fn a_denials_note_reaches_the_model() {
     let last = model.seen().pop().unwrap();
     assert_eq!(
         last.last().unwrap(),
-        &Message::Tool {
+        &ChatMessage::Tool {
             call_id: "r1".into(),
             name: "refund".into(),
             result: ToolResult::Error(

@@ -321,7 +321,7 @@ fn interrupted_call_without_a_hook_waits_for_a_person_who_denies_it() {
     assert_eq!(finished[0].payload["denied"], json!(true));
     let conversation = model.seen().pop().unwrap();
     let told = conversation.iter().any(|m| {
-        matches!(m, agentrt::Message::Tool { result: ToolResult::Error(e), .. } if e.contains("denied by ops"))
+        matches!(m, agentrt::ChatMessage::Tool { result: ToolResult::Error(e), .. } if e.contains("denied by ops"))
     });
     assert!(told, "the model is told the call failed: {conversation:?}");
 }

@@ -11,9 +11,9 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, Config, EventKind, Message, ModelResponse, Outcome, RequireApprovalFor, RunId,
-    RunSettled, RunState, SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext,
-    ToolError, ToolResult, Watch, async_trait,
+    Agent, Approval, ChatMessage, Config, EventKind, ModelResponse, Outcome, RequireApprovalFor,
+    RunId, RunSettled, RunState, SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall,
+    ToolContext, ToolError, ToolResult, Watch, async_trait,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
@@ -207,7 +207,7 @@ fn a_denial_by_the_cli_resumes_the_run_and_the_model_is_told() {
         .iter()
         .rev()
         .find_map(|m| match m {
-            Message::Tool { result, .. } => Some(result.clone()),
+            ChatMessage::Tool { result, .. } => Some(result.clone()),
             _ => None,
         })
         .unwrap();

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use agentrt::{
-    Agent, Config, Error, Event, EventKind, ForkRun, Message, ModelError, ModelResponse, Outcome,
-    ResumeRun, RunId, RunState, StartRun, Supervisor, ToolCall,
+    Agent, ChatMessage, Config, Error, Event, EventKind, ForkRun, ModelError, ModelResponse,
+    Outcome, ResumeRun, RunId, RunState, StartRun, Supervisor, ToolCall,
     testkit::{
         Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, assert_no_run_leased,
         resume_when_free, with_system,
@@ -200,7 +200,7 @@ fn a_succeeded_run_forked_at_an_earlier_model_step_shows_the_model_the_copied_hi
     assert!(
         history.iter().any(|m| matches!(
             m,
-            Message::Tool { call_id, .. } if call_id == "c1"
+            ChatMessage::Tool { call_id, .. } if call_id == "c1"
         )),
         "{history:?}"
     );

@@ -140,7 +140,7 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
     );
     assert_eq!(
         last_conversation[0],
-        agentrt::Message::User {
+        agentrt::ChatMessage::User {
             text: r#"{"q":1}"#.into()
         }
     );

@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime};
 
 use agentrt::{
-    Approval, ApprovalReason, Event, EventKind, FencingToken, Lease, LeaseLostReason, Message,
+    Approval, ApprovalReason, ChatMessage, Event, EventKind, FencingToken, Lease, LeaseLostReason,
     ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, ToolCall, ToolResult,
     ToolSpec, Usage,
 };
@@ -227,13 +227,13 @@ fn model_responses_tool_results_and_messages_keep_the_shape_they_are_logged_in()
         r#"{"text":"hi","tool_calls":[],"usage":{"input_tokens":412,"output_tokens":18},"model":"m-1"}"#,
     );
     pins(
-        &Message::System {
+        &ChatMessage::System {
             text: "Be brief.".into(),
         },
         r#"{"role":"system","text":"Be brief."}"#,
     );
     pins(
-        &Message::User {
+        &ChatMessage::User {
             text: "Where is my order?".into(),
         },
         r#"{"role":"user","text":"Where is my order?"}"#,
@@ -255,11 +255,11 @@ fn model_responses_tool_results_and_messages_keep_the_shape_they_are_logged_in()
         r#"{"error":"no such city"}"#,
     );
     pins(
-        &Message::Assistant(response),
+        &ChatMessage::Assistant(response),
         r#"{"role":"assistant","text":"Let me look.","tool_calls":[{"id":"c1","name":"weather","args":{"city":"Oslo"}}]}"#,
     );
     pins(
-        &Message::Tool {
+        &ChatMessage::Tool {
             call_id: "c1".into(),
             name: "weather".into(),
             result: ToolResult::Ok(json!({"sky": "clear"})),

@@ -3,8 +3,8 @@
 //! model is told why, as a failed result of that call.
 
 use agentrt::{
-    Agent, EventKind, Message, ModelResponse, Outcome, RunId, StartRun, Supervisor, Tool, ToolCall,
-    ToolContext, ToolError, ToolResult, ToolSpec, async_trait, schema_for,
+    Agent, ChatMessage, EventKind, ModelResponse, Outcome, RunId, StartRun, Supervisor, Tool,
+    ToolCall, ToolContext, ToolError, ToolResult, ToolSpec, async_trait, schema_for,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use schemars::JsonSchema;
@@ -92,7 +92,7 @@ fn results_seen(model: &ScriptedModel) -> Vec<(String, ToolResult)> {
         .unwrap()
         .iter()
         .filter_map(|m| match m {
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id, result, ..
             } => Some((call_id.clone(), result.clone())),
             _ => None,

@@ -2,7 +2,7 @@
 //! email that does. Shared by `examples/quickstart.rs` and the crash-point explorer's tests.
 
 use agentrt::{
-    Agent, Message, Model, ModelError, ModelRequest, ModelResponse, RequireApprovalFor, Tool,
+    Agent, ChatMessage, Model, ModelError, ModelRequest, ModelResponse, RequireApprovalFor, Tool,
     ToolCall, ToolContext, ToolError, async_trait,
 };
 use serde_json::{Value, json};
@@ -24,7 +24,7 @@ impl Model for ScriptedSupportModel {
         let turn = request
             .messages
             .iter()
-            .filter(|m| matches!(m, Message::Assistant(_)))
+            .filter(|m| matches!(m, ChatMessage::Assistant(_)))
             .count();
         let customer = request.input["customer"].as_str().unwrap_or("unknown");
         Ok(match turn {

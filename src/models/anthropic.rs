@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 use super::http::{cut_off, excerpt};
 use super::options::{HttpOptions, http_setters};
 use crate::agent::{Model, ModelError, ModelRequest};
-use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
+use crate::types::{ChatMessage, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
 /// Where [`Anthropic`] sends its requests unless told otherwise.
 pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
@@ -100,7 +100,7 @@ impl Anthropic {
             .messages
             .iter()
             .filter_map(|m| match m {
-                Message::System { text } => Some(text.as_str()),
+                ChatMessage::System { text } => Some(text.as_str()),
                 _ => None,
             })
             .collect();
@@ -185,13 +185,13 @@ fn tool(spec: &ToolSpec) -> Value {
 /// The conversation after its system messages, as the API's turns: a turn's content blocks in
 /// order, and consecutive messages of one role in one turn (the results of one answer's calls
 /// are one user turn).
-fn turns(messages: &[Message]) -> Vec<Value> {
+fn turns(messages: &[ChatMessage]) -> Vec<Value> {
     let mut turns: Vec<(&'static str, Vec<Value>)> = Vec::new();
     for message in messages {
         let (role, blocks) = match message {
-            Message::System { .. } => continue,
-            Message::User { text } => ("user", text_block(text).into_iter().collect()),
-            Message::Assistant(response) => {
+            ChatMessage::System { .. } => continue,
+            ChatMessage::User { text } => ("user", text_block(text).into_iter().collect()),
+            ChatMessage::Assistant(response) => {
                 let text = response.text.as_deref().and_then(text_block);
                 let calls = response.tool_calls.iter().map(|call| {
                     // The API takes an object only; a call whose arguments were not one was
@@ -204,7 +204,7 @@ fn turns(messages: &[Message]) -> Vec<Value> {
                 });
                 ("assistant", text.into_iter().chain(calls).collect())
             }
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id, result, ..
             } => {
                 let mut block = json!({ "type": "tool_result", "tool_use_id": call_id });
@@ -362,28 +362,28 @@ mod tests {
     #[test]
     fn the_request_has_a_system_prompt_turns_and_tools() {
         let messages = vec![
-            Message::System {
+            ChatMessage::System {
                 text: "One.".into(),
             },
-            Message::System {
+            ChatMessage::System {
                 text: "Two.".into(),
             },
-            Message::User {
+            ChatMessage::User {
                 text: "Weather?".into(),
             },
-            Message::Assistant(ModelResponse {
+            ChatMessage::Assistant(ModelResponse {
                 text: Some("Looking.".into()),
                 ..ModelResponse::calls(vec![
                     ToolCall::new("c1", "weather", json!({"city": "Oslo"})),
                     ToolCall::new("c2", "weather", Value::String("{".into())),
                 ])
             }),
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id: "c1".into(),
                 name: "weather".into(),
                 result: ToolResult::Ok(json!({"sky": "clear"})),
             },
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id: "c2".into(),
                 name: "weather".into(),
                 result: ToolResult::Error("not JSON".into()),
@@ -463,7 +463,7 @@ mod tests {
 
     #[test]
     fn a_conversation_must_open_with_a_user_turn() {
-        let opening = |messages: Vec<Message>| {
+        let opening = |messages: Vec<ChatMessage>| {
             let run_id = RunId::from("r");
             let request = ModelRequest {
                 run_id: &run_id,
@@ -475,7 +475,7 @@ mod tests {
             };
             opens_with_user(&Anthropic::new("m").body(&request)["messages"])
         };
-        let system = || Message::System {
+        let system = || ChatMessage::System {
             text: "Be brief.".into(),
         };
         let none = opening(vec![system()]).unwrap_err();
@@ -489,22 +489,22 @@ mod tests {
             none.message()
         );
         // An empty user text is left out: no turn either.
-        let empty = Message::User { text: "".into() };
+        let empty = ChatMessage::User { text: "".into() };
         assert!(opening(vec![system(), empty]).is_err());
-        let answer = Message::Assistant(ModelResponse::answer("Hi."));
+        let answer = ChatMessage::Assistant(ModelResponse::answer("Hi."));
         assert!(
             opening(vec![answer])
                 .unwrap_err()
                 .message()
                 .contains("opens it with an answer")
         );
-        let user = Message::User { text: "Hi".into() };
+        let user = ChatMessage::User { text: "Hi".into() };
         assert_eq!(opening(vec![system(), user]), Ok(()));
     }
 
     #[test]
     fn an_empty_failure_is_sent_as_a_word() {
-        let turns = turns(&[Message::Tool {
+        let turns = turns(&[ChatMessage::Tool {
             call_id: "c1".into(),
             name: "f".into(),
             result: ToolResult::Error(String::new()),

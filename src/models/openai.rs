@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 use super::http::{cut_off, excerpt};
 use super::options::{HttpOptions, http_setters};
 use crate::agent::{Model, ModelError, ModelRequest};
-use crate::types::{Message, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
+use crate::types::{ChatMessage, ModelResponse, ToolCall, ToolResult, ToolSpec, Usage};
 
 /// Where [`OpenAi`] sends its requests unless told otherwise.
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
@@ -150,11 +150,11 @@ fn tool(spec: &ToolSpec) -> Value {
     json!({ "type": "function", "function": function })
 }
 
-fn message(message: &Message) -> Value {
+fn message(message: &ChatMessage) -> Value {
     match message {
-        Message::System { text } => json!({ "role": "system", "content": text }),
-        Message::User { text } => json!({ "role": "user", "content": text }),
-        Message::Assistant(response) => {
+        ChatMessage::System { text } => json!({ "role": "system", "content": text }),
+        ChatMessage::User { text } => json!({ "role": "user", "content": text }),
+        ChatMessage::Assistant(response) => {
             let mut turn = json!({ "role": "assistant", "content": response.text });
             if response.tool_calls.is_empty() {
                 // Some servers refuse an assistant turn with neither content nor calls.
@@ -167,7 +167,7 @@ fn message(message: &Message) -> Value {
             }
             turn
         }
-        Message::Tool {
+        ChatMessage::Tool {
             call_id, result, ..
         } => json!({
             "role": "tool",
@@ -388,22 +388,22 @@ mod tests {
     #[test]
     fn the_request_carries_the_conversation_and_the_tools() {
         let messages = vec![
-            Message::System {
+            ChatMessage::System {
                 text: "Be brief.".into(),
             },
-            Message::User {
+            ChatMessage::User {
                 text: "Weather?".into(),
             },
-            Message::Assistant(ModelResponse::calls(vec![
+            ChatMessage::Assistant(ModelResponse::calls(vec![
                 ToolCall::new("c1", "weather", json!({"city": "Oslo"})),
                 ToolCall::new("c2", "weather", Value::String("{city: Bergen".into())),
             ])),
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id: "c1".into(),
                 name: "weather".into(),
                 result: ToolResult::Ok(json!({"sky": "clear"})),
             },
-            Message::Tool {
+            ChatMessage::Tool {
                 call_id: "c2".into(),
                 name: "weather".into(),
                 result: ToolResult::Error("the arguments are not JSON".into()),

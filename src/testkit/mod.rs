@@ -62,7 +62,7 @@ use crate::{
     Clock, Error, LeaseLost, Model, ModelError, ModelRequest, ModelResponse, Reconciliation,
     Result, ResumeRun, RunId, RunReply, Store, Supervisor, Tool, ToolContext, ToolError,
     async_trait,
-    types::{Message, ToolSpec},
+    types::{ChatMessage, ToolSpec},
 };
 
 /// PostgreSQL for tests: the server, and a schema of its own for each store.
@@ -295,7 +295,7 @@ impl Gate {
 
 /// A model that answers from a script: its n-th response answers the n-th turn (the number of
 /// earlier responses in the conversation), so a call dispatched again gets the same answer.
-/// An agent whose `map_input` adds example `Message::Assistant` turns shifts the script by as
+/// An agent whose `map_input` adds example `ChatMessage::Assistant` turns shifts the script by as
 /// many.
 #[derive(Clone)]
 pub struct ScriptedModel {
@@ -321,7 +321,7 @@ pub struct SeenRequest {
     /// The attempt of the step.
     pub attempt: u32,
     /// The conversation.
-    pub messages: Vec<Message>,
+    pub messages: Vec<ChatMessage>,
     /// The tools offered.
     pub tools: Vec<ToolSpec>,
 }
@@ -377,7 +377,7 @@ impl ScriptedModel {
     }
 
     /// The conversation each call was given, in the order of the calls.
-    pub fn seen(&self) -> Vec<Vec<Message>> {
+    pub fn seen(&self) -> Vec<Vec<ChatMessage>> {
         let seen = self.inner.seen.lock().unwrap();
         seen.iter()
             .map(|request| request.messages.clone())
@@ -401,7 +401,7 @@ impl Model for ScriptedModel {
         let turn = request
             .messages
             .iter()
-            .filter(|m| matches!(m, Message::Assistant(_)))
+            .filter(|m| matches!(m, ChatMessage::Assistant(_)))
             .count();
         self.inner.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.seen.lock().unwrap().push(SeenRequest {

@@ -27,8 +27,8 @@ use crate::{
         moves::{BeginModelAttempt, BeginModelStep, DecideTool, FailRun, Leased, Move, RejectTool},
     },
     types::{
-        ApprovalReason, LeaseLostReason, Message as ChatMessage, ModelResponse, Outcome,
-        PendingCall, RunId, StepKind, StepState, ToolCall, ToolResult,
+        ApprovalReason, ChatMessage, LeaseLostReason, ModelResponse, Outcome, PendingCall, RunId,
+        StepKind, StepState, ToolCall, ToolResult,
     },
 };
 

@@ -24,5 +24,15 @@ pub use self::{
     health::{Health, SchemaStatus, Space},
     listing::{DEFAULT_PAGE_LIMIT, MAX_PAGE_LIMIT, RunPage, RunQuery},
     retention::{DEFAULT_PURGE_BATCH, MAX_PURGE_BATCH, PURGE_REPORT_IDS, Purge, PurgeReport},
-    sqlite::SCHEMA_VERSION,
 };
+
+/// The migrations in `migrations/`, embedded in order by the build script: SQLite applies
+/// them, and their number is the schema version on either backend.
+mod schema {
+    include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+}
+
+/// The schema version this build writes, the same on either backend: the number of migrations
+/// in `migrations/`. A version names the same tables, guards and change feed in an SQLite file
+/// and in a PostgreSQL schema.
+pub const SCHEMA_VERSION: u32 = schema::MIGRATIONS.len() as u32;

@@ -11,9 +11,8 @@ use crate::{
     store::{SchemaStatus, Store},
 };
 
-/// The schema version this build writes, the same on either backend: a version names the same
-/// tables, guards and change feed in an SQLite file and in a PostgreSQL schema.
-pub const SCHEMA_VERSION: u32 = crate::store::sqlite::SCHEMA_VERSION;
+/// The schema version this build writes (the same on either backend).
+pub use crate::store::SCHEMA_VERSION;
 
 /// The migrations, by the version each brings the database to: an empty schema goes straight
 /// to the first version PostgreSQL was supported at.

@@ -1,6 +1,12 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+// A store needs a backend: without one, every `Store` constructor could only fail.
+#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+compile_error!(
+    "agentrt needs a store backend: enable its feature `sqlite` (a default one) or `postgres`"
+);
+
 mod actors;
 mod agent;
 mod clock;
@@ -70,12 +76,13 @@ pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
 pub use schemars;
 #[cfg(feature = "postgres")]
 pub use store::postgres;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite;
 pub use store::{
     DEFAULT_PAGE_LIMIT, DEFAULT_PURGE_BATCH, Health, MAX_PAGE_LIMIT, MAX_PURGE_BATCH,
     PURGE_REPORT_IDS, Purge, PurgeReport, RunPage, RunQuery, SCHEMA_VERSION, SchemaStatus, Space,
     Store,
     backend::{MoveInfo, MoveKind, MoveObserver},
-    sqlite,
 };
 #[allow(deprecated)]
 pub use types::RunOutcome;

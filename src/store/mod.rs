@@ -1,8 +1,10 @@
 //! The store: a handle on a backend, and the boundary behind it.
 //!
 //! The actors reach a backend only through the boundary in [`backend`]; the moves are written
-//! once, in [`moves`], against its primitives; the run's domain model is in [`model`]. The
-//! SQLite backend lives in [`sqlite`], alone with everything SQLite-specific.
+//! once, in [`moves`], against its primitives; the run's domain model is in [`model`]. Each
+//! backend lives in a module of its own, alone with everything specific to it (SQLite's in
+//! `sqlite`, feature `sqlite`; PostgreSQL's in `postgres`, feature `postgres`), and `resolver`
+//! opens a store from a path, `:memory:` or a URL with whichever of them it names.
 
 pub(crate) mod backend;
 #[cfg(test)]
@@ -16,7 +18,9 @@ pub(crate) mod moves;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub(crate) mod pulse;
+mod resolver;
 mod retention;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 pub use self::{

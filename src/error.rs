@@ -273,6 +273,22 @@ pub enum Error {
         why: String,
     },
 
+    /// The location names a backend that this build of agentrt does not compile in: a
+    /// PostgreSQL URL without the `postgres` feature, a path or `:memory:` without `sqlite`.
+    /// Nothing was opened.
+    #[error(
+        "this build of agentrt has no {backend} backend for {location:?}: enable agentrt's cargo \
+         feature `{feature}`"
+    )]
+    BackendNotBuilt {
+        /// The location, as given (a URL without its user and password).
+        location: String,
+        /// The backend it names: `SQLite` or `PostgreSQL`.
+        backend: &'static str,
+        /// The cargo feature that compiles that backend in.
+        feature: &'static str,
+    },
+
     /// The database failed; its backend's error is the source.
     #[error("database error: {0}")]
     Database(#[source] DatabaseError),

@@ -1,6 +1,12 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+// A store needs a backend: without one, every `Store` constructor could only fail.
+#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+compile_error!(
+    "agentrt needs a store backend: enable its feature `sqlite` (a default one) or `postgres`"
+);
+
 mod actors;
 mod agent;
 mod clock;
@@ -76,12 +82,13 @@ pub use schemars;
 pub use serde_json;
 #[cfg(feature = "postgres")]
 pub use store::postgres;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite;
 pub use store::{
     DEFAULT_PAGE_LIMIT, DEFAULT_PURGE_BATCH, Health, MAX_PAGE_LIMIT, MAX_PURGE_BATCH,
     PURGE_REPORT_IDS, Purge, PurgeReport, RunPage, RunQuery, SCHEMA_VERSION, SchemaStatus, Space,
     Store,
     backend::{MoveInfo, MoveKind, MoveObserver},
-    sqlite,
 };
 pub use types::{
     Approval, ApprovalReason, ChatMessage, Event, EventKind, FencingToken, Lease, LeaseLostReason,

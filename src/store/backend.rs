@@ -394,6 +394,8 @@ pub(crate) trait Pending: Send {
     /// The moves it made once applied.
     fn applied(&self) -> &[MoveInfo];
     /// Whether a move of it was refused.
+    // Asked by SQLite's writer only.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     fn refused(&self) -> bool;
     /// When its caller is answered.
     fn durability(&self) -> Durability;
@@ -432,6 +434,8 @@ impl GroupFailure {
     /// The failure of a group that committed, from the sync that was to make it durable: a
     /// store that refuses to sync (it stopped at an I/O error meanwhile) leaves the group
     /// committed, readable, and maybe not durable, as a failed sync does.
+    // SQLite's writer syncs its log after a group; PostgreSQL's commit is durable by itself.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn of_sync(synced: Result<()>) -> Option<Self> {
         match synced {
             Err(Error::DiskStateUnknown(why)) => Some(GroupFailure::Sync(format!(
@@ -442,6 +446,7 @@ impl GroupFailure {
     }
 
     /// The failure, if any, of a commit or a sync.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn of_result(result: Result<()>) -> Option<Self> {
         result.err().map(|err| GroupFailure::of(&err))
     }
@@ -581,5 +586,6 @@ pub(crate) trait Backend: Send + Sync + 'static {
     /// Rewrites the database compactly, switching it to giving space back after a purge.
     fn vacuum(&self) -> Result<Space>;
     /// The backend itself, for its own module's extensions (`agentrt::sqlite`).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     fn as_any(&self) -> &dyn Any;
 }

@@ -21,7 +21,7 @@ impl SchemaStatus {
     }
 }
 
-/// What [`Store::health`](crate::store::Store::health) found. JSON: its fields by name, `settings` as a list of
+/// What [`Store::health`](super::Store::health) found. JSON: its fields by name, `settings` as a list of
 /// `[name, value]` pairs and each stale lease as `[run_id, lease]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Health {
@@ -72,6 +72,6 @@ pub struct Space {
     pub free_bytes: u64,
     /// Whether the database gives the space of deleted rows back to the disk after a purge.
     /// SQLite: whether it was created with `auto_vacuum = INCREMENTAL`, which agentrt does for
-    /// every new database; an older one switches with [`Store::vacuum`](crate::store::Store::vacuum).
+    /// every new database; an older one switches with [`Store::vacuum`](super::Store::vacuum).
     pub returns_space: bool,
 }

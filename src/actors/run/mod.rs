@@ -30,7 +30,7 @@ use tracing::Instrument;
 use self::run_loop::{Env, RunLoop};
 use super::{
     lease_keeper::{LeaseKeeper, LeaseLost, Lost, Release},
-    store::{ReadState, ReleaseLease, StoreActor, StoreHandle},
+    store::{ReleaseLease, StoreActor, StoreHandle},
 };
 use crate::{
     agent::{Agent, Cancellation},
@@ -220,7 +220,7 @@ impl Handler<Execute> for RunActor {
 #[cfg(feature = "otel")]
 async fn join_trace(span: &tracing::Span, run_id: &RunId, store: &StoreHandle) {
     let id = run_id.clone();
-    let read = ReadState::new(move |reads| reads.first_event(&id));
+    let read = super::store::ReadState::new(move |reads| reads.first_event(&id));
     match send(store.addr(), read).await {
         Ok(Some(started)) => {
             if let Some(agent) = started.payload["agent"].as_str() {

@@ -42,7 +42,7 @@ pub use self::{
 /// Whether `location` names a PostgreSQL database (a `postgres://` or `postgresql://` URL)
 /// rather than an SQLite file.
 pub fn is_url(location: &str) -> bool {
-    location.starts_with("postgres://") || location.starts_with("postgresql://")
+    super::resolver::Kind::of(location) == super::resolver::Kind::Postgres
 }
 
 /// A PostgreSQL store's backend: its options and the connections it keeps for inspection.

@@ -7,13 +7,12 @@ use super::{
     conn::{self, Conn, Pg},
 };
 use crate::{
-    Store,
     error::{Error, Result},
+    store::{SchemaStatus, Store},
 };
 
-/// The schema version this build writes, the same on either backend: a version names the same
-/// tables, guards and change feed in an SQLite file and in a PostgreSQL schema.
-pub const SCHEMA_VERSION: u32 = crate::store::sqlite::SCHEMA_VERSION;
+/// The schema version this build writes (the same on either backend).
+pub use crate::store::SCHEMA_VERSION;
 
 /// The migrations, by the version each brings the database to: an empty schema goes straight
 /// to the first version PostgreSQL was supported at.
@@ -104,7 +103,7 @@ fn open_here(options: Options, url: &str) -> Result<Store> {
 
 /// The schema version of the store at `url`, as found and as this build writes it, read on a
 /// read-only connection: nothing is migrated or written.
-pub fn schema_status(url: &str) -> Result<crate::SchemaStatus> {
+pub fn schema_status(url: &str) -> Result<SchemaStatus> {
     let options = Options::new().read_only(true);
     let config = conn::config(url, &options)?;
     let shown = conn::shown(url);
@@ -118,7 +117,7 @@ pub fn schema_status(url: &str) -> Result<crate::SchemaStatus> {
         Some(schema) => version(&mut conn, &schema)?,
         None => 0,
     };
-    Ok(crate::SchemaStatus {
+    Ok(SchemaStatus {
         found,
         supported: SCHEMA_VERSION,
     })

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use crate::{Store, error::Result};
+use crate::error::Result;
+use crate::store::Store;
 
 /// The writer connections a supervisor commits through, unless told otherwise.
 pub const DEFAULT_WRITERS: usize = 2;

@@ -25,38 +25,6 @@ use crate::{
     store::Store,
 };
 
-impl Store {
-    /// Opens (creating it if missing) the SQLite database file at `path`, with the default
-    /// [`Options`]. A file that is not a database, a damaged one, or a database of a newer
-    /// schema version is refused and left as it was.
-    pub fn open(path: impl AsRef<Path>) -> Result<Store> {
-        Options::default().open(path)
-    }
-
-    /// A new SQLite database in memory, gone with the last clone of this handle.
-    pub fn in_memory() -> Result<Store> {
-        Options::default().in_memory()
-    }
-
-    /// Opens the store at `location` with its backend's default options: a PostgreSQL
-    /// database for a `postgres://` or `postgresql://` URL (with the `postgres` feature; see
-    /// [`postgres::Options`](crate::postgres::Options)), else the SQLite file at that path
-    /// ([`Store::open`]).
-    pub fn connect(location: &str) -> Result<Store> {
-        if location.starts_with("postgres://") || location.starts_with("postgresql://") {
-            #[cfg(feature = "postgres")]
-            return crate::postgres::Options::new().open(location);
-            #[cfg(not(feature = "postgres"))]
-            return Err(crate::Error::InvalidInput(format!(
-                "{} names a PostgreSQL database, and this build of agentrt has no PostgreSQL \
-                 backend (its `postgres` feature)",
-                location.split('@').next_back().unwrap_or(location)
-            )));
-        }
-        Store::open(location)
-    }
-}
-
 impl Options {
     /// Opens (creating it if missing, unless told not to) the database file at `path`,
     /// applying the migrations it lacks. A file that is not a database, a damaged one, or a

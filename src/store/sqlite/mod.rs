@@ -43,10 +43,11 @@ mod writer;
 pub(crate) use self::open::migrations;
 pub use self::{
     database::{Connection, Sqlite},
-    open::SCHEMA_VERSION,
     options::{DEFAULT_COMMIT_SPIN, Options, Synchronous},
     read_only::{quick_check, schema_status},
 };
+/// The schema version this build writes (the same on either backend).
+pub use super::SCHEMA_VERSION;
 
 #[cfg(test)]
 mod tests;

@@ -8,9 +8,7 @@ use rusqlite_migration::{M, Migrations};
 
 use super::{error::db_error, options::Options};
 use crate::error::{Error, Result};
-use crate::store::SchemaStatus;
-
-include!(concat!(env!("OUT_DIR"), "/migrations.rs"));
+use crate::store::{SCHEMA_VERSION, SchemaStatus, schema::MIGRATIONS};
 
 /// The migrations, in order, as `rusqlite_migration` applies them.
 pub(crate) fn migrations() -> Migrations<'static> {
@@ -30,9 +28,6 @@ pub(crate) fn migrations() -> Migrations<'static> {
             .collect(),
     )
 }
-
-/// The schema version this build writes: the number of migrations in `migrations/`.
-pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
 /// Migrations that copy a table into a new one (SQLite cannot change a constraint in place):
 /// they need foreign keys off while the old table is dropped, and the references from and to

@@ -1,13 +1,13 @@
 //! The storage boundary: what the actors and the moves ask of a backend.
 //!
 //! A backend implements three things, each small:
-//! - [`Reads`] and [`Tx`]: the guarded primitives the moves (in `moves.rs`, written once for
+//! - [`Reads`] and [`Tx`]: the guarded primitives the moves (in `moves/`, written once for
 //!   every backend) are made of. Each guarded write returns whether its guard matched, and
 //!   changes nothing when it did not.
 //! - [`Backend`]: the store as a whole; inspection, operator moves, and a [`Session`] for a
 //!   supervisor.
-//! - [`Writer`] and [`Renewer`]: a supervisor's write side. The store actor queues the moves
-//!   and hands them to the writer in batches; the writer commits them with the durability each
+//! - [`Writer`] and [`Renewer`]: a supervisor's write side. The store's move queue holds the
+//!   moves, and the store actor hands them to the writer in batches; the writer commits them with the durability each
 //!   asked for and answers each caller. The lease keeper renews through the renewer, or through
 //!   the writer where the backend has no second connection.
 //! - [`Watcher`]: a supervisor's view of the decisions and cancels that any writer commits
@@ -141,12 +141,12 @@ pub(crate) struct StepUpdate<'a> {
 
 /// A transaction of one backend: the guarded primitives every move is written with.
 ///
-/// A move reads rows and then writes on what it read (`create_run` looks for the id before
+/// A move reads rows and then writes on what it read (`CreateRun` looks for the id before
 /// it inserts, `append_event` numbers after the run's last event), so a backend must run each
 /// transaction as if no other writer ran between its reads and its writes: SQLite's
 /// `BEGIN IMMEDIATE` serializes writers; a backend with concurrent writers locks the run's row
 /// first, or runs its transactions serializable and applies a move again after a conflict
-/// (which is why a move's closure may be called more than once, with the same clock reading).
+/// (which is why a move may be applied more than once, with the same clock reading).
 pub(crate) trait Tx: Reads {
     /// Waits for, and takes until the commit, the right to write the run's row: what a move
     /// does before it reads the clock a guard compares with, so that a wait for another

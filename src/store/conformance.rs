@@ -125,8 +125,8 @@ pub(crate) fn call(id: &str) -> ToolCall {
     ToolCall::new(id, "send", json!({"to": "a@example.com"}))
 }
 
-/// Applies one move of `run_id` in a transaction of its own, as `f` makes it through
-/// [`Moves`].
+/// Applies what `f` makes of `run_id` through [`Moves`]: each move in a transaction of its
+/// own (a case that chains two moves gets two commits).
 pub(crate) fn on<R: Send>(
     store: &Store,
     run_id: &RunId,

@@ -87,7 +87,7 @@ impl MoveQueue {
 
     fn submit(&self, pending: Box<dyn Pending>) -> bool {
         self.lock().push(pending);
-        !self.drain_requested.swap(true, Ordering::SeqCst)
+        self.request_drain()
     }
 
     /// Requests a drain of a batch that was put back; whether the caller must send it (none is

@@ -15,7 +15,6 @@ use crate::{
     error::Result,
     metrics,
     store::{
-        backend::Durability,
         model::{ModelOutcome, StepRow},
         moves::{self, FailModelAttempt, FinishModelStep},
     },
@@ -100,7 +99,7 @@ impl RunLoop {
         };
         self.set_step(step, StepState::Finished, attempt, Some(stored_json));
         if created.is_empty() {
-            self.env.store.apply(first, Durability::Durable).await?;
+            self.commit(first).await?;
             return Ok(Next::Return(Outcome::Succeeded { output }));
         }
         for row in created {

@@ -2,28 +2,21 @@
 //! it plans next, and how a move is committed, alone or paired with the planned move that
 //! follows it when no side effect lies between them.
 
-use std::{collections::HashSet, panic::AssertUnwindSafe, sync::Arc};
-
-use serde_json::Value;
-
-use std::{cell::RefCell, rc::Rc};
+use std::{cell::RefCell, collections::HashSet, panic::AssertUnwindSafe, rc::Rc, sync::Arc};
 
 use actix::{Addr, Recipient};
+use serde_json::Value;
 
 use crate::{
     actors::{
         lease_keeper::{Hold, LeaseKeeper, LeaseLost},
         store::StoreHandle,
     },
-    agent::Cancellation,
-    store::model::Grant,
-};
-use crate::{
-    agent::{Agent, Decision},
+    agent::{Agent, Cancellation, Decision},
     error::{Error, Result},
     store::{
         backend::Durability,
-        model::{RunSnapshot, StepRow, ToolDecision},
+        model::{Grant, RunSnapshot, StepRow, ToolDecision},
         moves::{BeginModelAttempt, BeginModelStep, DecideTool, FailRun, Leased, Move, RejectTool},
     },
     types::{

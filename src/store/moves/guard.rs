@@ -67,7 +67,11 @@ impl<'a> RunMove<'a> {
 
 impl<'a, 'c> Cx<'a, 'c> {
     /// A move of `run_id` in `tx`, at the time `now` reads.
-    pub(crate) fn new(tx: &'a mut dyn Tx, now: &'a mut Now<'c>, run_id: &'a RunId) -> Self {
+    pub(in crate::store) fn new(
+        tx: &'a mut dyn Tx,
+        now: &'a mut Now<'c>,
+        run_id: &'a RunId,
+    ) -> Self {
         Cx { tx, now, run_id }
     }
 

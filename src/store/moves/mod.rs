@@ -38,7 +38,9 @@ use crate::{error::Result, types::RunId};
 ///
 /// A move may be applied more than once before it commits (a group applied again with
 /// savepoints, a transaction retried after a conflict), each time on the same state and with
-/// the same clock reading: `apply` takes `&self` and keeps nothing of an attempt.
+/// the same reading of the store's clock: `apply` takes `&self`, and what an attempt leaves
+/// behind is only what the next attempt overwrites (a grant's acquisition, stamped again by the
+/// attempt that commits). The lease's wall clock is read afresh by each attempt.
 pub(crate) trait Move: Send + Sync + 'static {
     /// What the move returns once applied.
     type Output: Send + 'static;
@@ -74,7 +76,6 @@ impl<O: Send + 'static> Move for Box<dyn Move<Output = O>> {
 /// A move of a run's own loop: made under the lease the loop holds, and refused once that
 /// lease is another owner's, released, or (for a move that starts a side effect) short of its
 /// start margin.
-#[derive(Clone)]
 pub(crate) struct Leased {
     /// The run.
     pub run_id: RunId,

@@ -242,12 +242,8 @@ impl Explorer {
             }
         });
 
-        // The dead supervisor's writer, once the transaction it may have had open when the
-        // crash stopped another of its threads has ended: held until the case is checked, so
-        // that nothing of the dead supervisor commits while the run recovers. A PostgreSQL
-        // store's writer threads hear of each group before its transaction opens, one at a
-        // time, so the thread the crash stopped there holds them all off already.
-        let dead_writer = crate::sqlite::Sqlite::of(&dead_store).map(|sqlite| sqlite.writer_lock());
+        // Nothing of the dead supervisor commits while the runs recover.
+        let dead_writer = stop_writes(&dead_store);
 
         // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();
@@ -336,6 +332,16 @@ impl Explorer {
         }
         (agent, witness)
     }
+}
+
+/// Stops the writes of a crashed supervisor's store, as the death of its process would: once
+/// the transaction it may have had open when the crash stopped another of its threads has
+/// ended, nothing more of it commits. An SQLite store's writer is held until the returned guard
+/// is dropped (once the case is checked). A PostgreSQL store's writer threads hear of each
+/// group before its transaction opens, one at a time, so the thread the crash stopped there
+/// holds them all off already.
+fn stop_writes(store: &Store) -> Option<std::sync::MutexGuard<'_, rusqlite::Connection>> {
+    crate::sqlite::Sqlite::of(store).map(|sqlite| sqlite.writer_lock())
 }
 
 fn start_supervisor(store: Store, config: Config, agent: Agent) -> Result<actix::Addr<Supervisor>> {

@@ -335,12 +335,22 @@ impl Explorer {
 }
 
 /// Stops the writes of a crashed supervisor's store, as the death of its process would: once
-/// the transaction it may have had open when the crash stopped another of its threads has
-/// ended, nothing more of it commits. An SQLite store's writer is held until the returned guard
-/// is dropped (once the case is checked). A PostgreSQL store's writer threads hear of each
-/// group before its transaction opens, one at a time, so the thread the crash stopped there
-/// holds them all off already.
+/// the transactions it may have had open when the crash stopped one of its threads have ended,
+/// committed or not, nothing more of it commits. An SQLite store's writer is held until the
+/// returned guard is dropped (once the case is checked). A PostgreSQL store commits on several
+/// writer threads (its lanes), each with a connection of its own: the crash stops one of them
+/// in the observer while another may be committing a group it let through just before, so the
+/// store waits for every group in flight and stops for good.
 fn stop_writes(store: &Store) -> Option<std::sync::MutexGuard<'_, rusqlite::Connection>> {
+    #[cfg(feature = "postgres")]
+    if let Some(postgres) = store
+        .backend()
+        .as_any()
+        .downcast_ref::<crate::store::postgres::Postgres>()
+    {
+        postgres.stop_writes();
+        return None;
+    }
     crate::sqlite::Sqlite::of(store).map(|sqlite| sqlite.writer_lock())
 }
 
@@ -819,4 +829,184 @@ fn check_log(events: &[Event]) -> Vec<String> {
         violations.push(format!("run.finished appears {finished} times"));
     }
     violations
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use std::{
+        hash::{DefaultHasher, Hash, Hasher},
+        sync::mpsc,
+        time::{Duration, Instant},
+    };
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::{
+        ModelResponse,
+        store::postgres::testing::{Schema, server},
+        testkit::ScriptedModel,
+    };
+
+    /// Crashes at the first move of run `at`; tells of the moves of other runs it lets through,
+    /// with the thread that applies them.
+    #[derive(Clone)]
+    struct CrashAtRun {
+        crasher: Crasher,
+        at: RunId,
+        applying: Arc<watch::Sender<Vec<(RunId, String)>>>,
+    }
+
+    impl MoveObserver for CrashAtRun {
+        fn before_apply(&self, info: &MoveInfo) {
+            if self.crasher.is_dead() || info.run_id == self.at {
+                self.crasher.die();
+            }
+            let thread = std::thread::current().name().unwrap_or_default().to_owned();
+            self.applying
+                .send_modify(|seen| seen.push((info.run_id.clone(), thread)));
+        }
+
+        fn after_commit(&self, _: &MoveInfo) {
+            if self.crasher.is_dead() {
+                self.crasher.die();
+            }
+        }
+
+        fn committed(&self, _: &[&MoveInfo]) {
+            if self.crasher.is_dead() {
+                self.crasher.die();
+            }
+        }
+    }
+
+    /// Whether `sql`, a query of one boolean, says true on the schema's server.
+    fn holds(schema: &Schema, sql: &str) -> bool {
+        schema.client().query_one(sql, &[]).unwrap().get(0)
+    }
+
+    /// Waits until `condition` holds, for at most `ttl`; whether it did.
+    fn within(ttl: Duration, mut condition: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + ttl;
+        while !condition() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        true
+    }
+
+    #[test]
+    fn a_crash_stops_every_writer_lane_once_the_group_each_had_in_flight_has_ended() {
+        let Some(server) = server() else { return };
+        let schema = Schema::new(&server);
+        let open = || {
+            crate::postgres::Options::new()
+                .writers(2)
+                .open(&schema.url())
+                .unwrap()
+        };
+        // Two runs on different lanes: a lane is chosen by the hash of its run's id (checked
+        // below by the threads that applied their moves).
+        let lane = |id: &RunId| {
+            let mut hasher = DefaultHasher::new();
+            id.hash(&mut hasher);
+            hasher.finish() % 2
+        };
+        let in_flight = RunId::from("in-flight");
+        let crashing = (0..)
+            .map(|i| RunId::from(format!("crashing-{i}").as_str()))
+            .find(|id| lane(id) != lane(&in_flight))
+            .unwrap();
+
+        let dead = open();
+        // Another connection keeps every write of the runs table waiting (reads go on), so
+        // that the group starting `in_flight`, once past its observer, waits inside its
+        // transaction while the other lane's crashes.
+        let mut blocker = schema.client();
+        let mut blocking = blocker.transaction().unwrap();
+        blocking
+            .batch_execute("LOCK TABLE runs IN SHARE MODE")
+            .unwrap();
+        let observer = CrashAtRun {
+            crasher: Crasher::new(CrashPoint::BeforeApply(0)),
+            at: crashing.clone(),
+            applying: Arc::new(watch::Sender::new(Vec::new())),
+        };
+        let (store, watched, ids) = (
+            dead.clone(),
+            observer.clone(),
+            (in_flight.clone(), crashing.clone()),
+        );
+        let waiting = || {
+            holds(
+                &schema,
+                "SELECT count(*) > 0 FROM pg_locks WHERE relation = 'runs'::regclass AND NOT granted",
+            )
+        };
+        with_system(|| async move {
+            let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
+            let config = Config::default().observer(watched.clone());
+            let sup = start_supervisor(store, config, agent).unwrap();
+            let mut applying = watched.applying.subscribe();
+            let mut crashed = watched.crasher.crashed.subscribe();
+            let start = |id: &RunId| sup.send(StartRun::new(AGENT, json!({})).with_id(id.clone()));
+            actix_rt::spawn(start(&ids.0));
+            applying
+                .wait_for(|seen| seen.iter().any(|(run, _)| *run == ids.0))
+                .await
+                .unwrap();
+            // The group waits for the lock (checked on a thread of its own: the driver blocks).
+            let waits = std::thread::scope(|scope| {
+                scope
+                    .spawn(|| within(Duration::from_secs(10), waiting))
+                    .join()
+                    .unwrap()
+            });
+            assert!(
+                waits,
+                "the group of the first run never waited for the lock"
+            );
+            actix_rt::spawn(start(&ids.1));
+            crashed.wait_for(|crashed| *crashed).await.unwrap();
+        });
+        let crash_thread = observer.crasher.thread.lock().unwrap().clone();
+        let lanes: Vec<_> = observer
+            .applying
+            .borrow()
+            .iter()
+            .map(|(_, thread)| Some(thread.clone()))
+            .collect();
+        assert!(
+            !lanes.contains(&crash_thread),
+            "the runs shared a lane: {crash_thread:?} and {lanes:?}"
+        );
+
+        // The recovery: the dead store stops, then a fresh one reads.
+        let (read, has_read) = mpsc::channel();
+        let recovery = std::thread::spawn({
+            let (recovering, id) = (open(), in_flight.clone());
+            move || {
+                let stopped = stop_writes(&dead);
+                let seen = recovering.run(&id).is_ok();
+                read.send(()).unwrap();
+                drop(stopped);
+                seen
+            }
+        });
+        // A stop that waits for the group in flight cannot end while the lock is held: give the
+        // recovery a short while to read (it does at once, if it does not wait), then let the
+        // group go on.
+        let _ = has_read.recv_timeout(Duration::from_millis(500));
+        blocking.rollback().unwrap();
+        let seen = recovery.join().unwrap();
+        // Whatever the dead store's lanes commit now came after the recovery read.
+        let later = within(Duration::from_secs(2), || open().run(&in_flight).is_ok());
+        observer.crasher.release();
+        assert_eq!(
+            seen, later,
+            "the recovery read the run as inserted: {seen}; the dead store inserted it: {later}"
+        );
+    }
 }

@@ -267,7 +267,7 @@ impl Explorer {
                     Ok(run) if run.state.is_finished() => Ok(()),
                     // Resumed; or, if the crash came before the run was inserted, started again
                     // as the consumer would.
-                    found => drive(&sup, id, input.clone(), &approve, found.is_err())
+                    found => recover(&sup, id, input.clone(), &approve, found.is_ok())
                         .await
                         .map(drop),
                 };
@@ -398,6 +398,22 @@ async fn drive(
             Err(Error::LeaseLost { .. }) => reply = resume_when_free(sup, run_id, patience).await,
             other => return other,
         }
+    }
+}
+
+/// Drives a run to its end after a crash, as a consumer would: resumes it if it was `found`;
+/// otherwise starts it again, and resumes it if the start finds it inserted after all (a commit
+/// the dead process had sent may land after the consumer looked), as [`Error::RunExists`] says.
+async fn recover(
+    sup: &actix::Addr<Supervisor>,
+    run_id: &RunId,
+    input: Value,
+    approve: &Approver,
+    found: bool,
+) -> Result<RunReply> {
+    match drive(sup, run_id, input.clone(), approve, !found).await {
+        Err(Error::RunExists(_)) if !found => drive(sup, run_id, input, approve, false).await,
+        other => other,
     }
 }
 
@@ -831,182 +847,220 @@ fn check_log(events: &[Event]) -> Vec<String> {
     violations
 }
 
-#[cfg(all(test, feature = "postgres"))]
+#[cfg(test)]
 mod tests {
-    use std::{
-        hash::{DefaultHasher, Hash, Hasher},
-        sync::mpsc,
-        time::{Duration, Instant},
-    };
-
     use serde_json::json;
 
     use super::*;
-    use crate::{
-        ModelResponse,
-        store::postgres::testing::{Schema, server},
-        testkit::ScriptedModel,
-    };
-
-    /// Crashes at the first move of run `at`; tells of the moves of other runs it lets through,
-    /// with the thread that applies them.
-    #[derive(Clone)]
-    struct CrashAtRun {
-        crasher: Crasher,
-        at: RunId,
-        applying: Arc<watch::Sender<Vec<(RunId, String)>>>,
-    }
-
-    impl MoveObserver for CrashAtRun {
-        fn before_apply(&self, info: &MoveInfo) {
-            if self.crasher.is_dead() || info.run_id == self.at {
-                self.crasher.die();
-            }
-            let thread = std::thread::current().name().unwrap_or_default().to_owned();
-            self.applying
-                .send_modify(|seen| seen.push((info.run_id.clone(), thread)));
-        }
-
-        fn after_commit(&self, _: &MoveInfo) {
-            if self.crasher.is_dead() {
-                self.crasher.die();
-            }
-        }
-
-        fn committed(&self, _: &[&MoveInfo]) {
-            if self.crasher.is_dead() {
-                self.crasher.die();
-            }
-        }
-    }
-
-    /// Whether `sql`, a query of one boolean, says true on the schema's server.
-    fn holds(schema: &Schema, sql: &str) -> bool {
-        schema.client().query_one(sql, &[]).unwrap().get(0)
-    }
-
-    /// Waits until `condition` holds, for at most `ttl`; whether it did.
-    fn within(ttl: Duration, mut condition: impl FnMut() -> bool) -> bool {
-        let deadline = Instant::now() + ttl;
-        while !condition() {
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        true
-    }
+    use crate::{ModelResponse, testkit::ScriptedModel};
 
     #[test]
-    fn a_crash_stops_every_writer_lane_once_the_group_each_had_in_flight_has_ended() {
-        let Some(server) = server() else { return };
-        let schema = Schema::new(&server);
-        let open = || {
-            crate::postgres::Options::new()
-                .writers(2)
-                .open(&schema.url())
-                .unwrap()
-        };
-        // Two runs on different lanes: a lane is chosen by the hash of its run's id (checked
-        // below by the threads that applied their moves).
-        let lane = |id: &RunId| {
-            let mut hasher = DefaultHasher::new();
-            id.hash(&mut hasher);
-            hasher.finish() % 2
-        };
-        let in_flight = RunId::from("in-flight");
-        let crashing = (0..)
-            .map(|i| RunId::from(format!("crashing-{i}").as_str()))
-            .find(|id| lane(id) != lane(&in_flight))
-            .unwrap();
-
-        let dead = open();
-        // Another connection keeps every write of the runs table waiting (reads go on), so
-        // that the group starting `in_flight`, once past its observer, waits inside its
-        // transaction while the other lane's crashes.
-        let mut blocker = schema.client();
-        let mut blocking = blocker.transaction().unwrap();
-        blocking
-            .batch_execute("LOCK TABLE runs IN SHARE MODE")
-            .unwrap();
-        let observer = CrashAtRun {
-            crasher: Crasher::new(CrashPoint::BeforeApply(0)),
-            at: crashing.clone(),
-            applying: Arc::new(watch::Sender::new(Vec::new())),
-        };
-        let (store, watched, ids) = (
-            dead.clone(),
-            observer.clone(),
-            (in_flight.clone(), crashing.clone()),
+    fn a_recovery_that_finds_the_run_inserted_after_all_resumes_it() {
+        let db = TempStore::new();
+        let id = RunId::from("late");
+        let config = || Config::default().lease_ttl(Duration::from_millis(100));
+        // A supervisor inserts the run and dies while its model is asked.
+        let model = ScriptedModel::new(vec![ModelResponse::answer("done")]).block_at_turn(0);
+        let (store, agent, asked, run) = (
+            db.open(),
+            Agent::new(model.clone()),
+            model.clone(),
+            id.clone(),
         );
-        let waiting = || {
-            holds(
-                &schema,
-                "SELECT count(*) > 0 FROM pg_locks WHERE relation = 'runs'::regclass AND NOT granted",
-            )
-        };
         with_system(|| async move {
-            let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
-            let config = Config::default().observer(watched.clone());
-            let sup = start_supervisor(store, config, agent).unwrap();
-            let mut applying = watched.applying.subscribe();
-            let mut crashed = watched.crasher.crashed.subscribe();
-            let start = |id: &RunId| sup.send(StartRun::new(AGENT, json!({})).with_id(id.clone()));
-            actix_rt::spawn(start(&ids.0));
-            applying
-                .wait_for(|seen| seen.iter().any(|(run, _)| *run == ids.0))
-                .await
-                .unwrap();
-            // The group waits for the lock (checked on a thread of its own: the driver blocks).
-            let waits = std::thread::scope(|scope| {
-                scope
-                    .spawn(|| within(Duration::from_secs(10), waiting))
-                    .join()
-                    .unwrap()
-            });
-            assert!(
-                waits,
-                "the group of the first run never waited for the lock"
-            );
-            actix_rt::spawn(start(&ids.1));
-            crashed.wait_for(|crashed| *crashed).await.unwrap();
+            let sup = start_supervisor(store, config(), agent).unwrap();
+            actix_rt::spawn(sup.send(StartRun::new(AGENT, json!({})).with_id(run)));
+            asked.wait_calls(1).await;
         });
-        let crash_thread = observer.crasher.thread.lock().unwrap().clone();
-        let lanes: Vec<_> = observer
-            .applying
-            .borrow()
-            .iter()
-            .map(|(_, thread)| Some(thread.clone()))
-            .collect();
-        assert!(
-            !lanes.contains(&crash_thread),
-            "the runs shared a lane: {crash_thread:?} and {lanes:?}"
-        );
+        // The consumer looked before the insert committed: it starts the run, which exists.
+        let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
+        let (store, approve): (_, Approver) = (db.open(), Arc::new(|_| true));
+        let reply = with_system(|| async move {
+            let sup = start_supervisor(store, config(), agent).unwrap();
+            recover(&sup, &id, json!({}), &approve, false).await
+        });
+        let outcome = reply.expect("the run is resumed").outcome;
+        assert!(matches!(outcome, Outcome::Succeeded { .. }), "{outcome:?}");
+    }
 
-        // The recovery: the dead store stops, then a fresh one reads.
-        let (read, has_read) = mpsc::channel();
-        let recovery = std::thread::spawn({
-            let (recovering, id) = (open(), in_flight.clone());
-            move || {
-                let stopped = stop_writes(&dead);
-                let seen = recovering.run(&id).is_ok();
-                read.send(()).unwrap();
-                drop(stopped);
-                seen
+    #[cfg(feature = "postgres")]
+    mod on_postgres {
+        use std::{
+            hash::{DefaultHasher, Hash, Hasher},
+            sync::mpsc,
+            time::{Duration, Instant},
+        };
+
+        use serde_json::json;
+
+        use super::super::*;
+        use crate::{
+            ModelResponse,
+            store::postgres::testing::{Schema, server},
+            testkit::ScriptedModel,
+        };
+
+        /// Crashes at the first move of run `at`; tells of the moves of other runs it lets through,
+        /// with the thread that applies them.
+        #[derive(Clone)]
+        struct CrashAtRun {
+            crasher: Crasher,
+            at: RunId,
+            applying: Arc<watch::Sender<Vec<(RunId, String)>>>,
+        }
+
+        impl MoveObserver for CrashAtRun {
+            fn before_apply(&self, info: &MoveInfo) {
+                if self.crasher.is_dead() || info.run_id == self.at {
+                    self.crasher.die();
+                }
+                let thread = std::thread::current().name().unwrap_or_default().to_owned();
+                self.applying
+                    .send_modify(|seen| seen.push((info.run_id.clone(), thread)));
             }
-        });
-        // A stop that waits for the group in flight cannot end while the lock is held: give the
-        // recovery a short while to read (it does at once, if it does not wait), then let the
-        // group go on.
-        let _ = has_read.recv_timeout(Duration::from_millis(500));
-        blocking.rollback().unwrap();
-        let seen = recovery.join().unwrap();
-        // Whatever the dead store's lanes commit now came after the recovery read.
-        let later = within(Duration::from_secs(2), || open().run(&in_flight).is_ok());
-        observer.crasher.release();
-        assert_eq!(
-            seen, later,
-            "the recovery read the run as inserted: {seen}; the dead store inserted it: {later}"
-        );
+
+            fn after_commit(&self, _: &MoveInfo) {
+                if self.crasher.is_dead() {
+                    self.crasher.die();
+                }
+            }
+
+            fn committed(&self, _: &[&MoveInfo]) {
+                if self.crasher.is_dead() {
+                    self.crasher.die();
+                }
+            }
+        }
+
+        /// Whether `sql`, a query of one boolean, says true on the schema's server.
+        fn holds(schema: &Schema, sql: &str) -> bool {
+            schema.client().query_one(sql, &[]).unwrap().get(0)
+        }
+
+        /// Waits until `condition` holds, for at most `ttl`; whether it did.
+        fn within(ttl: Duration, mut condition: impl FnMut() -> bool) -> bool {
+            let deadline = Instant::now() + ttl;
+            while !condition() {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            true
+        }
+
+        #[test]
+        fn a_crash_stops_every_writer_lane_once_the_group_each_had_in_flight_has_ended() {
+            let Some(server) = server() else { return };
+            let schema = Schema::new(&server);
+            let open = || {
+                crate::postgres::Options::new()
+                    .writers(2)
+                    .open(&schema.url())
+                    .unwrap()
+            };
+            // Two runs on different lanes: a lane is chosen by the hash of its run's id (checked
+            // below by the threads that applied their moves).
+            let lane = |id: &RunId| {
+                let mut hasher = DefaultHasher::new();
+                id.hash(&mut hasher);
+                hasher.finish() % 2
+            };
+            let in_flight = RunId::from("in-flight");
+            let crashing = (0..)
+                .map(|i| RunId::from(format!("crashing-{i}").as_str()))
+                .find(|id| lane(id) != lane(&in_flight))
+                .unwrap();
+
+            let dead = open();
+            // Another connection keeps every write of the runs table waiting (reads go on), so
+            // that the group starting `in_flight`, once past its observer, waits inside its
+            // transaction while the other lane's crashes.
+            let mut blocker = schema.client();
+            let mut blocking = blocker.transaction().unwrap();
+            blocking
+                .batch_execute("LOCK TABLE runs IN SHARE MODE")
+                .unwrap();
+            let observer = CrashAtRun {
+                crasher: Crasher::new(CrashPoint::BeforeApply(0)),
+                at: crashing.clone(),
+                applying: Arc::new(watch::Sender::new(Vec::new())),
+            };
+            let (store, watched, ids) = (
+                dead.clone(),
+                observer.clone(),
+                (in_flight.clone(), crashing.clone()),
+            );
+            let waiting = || {
+                holds(
+                    &schema,
+                    "SELECT count(*) > 0 FROM pg_locks WHERE relation = 'runs'::regclass AND NOT granted",
+                )
+            };
+            with_system(|| async move {
+                let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
+                let config = Config::default().observer(watched.clone());
+                let sup = start_supervisor(store, config, agent).unwrap();
+                let mut applying = watched.applying.subscribe();
+                let mut crashed = watched.crasher.crashed.subscribe();
+                let start =
+                    |id: &RunId| sup.send(StartRun::new(AGENT, json!({})).with_id(id.clone()));
+                actix_rt::spawn(start(&ids.0));
+                applying
+                    .wait_for(|seen| seen.iter().any(|(run, _)| *run == ids.0))
+                    .await
+                    .unwrap();
+                // The group waits for the lock (checked on a thread of its own: the driver blocks).
+                let waits = std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| within(Duration::from_secs(10), waiting))
+                        .join()
+                        .unwrap()
+                });
+                assert!(
+                    waits,
+                    "the group of the first run never waited for the lock"
+                );
+                actix_rt::spawn(start(&ids.1));
+                crashed.wait_for(|crashed| *crashed).await.unwrap();
+            });
+            let crash_thread = observer.crasher.thread.lock().unwrap().clone();
+            let lanes: Vec<_> = observer
+                .applying
+                .borrow()
+                .iter()
+                .map(|(_, thread)| Some(thread.clone()))
+                .collect();
+            assert!(
+                !lanes.contains(&crash_thread),
+                "the runs shared a lane: {crash_thread:?} and {lanes:?}"
+            );
+
+            // The recovery: the dead store stops, then a fresh one reads.
+            let (read, has_read) = mpsc::channel();
+            let recovery = std::thread::spawn({
+                let (recovering, id) = (open(), in_flight.clone());
+                move || {
+                    let stopped = stop_writes(&dead);
+                    let seen = recovering.run(&id).is_ok();
+                    read.send(()).unwrap();
+                    drop(stopped);
+                    seen
+                }
+            });
+            // A stop that waits for the group in flight cannot end while the lock is held: give the
+            // recovery a short while to read (it does at once, if it does not wait), then let the
+            // group go on.
+            let _ = has_read.recv_timeout(Duration::from_millis(500));
+            blocking.rollback().unwrap();
+            let seen = recovery.join().unwrap();
+            // Whatever the dead store's lanes commit now came after the recovery read.
+            let later = within(Duration::from_secs(2), || open().run(&in_flight).is_ok());
+            observer.crasher.release();
+            assert_eq!(
+                seen, later,
+                "the recovery read the run as inserted: {seen}; the dead store inserted it: {later}"
+            );
+        }
     }
 }

@@ -48,7 +48,8 @@ pub struct CaseReport {
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
     /// The thread the crash stopped first: the store actor's ([`STORE_THREAD`]), or, for a
-    /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`); `None`
+    /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`), or, on
+    /// PostgreSQL, the writer lane's that applies the move (`agentrt-pg-writer-N`); `None`
     /// when the runs finished before the crash point.
     pub crash_thread: Option<String>,
     /// The invariants that did not hold; empty when all did.
@@ -91,10 +92,12 @@ type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
 ///
 /// For every k from 1 to the number of moves of an uncrashed run, and for each of
 /// [`CrashPoint::BeforeApply`] and [`CrashPoint::AfterCommit`], it runs the agent on a fresh
-/// database, crashes its supervisor there (the actix system goes away; the store actor's
-/// thread stops where it stands and never writes again), resumes with fresh supervisors
-/// (starting the run again if it was never inserted, approving or denying where asked, waiting
-/// out the dead supervisor's lease) until the run finishes, and checks:
+/// database, crashes its supervisor there (the actix system goes away; the thread applying
+/// the move stops where it stands, and the store writes nothing more once the transactions it
+/// had open have ended), resumes with fresh supervisors (starting the run again if it was
+/// never inserted, and resuming it if that start finds it inserted after all; approving or
+/// denying where asked, waiting out the dead supervisor's lease) until the run finishes, and
+/// checks:
 ///
 /// - the run finished;
 /// - each tool call's side effect ran at most as many times as its attempts were started, and
@@ -446,7 +449,7 @@ impl MoveObserver for MoveCounter {
     }
 }
 
-/// Stops the store actor's thread for good at the crash point, and says so.
+/// Stops the thread that applies the move at the crash point for good, and says so.
 #[derive(Clone)]
 struct Crasher {
     at: CrashPoint,
@@ -482,10 +485,12 @@ impl Crasher {
     }
 
     /// The calling thread stops here, as if its process died, and never runs again: the store
-    /// actor's thread (which then holds no transaction), or the log-sync thread (whose groups'
-    /// callers then never hear of them). Every thread that reaches the observer afterwards
-    /// stops too, so nothing is applied, answered or observed after the crash: the store
-    /// actor's thread stops before its next group, holding no transaction.
+    /// actor's thread or a PostgreSQL writer lane's (which then hold no transaction), or the
+    /// log-sync thread (whose groups' callers then never hear of them). Every thread that
+    /// reaches the observer afterwards stops too, so nothing is applied, answered or observed
+    /// after the crash: a writer thread stops before its next group, holding no transaction.
+    /// A group another lane let through just before is still being applied: [`stop_writes`]
+    /// waits for it.
     fn die(&self) -> ! {
         if !self.crashed.send_replace(true) {
             // The store actor's thread has no name of its own.

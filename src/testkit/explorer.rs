@@ -48,7 +48,8 @@ pub struct CaseReport {
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
     /// The thread the crash stopped first: the store actor's ([`STORE_THREAD`]), or, for a
-    /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`); `None`
+    /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`), or, on
+    /// PostgreSQL, the writer lane's that applies the move (`agentrt-pg-writer-N`); `None`
     /// when the runs finished before the crash point.
     pub crash_thread: Option<String>,
     /// The invariants that did not hold; empty when all did.
@@ -91,10 +92,12 @@ type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
 ///
 /// For every k from 1 to the number of moves of an uncrashed run, and for each of
 /// [`CrashPoint::BeforeApply`] and [`CrashPoint::AfterCommit`], it runs the agent on a fresh
-/// database, crashes its supervisor there (the actix system goes away; the store actor's
-/// thread stops where it stands and never writes again), resumes with fresh supervisors
-/// (starting the run again if it was never inserted, approving or denying where asked, waiting
-/// out the dead supervisor's lease) until the run finishes, and checks:
+/// database, crashes its supervisor there (the actix system goes away; the thread applying
+/// the move stops where it stands, and the store writes nothing more once the transactions it
+/// had open have ended), resumes with fresh supervisors (starting the run again if it was
+/// never inserted, and resuming it if that start finds it inserted after all; approving or
+/// denying where asked, waiting out the dead supervisor's lease) until the run finishes, and
+/// checks:
 ///
 /// - the run finished;
 /// - each tool call's side effect ran at most as many times as its attempts were started, and
@@ -242,12 +245,8 @@ impl Explorer {
             }
         });
 
-        // The dead supervisor's writer, once the transaction it may have had open when the
-        // crash stopped another of its threads has ended: held until the case is checked, so
-        // that nothing of the dead supervisor commits while the run recovers. A PostgreSQL
-        // store's writer threads hear of each group before its transaction opens, one at a
-        // time, so the thread the crash stopped there holds them all off already.
-        let dead_writer = crate::sqlite::Sqlite::of(&dead_store).map(|sqlite| sqlite.writer_lock());
+        // Nothing of the dead supervisor commits while the runs recover.
+        let dead_writer = stop_writes(&dead_store);
 
         // Fresh supervisors resume until the runs finish.
         let mut violations = Vec::new();
@@ -271,7 +270,7 @@ impl Explorer {
                     Ok(run) if run.state.is_finished() => Ok(()),
                     // Resumed; or, if the crash came before the run was inserted, started again
                     // as the consumer would.
-                    found => drive(&sup, id, input.clone(), &approve, found.is_err())
+                    found => recover(&sup, id, input.clone(), &approve, found.is_ok())
                         .await
                         .map(drop),
                 };
@@ -338,6 +337,26 @@ impl Explorer {
     }
 }
 
+/// Stops the writes of a crashed supervisor's store, as the death of its process would: once
+/// the transactions it may have had open when the crash stopped one of its threads have ended,
+/// committed or not, nothing more of it commits. An SQLite store's writer is held until the
+/// returned guard is dropped (once the case is checked). A PostgreSQL store commits on several
+/// writer threads (its lanes), each with a connection of its own: the crash stops one of them
+/// in the observer while another may be committing a group it let through just before, so the
+/// store waits for every group in flight and stops for good.
+fn stop_writes(store: &Store) -> Option<std::sync::MutexGuard<'_, rusqlite::Connection>> {
+    #[cfg(feature = "postgres")]
+    if let Some(postgres) = store
+        .backend()
+        .as_any()
+        .downcast_ref::<crate::store::postgres::Postgres>()
+    {
+        postgres.stop_writes();
+        return None;
+    }
+    crate::sqlite::Sqlite::of(store).map(|sqlite| sqlite.writer_lock())
+}
+
 fn start_supervisor(store: Store, config: Config, agent: Agent) -> Result<actix::Addr<Supervisor>> {
     Supervisor::builder(store)
         .config(config)
@@ -385,6 +404,22 @@ async fn drive(
     }
 }
 
+/// Drives a run to its end after a crash, as a consumer would: resumes it if it was `found`;
+/// otherwise starts it again, and resumes it if the start finds it inserted after all (a commit
+/// the dead process had sent may land after the consumer looked), as [`Error::RunExists`] says.
+async fn recover(
+    sup: &actix::Addr<Supervisor>,
+    run_id: &RunId,
+    input: Value,
+    approve: &Approver,
+    found: bool,
+) -> Result<RunReply> {
+    match drive(sup, run_id, input.clone(), approve, !found).await {
+        Err(Error::RunExists(_)) if !found => drive(sup, run_id, input, approve, false).await,
+        other => other,
+    }
+}
+
 /// Drives `ids` at once, as many consumers would.
 async fn drive_all(
     sup: &actix::Addr<Supervisor>,
@@ -414,7 +449,7 @@ impl MoveObserver for MoveCounter {
     }
 }
 
-/// Stops the store actor's thread for good at the crash point, and says so.
+/// Stops the thread that applies the move at the crash point for good, and says so.
 #[derive(Clone)]
 struct Crasher {
     at: CrashPoint,
@@ -450,10 +485,12 @@ impl Crasher {
     }
 
     /// The calling thread stops here, as if its process died, and never runs again: the store
-    /// actor's thread (which then holds no transaction), or the log-sync thread (whose groups'
-    /// callers then never hear of them). Every thread that reaches the observer afterwards
-    /// stops too, so nothing is applied, answered or observed after the crash: the store
-    /// actor's thread stops before its next group, holding no transaction.
+    /// actor's thread or a PostgreSQL writer lane's (which then hold no transaction), or the
+    /// log-sync thread (whose groups' callers then never hear of them). Every thread that
+    /// reaches the observer afterwards stops too, so nothing is applied, answered or observed
+    /// after the crash: a writer thread stops before its next group, holding no transaction.
+    /// A group another lane let through just before is still being applied: [`stop_writes`]
+    /// waits for it.
     fn die(&self) -> ! {
         if !self.crashed.send_replace(true) {
             // The store actor's thread has no name of its own.
@@ -813,4 +850,222 @@ fn check_log(events: &[Event]) -> Vec<String> {
         violations.push(format!("run.finished appears {finished} times"));
     }
     violations
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::{ModelResponse, testkit::ScriptedModel};
+
+    #[test]
+    fn a_recovery_that_finds_the_run_inserted_after_all_resumes_it() {
+        let db = TempStore::new();
+        let id = RunId::from("late");
+        let config = || Config::default().lease_ttl(Duration::from_millis(100));
+        // A supervisor inserts the run and dies while its model is asked.
+        let model = ScriptedModel::new(vec![ModelResponse::answer("done")]).block_at_turn(0);
+        let (store, agent, asked, run) = (
+            db.open(),
+            Agent::new(model.clone()),
+            model.clone(),
+            id.clone(),
+        );
+        with_system(|| async move {
+            let sup = start_supervisor(store, config(), agent).unwrap();
+            actix_rt::spawn(sup.send(StartRun::new(AGENT, json!({})).with_id(run)));
+            asked.wait_calls(1).await;
+        });
+        // The consumer looked before the insert committed: it starts the run, which exists.
+        let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
+        let (store, approve): (_, Approver) = (db.open(), Arc::new(|_| true));
+        let reply = with_system(|| async move {
+            let sup = start_supervisor(store, config(), agent).unwrap();
+            recover(&sup, &id, json!({}), &approve, false).await
+        });
+        let outcome = reply.expect("the run is resumed").outcome;
+        assert!(matches!(outcome, Outcome::Succeeded { .. }), "{outcome:?}");
+    }
+
+    #[cfg(feature = "postgres")]
+    mod on_postgres {
+        use std::{
+            hash::{DefaultHasher, Hash, Hasher},
+            sync::mpsc,
+            time::{Duration, Instant},
+        };
+
+        use serde_json::json;
+
+        use super::super::*;
+        use crate::{
+            ModelResponse,
+            store::postgres::testing::{Schema, server},
+            testkit::ScriptedModel,
+        };
+
+        /// Crashes at the first move of run `at`; tells of the moves of other runs it lets through,
+        /// with the thread that applies them.
+        #[derive(Clone)]
+        struct CrashAtRun {
+            crasher: Crasher,
+            at: RunId,
+            applying: Arc<watch::Sender<Vec<(RunId, String)>>>,
+        }
+
+        impl MoveObserver for CrashAtRun {
+            fn before_apply(&self, info: &MoveInfo) {
+                if self.crasher.is_dead() || info.run_id == self.at {
+                    self.crasher.die();
+                }
+                let thread = std::thread::current().name().unwrap_or_default().to_owned();
+                self.applying
+                    .send_modify(|seen| seen.push((info.run_id.clone(), thread)));
+            }
+
+            fn after_commit(&self, _: &MoveInfo) {
+                if self.crasher.is_dead() {
+                    self.crasher.die();
+                }
+            }
+
+            fn committed(&self, _: &[&MoveInfo]) {
+                if self.crasher.is_dead() {
+                    self.crasher.die();
+                }
+            }
+        }
+
+        /// Whether `sql`, a query of one boolean, says true on the schema's server.
+        fn holds(schema: &Schema, sql: &str) -> bool {
+            schema.client().query_one(sql, &[]).unwrap().get(0)
+        }
+
+        /// Waits until `condition` holds, for at most `ttl`; whether it did.
+        fn within(ttl: Duration, mut condition: impl FnMut() -> bool) -> bool {
+            let deadline = Instant::now() + ttl;
+            while !condition() {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            true
+        }
+
+        #[test]
+        fn a_crash_stops_every_writer_lane_once_the_group_each_had_in_flight_has_ended() {
+            let Some(server) = server() else { return };
+            let schema = Schema::new(&server);
+            let open = || {
+                crate::postgres::Options::new()
+                    .writers(2)
+                    .open(&schema.url())
+                    .unwrap()
+            };
+            // Two runs on different lanes: a lane is chosen by the hash of its run's id (checked
+            // below by the threads that applied their moves).
+            let lane = |id: &RunId| {
+                let mut hasher = DefaultHasher::new();
+                id.hash(&mut hasher);
+                hasher.finish() % 2
+            };
+            let in_flight = RunId::from("in-flight");
+            let crashing = (0..)
+                .map(|i| RunId::from(format!("crashing-{i}").as_str()))
+                .find(|id| lane(id) != lane(&in_flight))
+                .unwrap();
+
+            let dead = open();
+            // Another connection keeps every write of the runs table waiting (reads go on), so
+            // that the group starting `in_flight`, once past its observer, waits inside its
+            // transaction while the other lane's crashes.
+            let mut blocker = schema.client();
+            let mut blocking = blocker.transaction().unwrap();
+            blocking
+                .batch_execute("LOCK TABLE runs IN SHARE MODE")
+                .unwrap();
+            let observer = CrashAtRun {
+                crasher: Crasher::new(CrashPoint::BeforeApply(0)),
+                at: crashing.clone(),
+                applying: Arc::new(watch::Sender::new(Vec::new())),
+            };
+            let (store, watched, ids) = (
+                dead.clone(),
+                observer.clone(),
+                (in_flight.clone(), crashing.clone()),
+            );
+            let waiting = || {
+                holds(
+                    &schema,
+                    "SELECT count(*) > 0 FROM pg_locks WHERE relation = 'runs'::regclass AND NOT granted",
+                )
+            };
+            with_system(|| async move {
+                let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
+                let config = Config::default().observer(watched.clone());
+                let sup = start_supervisor(store, config, agent).unwrap();
+                let mut applying = watched.applying.subscribe();
+                let mut crashed = watched.crasher.crashed.subscribe();
+                let start =
+                    |id: &RunId| sup.send(StartRun::new(AGENT, json!({})).with_id(id.clone()));
+                actix_rt::spawn(start(&ids.0));
+                applying
+                    .wait_for(|seen| seen.iter().any(|(run, _)| *run == ids.0))
+                    .await
+                    .unwrap();
+                // The group waits for the lock (checked on a thread of its own: the driver blocks).
+                let waits = std::thread::scope(|scope| {
+                    scope
+                        .spawn(|| within(Duration::from_secs(10), waiting))
+                        .join()
+                        .unwrap()
+                });
+                assert!(
+                    waits,
+                    "the group of the first run never waited for the lock"
+                );
+                actix_rt::spawn(start(&ids.1));
+                crashed.wait_for(|crashed| *crashed).await.unwrap();
+            });
+            let crash_thread = observer.crasher.thread.lock().unwrap().clone();
+            let lanes: Vec<_> = observer
+                .applying
+                .borrow()
+                .iter()
+                .map(|(_, thread)| Some(thread.clone()))
+                .collect();
+            assert!(
+                !lanes.contains(&crash_thread),
+                "the runs shared a lane: {crash_thread:?} and {lanes:?}"
+            );
+
+            // The recovery: the dead store stops, then a fresh one reads.
+            let (read, has_read) = mpsc::channel();
+            let recovery = std::thread::spawn({
+                let (recovering, id) = (open(), in_flight.clone());
+                move || {
+                    let stopped = stop_writes(&dead);
+                    let seen = recovering.run(&id).is_ok();
+                    read.send(()).unwrap();
+                    drop(stopped);
+                    seen
+                }
+            });
+            // A stop that waits for the group in flight cannot end while the lock is held: give the
+            // recovery a short while to read (it does at once, if it does not wait), then let the
+            // group go on.
+            let _ = has_read.recv_timeout(Duration::from_millis(500));
+            blocking.rollback().unwrap();
+            let seen = recovery.join().unwrap();
+            // Whatever the dead store's lanes commit now came after the recovery read.
+            let later = within(Duration::from_secs(2), || open().run(&in_flight).is_ok());
+            observer.crasher.release();
+            assert_eq!(
+                seen, later,
+                "the recovery read the run as inserted: {seen}; the dead store inserted it: {later}"
+            );
+        }
+    }
 }

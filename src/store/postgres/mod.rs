@@ -55,6 +55,9 @@ pub(crate) struct Postgres {
     pub(super) schema: String,
     /// Idle connections for inspection reads and operators' moves.
     pub(super) idle: std::sync::Mutex<Vec<conn::Conn>>,
+    /// True once the store's writes were stopped (the testkit's crashes); every write
+    /// transaction holds it shared while it is open (see `writer.rs`).
+    pub(super) stopped: std::sync::RwLock<bool>,
 }
 
 #[cfg(test)]

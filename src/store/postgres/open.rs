@@ -97,6 +97,7 @@ fn open_here(options: Options, url: &str) -> Result<Store> {
         shown,
         schema,
         idle: Mutex::new(vec![conn]),
+        stopped: Default::default(),
     };
     Ok(Store::from_backend(Arc::new(backend)))
 }

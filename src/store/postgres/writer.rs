@@ -11,7 +11,7 @@
 
 use std::{
     hash::{Hash, Hasher},
-    sync::{Arc, Mutex, mpsc},
+    sync::{Arc, Mutex, PoisonError, RwLockReadGuard, mpsc},
     time::{Duration, Instant},
 };
 
@@ -43,6 +43,21 @@ use crate::{
 const TRIES: u32 = 20;
 
 impl Postgres {
+    /// Stops the store's writes for good, as the death of its process would: waits until every
+    /// write transaction it has open (a lane's group, a renewal, a release) has ended, committed
+    /// or not, and lets no other begin. For the testkit's crashes, which stop one lane's thread
+    /// in the observer while the other lanes may be committing.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn stop_writes(&self) {
+        *self.stopped.write().unwrap_or_else(PoisonError::into_inner) = true;
+    }
+
+    /// Held while a write transaction is open; `None` once the writes were stopped.
+    fn writing(&self) -> Option<RwLockReadGuard<'_, bool>> {
+        let stopped = self.stopped.read().unwrap_or_else(PoisonError::into_inner);
+        (!*stopped).then_some(stopped)
+    }
+
     /// A connection of the store's idle ones, or a new one.
     pub(super) fn connection(&self) -> Result<Conn> {
         let idle = self.idle.lock().expect("the idle connections").pop();
@@ -97,6 +112,11 @@ impl Postgres {
         let mut tries = 0;
         loop {
             tries += 1;
+            let Some(_writing) = self.writing() else {
+                return Err(Error::CommitFailed(
+                    "the store's writes were stopped".into(),
+                ));
+            };
             let out_of_time = deadline.is_some_and(|deadline| Instant::now() >= deadline);
             let mut current = match conn.take() {
                 Some(current) if current.is_usable() => current,
@@ -395,6 +415,13 @@ impl Lane {
                 .flat_map(|pending| pending.infos())
                 .for_each(|info| observer.before_apply(info));
         }
+        // Held until the group has committed or failed (after the observer, where a crash
+        // stops its thread), so that a stop of the store's writes waits for it; a group that
+        // comes after the stop is dropped unwritten, its callers unanswered.
+        let store = self.store.clone();
+        let Some(writing) = store.writing() else {
+            return;
+        };
         let started = Instant::now();
         let mut tries = 0;
         let failure = loop {
@@ -409,6 +436,7 @@ impl Lane {
                 Attempt::Failed(failure) => break Some(failure),
             }
         };
+        drop(writing);
         if failure.is_none() {
             self.bell.ring();
         }

@@ -3,8 +3,6 @@
 //! connection, hangs, or sends a broken body), and a run driven against it through a real
 //! supervisor.
 
-#![allow(dead_code)] // Each test file uses its own part.
-
 use std::{
     collections::VecDeque,
     io::{BufRead, BufReader, Read, Write},

@@ -6,47 +6,16 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, ApprovalReason, Decision, Error, EventKind, Message, ModelResponse, Outcome,
-    RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunState, StartRun, Store, Supervisor,
-    ToolCall, ToolResult,
+    Agent, Approval, ApprovalReason, Config, Decision, Error, EventKind, ModelResponse, Outcome,
+    RecordApproval, RequireApprovalFor, ResumeRun, RunId, RunState, StartRun, Supervisor, ToolCall,
+    ToolResult,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
 
-fn transfer_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new(
-            "pay-1",
-            "transfer",
-            json!({"amount": 100}),
-        )]),
-        ModelResponse::answer("finished"),
-    ])
-}
-
-fn kinds(store: &Store, run_id: &RunId) -> Vec<EventKind> {
-    store
-        .events(run_id)
-        .unwrap()
-        .iter()
-        .map(|e| e.kind)
-        .collect()
-}
-
-/// The tool result the model saw for its call, on its last turn.
-fn last_tool_result(model: &ScriptedModel) -> ToolResult {
-    model
-        .seen()
-        .last()
-        .unwrap()
-        .iter()
-        .rev()
-        .find_map(|m| match m {
-            Message::Tool { result, .. } => Some(result.clone()),
-            _ => None,
-        })
-        .unwrap()
-}
+use crate::support::{
+    ask, kinds_of as kinds, last_tool_result, record_then_resume, supervise, transfer_then_answer,
+};
 
 #[test]
 fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
@@ -59,18 +28,8 @@ fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
             .policy(|_: &RunId, call: &ToolCall| {
                 Decision::Deny(format!("{} is not allowed", call.name))
             });
-    let store = db.open();
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("a", json!({})))
-            .await
-            .unwrap()
-    })
-    .unwrap();
+    let start = StartRun::new("a", json!({}));
+    let reply = ask(db.open(), Config::default(), "a", agent, start).unwrap();
 
     assert_eq!(
         reply.outcome,
@@ -98,18 +57,8 @@ fn a_call_the_policy_denies_never_runs_and_the_model_is_told() {
 
 /// Starts a run that waits for approval of `pay-1`; returns its id.
 fn start_waiting(db: &TempStore, agent: Agent) -> RunId {
-    let store = db.open();
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("a", json!({})))
-            .await
-            .unwrap()
-    })
-    .unwrap();
+    let start = StartRun::new("a", json!({}));
+    let reply = ask(db.open(), Config::default(), "a", agent, start).unwrap();
     let Outcome::WaitingForApproval { pending } = reply.outcome else {
         panic!("{:?}", reply.outcome)
     };
@@ -139,21 +88,9 @@ fn approve_then_resume_runs_the_call_once_and_succeeds() {
         "nothing runs before the approval"
     );
 
-    let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        let approval = Approval::approve(id.clone(), "pay-1", "alice").note("within budget");
-        supervisor
-            .send(RecordApproval(approval))
-            .await
-            .unwrap()
-            .unwrap();
-        supervisor.send(ResumeRun::new(id)).await.unwrap()
-    })
-    .unwrap();
+    let approval = Approval::approve(run_id.clone(), "pay-1", "alice").note("within budget");
+    let agent = approval_agent(&model, &transfer);
+    let reply = record_then_resume(db.open(), Config::default(), "a", agent, approval).unwrap();
 
     assert_eq!(
         reply.outcome,
@@ -193,20 +130,9 @@ fn deny_then_resume_tells_the_model_and_runs_nothing() {
     let (model, transfer) = (transfer_then_answer(), RecordingTool::new("transfer"));
     let run_id = start_waiting(&db, approval_agent(&model, &transfer));
 
-    let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(RecordApproval(Approval::deny(id.clone(), "pay-1", "bob")))
-            .await
-            .unwrap()
-            .unwrap();
-        supervisor.send(ResumeRun::new(id)).await.unwrap()
-    })
-    .unwrap();
+    let denial = Approval::deny(run_id.clone(), "pay-1", "bob");
+    let agent = approval_agent(&model, &transfer);
+    let reply = record_then_resume(db.open(), Config::default(), "a", agent, denial).unwrap();
 
     assert_eq!(
         reply.outcome,
@@ -230,15 +156,9 @@ fn resume_without_a_decision_still_waits_and_changes_nothing() {
     let before = db.open().events(&run_id).unwrap();
     let updated = db.open().run(&run_id).unwrap().updated_at;
 
-    let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor.send(ResumeRun::new(id)).await.unwrap()
-    })
-    .unwrap();
+    let agent = approval_agent(&model, &transfer);
+    let resume = ResumeRun::new(run_id.clone());
+    let reply = ask(db.open(), Config::default(), "a", agent, resume).unwrap();
 
     let Outcome::WaitingForApproval { pending } = reply.outcome else {
         panic!("{:?}", reply.outcome)
@@ -314,10 +234,7 @@ fn an_approval_for_a_call_that_is_not_pending_is_refused() {
     // Once the run has moved on, its call is no longer pending.
     let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
     let late = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "a", agent);
         supervisor
             .send(ResumeRun::new(id.clone()))
             .await
@@ -387,13 +304,7 @@ fn two_concurrent_resumers_of_a_waiting_run_one_wins_and_the_tool_runs_once() {
                     Decision::RequireApproval("transfer requires an approval".into())
                 };
                 let agent = Agent::new(model).tool(transfer).policy(policy);
-                with_system(|| async move {
-                    let supervisor = Supervisor::builder(store)
-                        .agent("a", agent)
-                        .start()
-                        .unwrap();
-                    supervisor.send(ResumeRun::new(id)).await.unwrap()
-                })
+                ask(store, Config::default(), "a", agent, ResumeRun::new(id))
             })
         })
         .collect();
@@ -426,21 +337,9 @@ fn a_call_id_used_before_a_resume_is_made_unique_after_it() {
     // Each resume runs in a supervisor of its own, whose loop knows the run only from the
     // database.
     let approve_and_resume = |call_id: &'static str| {
-        let (store, agent, id) = (db.open(), approval_agent(&model, &transfer), run_id.clone());
-        with_system(|| async move {
-            let supervisor = Supervisor::builder(store)
-                .agent("a", agent)
-                .start()
-                .unwrap();
-            let approval = Approval::approve(id.clone(), call_id, "alice");
-            supervisor
-                .send(RecordApproval(approval))
-                .await
-                .unwrap()
-                .unwrap();
-            supervisor.send(ResumeRun::new(id)).await.unwrap()
-        })
-        .unwrap()
+        let approval = Approval::approve(run_id.clone(), call_id, "alice");
+        let agent = approval_agent(&model, &transfer);
+        record_then_resume(db.open(), Config::default(), "a", agent, approval).unwrap()
     };
     let reply = approve_and_resume("pay-1");
     let Outcome::WaitingForApproval { pending } = reply.outcome else {

@@ -5,22 +5,15 @@
 use std::time::Duration;
 
 use agentrt::{
-    Agent, Approval, Config, DecideAndResume, Error, ModelResponse, Outcome, RequireApprovalFor,
-    RunId, RunSettled, RunState, SpawnRun, StartRun, SubscribeRuns, Supervisor, ToolCall,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
+    Agent, Approval, Config, DecideAndResume, Error, Outcome, RequireApprovalFor, RunId,
+    RunSettled, RunState, SpawnRun, StartRun,
+    testkit::{Behaviour, RecordingTool, TempStore, resume_when_free, with_system},
 };
 use serde_json::json;
 
-use crate::support::settled;
+use settled::{Heard, heard, subscribed};
 
-use settled::{Heard, heard, subscriber};
-
-fn pay_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-        ModelResponse::answer("paid"),
-    ])
-}
+use crate::support::{pay_then_answer, settled, supervise};
 
 #[test]
 fn a_spawned_run_answers_with_its_id_once_durable_and_its_end_reaches_the_subscribers() {
@@ -30,15 +23,8 @@ fn a_spawned_run_answers_with_its_id_once_durable_and_its_end_reaches_the_subscr
     let (store, reader) = (db.open(), db.open());
 
     let (at_answer, settled) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (recipient, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(recipient.clone().recipient()))
-            .await
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "billing", agent);
+        let (_recipient, mut rx) = subscribed(&supervisor).await;
         let run_id = supervisor
             .send(SpawnRun::new("billing", json!({"order": 7})).with_id("run-1"))
             .await
@@ -78,15 +64,8 @@ fn a_spawn_that_cannot_start_answers_why_and_nothing_settles() {
     let store = db.open();
 
     let (unknown, taken, settled) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (recipient, _) = subscriber();
-        supervisor
-            .send(SubscribeRuns(recipient.clone().recipient()))
-            .await
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "billing", agent);
+        let (recipient, _) = subscribed(&supervisor).await;
         let unknown = supervisor
             .send(SpawnRun::new("nobody", json!({})))
             .await
@@ -121,15 +100,8 @@ fn decide_and_resume_records_the_decision_and_resumes_in_one_message() {
     let store = db.open();
 
     let (resumed, settled) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let (recipient, mut rx) = subscriber();
-        supervisor
-            .send(SubscribeRuns(recipient.clone().recipient()))
-            .await
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "billing", agent);
+        let (_recipient, mut rx) = subscribed(&supervisor).await;
         let run_id = supervisor
             .send(SpawnRun::new("billing", json!({})))
             .await
@@ -172,10 +144,7 @@ fn a_decision_refused_by_decide_and_resume_resumes_nothing() {
     let store = db.open();
 
     let refused = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "billing", agent);
         supervisor
             .send(StartRun::new("billing", json!({})).with_id("run-1"))
             .await
@@ -206,11 +175,7 @@ fn a_spawned_run_survives_a_crash_of_its_supervisor() {
         pay.clone(),
     );
     let run_id = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, config, "billing", agent);
         let run_id = supervisor
             .send(SpawnRun::new("billing", json!({})))
             .await
@@ -230,11 +195,7 @@ fn a_spawned_run_survives_a_crash_of_its_supervisor() {
         run_id.clone(),
     );
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(lease)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, lease, "billing", agent);
         resume_when_free(&supervisor, &id, Duration::from_secs(10)).await
     })
     .unwrap();

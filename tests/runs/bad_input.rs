@@ -1,28 +1,21 @@
 //! Bad input gets a clear error and loses nothing.
 
 use agentrt::{
-    Agent, Error, EventKind, Message, ModelError, ModelResponse, Outcome, ResumeRun, RunId,
+    Agent, Config, Error, EventKind, ModelError, ModelResponse, Outcome, ResumeRun, RunId,
     RunState, SCHEMA_VERSION, StartRun, Store, Supervisor, ToolCall, ToolResult,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
 
+use crate::support::{ask, call_then_answer, crash_when, results_seen};
+
 fn lookup_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("c1", "lookup", json!({"id": 1}))]),
-        ModelResponse::answer("ok"),
-    ])
+    call_then_answer("c1", "lookup", json!({"id": 1}), "ok")
 }
 
 /// Starts `agent` registered as "a" with `msg`; returns the reply.
 fn start(store: Store, agent: Agent, msg: StartRun) -> agentrt::Result<agentrt::RunReply> {
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor.send(msg).await.unwrap()
-    })
+    ask(store, Config::default(), "a", agent, msg)
 }
 
 fn resume(store: Store, agent: Option<Agent>, run_id: &str) -> agentrt::Result<agentrt::RunReply> {
@@ -39,20 +32,6 @@ fn resume(store: Store, agent: Option<Agent>, run_id: &str) -> agentrt::Result<a
             .await
             .unwrap()
     })
-}
-
-/// The tool results the model saw on its last turn.
-fn results_seen(model: &ScriptedModel) -> Vec<ToolResult> {
-    model
-        .seen()
-        .pop()
-        .unwrap()
-        .into_iter()
-        .filter_map(|m| match m {
-            Message::Tool { result, .. } => Some(result),
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]
@@ -102,19 +81,16 @@ fn starting_an_unknown_agent_is_refused_and_writes_nothing() {
 fn resuming_a_run_whose_agent_is_not_registered_is_refused_and_leaves_it_untouched() {
     let db = TempStore::new();
     let tool = RecordingTool::new("lookup").behaviour(Behaviour::Block);
-    let (store, agent, running) = (
+    let agent = Agent::new(lookup_then_answer()).tool(tool.clone());
+    let start = StartRun::new("a", json!({})).with_id("r1");
+    crash_when(
         db.open(),
-        Agent::new(lookup_then_answer()).tool(tool.clone()),
-        tool.clone(),
+        Config::default(),
+        "a",
+        agent,
+        start,
+        tool.wait_executions(1),
     );
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        actix_rt::spawn(supervisor.send(StartRun::new("a", json!({})).with_id("r1")));
-        running.wait_executions(1).await;
-    });
     let before = db.open().events(&RunId::from("r1")).unwrap();
 
     let err = resume(db.open(), None, "r1").unwrap_err();

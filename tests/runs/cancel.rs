@@ -9,6 +9,8 @@ use agentrt::{
 };
 use serde_json::json;
 
+use crate::support::supervise;
+
 fn deploy_then_answer() -> ScriptedModel {
     ScriptedModel::new(vec![
         ModelResponse::calls(vec![
@@ -30,11 +32,7 @@ async fn start_until_the_tool_runs(
     Addr<Supervisor>,
     tokio::task::JoinHandle<Result<agentrt::Result<RunReply>, actix::MailboxError>>,
 ) {
-    let supervisor = Supervisor::builder(store)
-        .config(config)
-        .agent("ops", agent)
-        .start()
-        .unwrap();
+    let supervisor = supervise(store, config, "ops", agent);
     let call = actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("run-1")));
     tool.wait_executions(1).await;
     (supervisor, call)
@@ -168,10 +166,7 @@ fn cancel_of_a_waiting_run_needs_no_executor() {
         .policy(RequireApprovalFor::tools(["deploy"]));
     let (store, operator_store) = (db.open(), db.open());
     let (waiting, cancelled, again) = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("ops", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "ops", agent);
         let waiting = supervisor
             .send(StartRun::new("ops", json!({})).with_id("run-1"))
             .await

@@ -10,15 +10,15 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Config, EventKind, ModelResponse, Outcome, RunId, RunState, SpawnRun, StartRun,
-    SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
+    Agent, Config, EventKind, ModelResponse, Outcome, RunId, RunState, SpawnRun, StartRun, Tool,
+    ToolCall, ToolContext, ToolError, async_trait,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
 
-use crate::support::settled;
+use settled::{heard, subscribed};
 
-use settled::{heard, subscriber};
+use crate::support::{settled, spawn, supervise};
 
 /// Counts the calls in progress and keeps the most seen at once: a run executes one tool
 /// call at a time, so this is a floor under the runs executing at once.
@@ -68,13 +68,13 @@ fn the_concurrency_limit_holds_with_a_thousand_runs_started_at_once() {
         let config = Config::default()
             .max_concurrent_runs(LIMIT)
             .lease_ttl(Duration::from_secs(5));
-        let sup = Supervisor::builder(store.clone())
-            .config(config)
-            .agent("work", Agent::new(work_then_answer()).tool(probe))
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        let sup = supervise(
+            store.clone(),
+            config,
+            "work",
+            Agent::new(work_then_answer()).tool(probe),
+        );
+        let (_inbox, mut rx) = subscribed(&sup).await;
         let spawns = (0..RUNS).map(|n| {
             sup.send(SpawnRun::new("work", json!({ "n": n })).with_id(format!("run-{n:04}")))
         });
@@ -136,17 +136,14 @@ fn a_run_past_the_limit_waits_in_the_store_and_its_start_answers_at_its_end() {
     let tool = RecordingTool::new("work").behaviour(Behaviour::Block);
     let (store, probe) = (db.open(), tool.clone());
     with_system(|| async move {
-        let sup = Supervisor::builder(store.clone())
-            .config(Config::default().max_concurrent_runs(1))
-            .agent("work", Agent::new(work_then_answer()).tool(probe.clone()))
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
-        sup.send(SpawnRun::new("work", json!({})).with_id("first"))
-            .await
-            .unwrap()
-            .unwrap();
+        let sup = supervise(
+            store.clone(),
+            Config::default().max_concurrent_runs(1),
+            "work",
+            Agent::new(work_then_answer()).tool(probe.clone()),
+        );
+        let (_inbox, mut rx) = subscribed(&sup).await;
+        spawn(&sup, "work", "first").await;
         probe.wait_executions(1).await;
         // The only slot is taken: the second run is inserted and waits, nobody holding it.
         let second = sup.send(StartRun::new("work", json!({})).with_id("second"));
@@ -192,22 +189,16 @@ fn a_run_cancelled_while_it_waits_its_turn_ends_cancelled_and_settles() {
     let tool = RecordingTool::new("work").behaviour(Behaviour::Block);
     let (store, probe) = (db.open(), tool.clone());
     let settled = with_system(|| async move {
-        let sup = Supervisor::builder(store.clone())
-            .config(Config::default().max_concurrent_runs(1))
-            .agent("work", Agent::new(work_then_answer()).tool(probe.clone()))
-            .start()
-            .unwrap();
-        let (inbox, mut rx) = subscriber();
-        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
-        sup.send(SpawnRun::new("work", json!({})).with_id("first"))
-            .await
-            .unwrap()
-            .unwrap();
+        let sup = supervise(
+            store.clone(),
+            Config::default().max_concurrent_runs(1),
+            "work",
+            Agent::new(work_then_answer()).tool(probe.clone()),
+        );
+        let (_inbox, mut rx) = subscribed(&sup).await;
+        spawn(&sup, "work", "first").await;
         probe.wait_executions(1).await;
-        sup.send(SpawnRun::new("work", json!({})).with_id("waits"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&sup, "work", "waits").await;
         // Cancelled through the store, as another process would, before its turn comes.
         store.cancel(&RunId::from("waits"), "not needed").unwrap();
         probe.release();

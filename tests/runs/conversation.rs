@@ -2,22 +2,23 @@
 //! turn, then every response and tool result in order; a denial's note reaches the model.
 
 use agentrt::{
-    Agent, Approval, Message, ModelResponse, Outcome, RecordApproval, RequireApprovalFor,
-    ResumeRun, StartRun, Supervisor, ToolCall, ToolResult,
-    testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
+    Agent, Approval, Config, Message, ModelResponse, Outcome, RequireApprovalFor, StartRun,
+    ToolCall, ToolResult,
+    testkit::{RecordingTool, ScriptedModel, TempStore},
 };
 use serde_json::{Value, json};
 
+use crate::support::{ask, start_then_decide};
+
 fn first_request(agent: Agent, model: &ScriptedModel, input: Value) -> Vec<Message> {
     let db = TempStore::new();
-    let store = db.open();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor.send(StartRun::new("a", input)).await.unwrap()
-    })
+    ask(
+        db.open(),
+        Config::default(),
+        "a",
+        agent,
+        StartRun::new("a", input),
+    )
     .unwrap();
     model.seen().remove(0)
 }
@@ -92,32 +93,10 @@ fn a_denials_note_reaches_the_model() {
     let agent = Agent::new(model.clone())
         .tool(refund.clone())
         .policy(RequireApprovalFor::tools(["refund"]));
-    let store = db.open();
+    let start = StartRun::new("a", json!("refund order 7")).with_id("run-1");
+    let denial = Approval::deny("run-1", "r1", "carol").note("not eligible: past 90 days");
 
-    let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        let reply = supervisor
-            .send(StartRun::new("a", json!("refund order 7")).with_id("run-1"))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(matches!(reply.outcome, Outcome::WaitingForApproval { .. }));
-        let denial = Approval::deny("run-1", "r1", "carol").note("not eligible: past 90 days");
-        supervisor
-            .send(RecordApproval(denial))
-            .await
-            .unwrap()
-            .unwrap();
-        supervisor
-            .send(ResumeRun::new("run-1"))
-            .await
-            .unwrap()
-            .unwrap()
-            .outcome
-    });
+    let outcome = start_then_decide(db.open(), Config::default(), "a", agent, start, denial);
 
     assert_eq!(
         outcome,

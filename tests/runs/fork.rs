@@ -1,29 +1,21 @@
 //! Forking a run: a new run from another's history before a step, whose model is asked again
 //! there. Completed tool calls are copied, never run again; the origin is only read.
 
-use std::time::Duration;
-
 use agentrt::{
     Agent, Config, Error, Event, EventKind, ForkRun, Message, ModelError, ModelResponse, Outcome,
     ResumeRun, RunId, RunState, StartRun, Supervisor, ToolCall,
     testkit::{
         Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, assert_no_run_leased,
-        resume_when_free, with_system,
+        with_system,
     },
 };
 use serde_json::{Value, json};
 
+use crate::support::{PATIENCE, ask, crash_in_tool, fast_lease, kinds, resume_when_free_on};
+
 fn lookup(id: &str, n: u32) -> ToolCall {
     ToolCall::new(id, "lookup", json!({ "n": n }))
 }
-
-/// A short TTL: a crashed supervisor's runs are free again quickly.
-fn fast_lease() -> Config {
-    Config::default().lease_ttl(Duration::from_millis(300))
-}
-
-/// How long a resume waits for a dead supervisor's lease at most.
-const PATIENCE: Duration = Duration::from_secs(10);
 
 /// Sends `msg` to a new supervisor over `db` executing agent `ops`, and returns its answer.
 fn call<M>(db: &TempStore, agent: Agent, msg: M) -> agentrt::Result<agentrt::RunReply>
@@ -31,18 +23,7 @@ where
     M: actix::Message<Result = agentrt::Result<agentrt::RunReply>> + Send + 'static,
     Supervisor: actix::Handler<M>,
 {
-    let store = db.open();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        supervisor.send(msg).await.unwrap()
-    })
-}
-
-fn kinds(events: &[Event]) -> Vec<EventKind> {
-    events.iter().map(|e| e.kind).collect()
+    ask(db.open(), Config::default(), "ops", agent, msg)
 }
 
 /// The copies of a fork's log: each event saying where it came from.
@@ -229,20 +210,9 @@ fn refused_forks_write_nothing() {
     .unwrap();
     // A run left mid-tool (step 2 in flight) by a supervisor that crashed.
     let blocked = RecordingTool::new("lookup").behaviour(Behaviour::Block);
-    let (store, agent, probe) = (
-        db.open(),
-        Agent::new(two_lookups_then_an_answer()).tool(blocked.clone()),
-        blocked.clone(),
-    );
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        actix_rt::spawn(supervisor.send(StartRun::new("ops", json!({})).with_id("busy")));
-        probe.wait_executions(1).await;
-    });
+    let agent = Agent::new(two_lookups_then_an_answer()).tool(blocked.clone());
+    let start = StartRun::new("ops", json!({})).with_id("busy");
+    crash_in_tool(&db, "ops", agent, start, &blocked);
     let store = db.open();
     let before = ["origin", "busy"].map(|id| rows(&db, id));
     let invalid = |err: &Error, what: &str| {
@@ -347,20 +317,9 @@ fn a_fork_crashed_mid_tool_is_reconciled_on_resume_as_any_run() {
     let charge = RecordingTool::new("charge")
         .behaviour(Behaviour::Block)
         .reconcile_hook(ReconcileHook::FromLog);
-    let (store, agent, probe) = (
-        db.open(),
-        Agent::new(script()).tool(tool.clone()).tool(charge.clone()),
-        charge.clone(),
-    );
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        actix_rt::spawn(supervisor.send(ForkRun::new("origin", 3).with_id("fork")));
-        probe.wait_executions(1).await;
-    });
+    let agent = Agent::new(script()).tool(tool.clone()).tool(charge.clone());
+    let fork = ForkRun::new("origin", 3).with_id("fork");
+    crash_in_tool(&db, "ops", agent, fork, &charge);
     let store = db.open();
     let fork = RunId::from("fork");
     assert_eq!(
@@ -369,20 +328,9 @@ fn a_fork_crashed_mid_tool_is_reconciled_on_resume_as_any_run() {
     );
 
     charge.set_behaviour(Behaviour::Succeed);
-    let (resumed, agent) = (
-        db.open(),
-        Agent::new(script()).tool(tool.clone()).tool(charge.clone()),
-    );
-    let id = fork.clone();
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(resumed)
-            .config(fast_lease())
-            .agent("ops", agent)
-            .start()
-            .unwrap();
-        resume_when_free(&supervisor, &id, PATIENCE).await
-    })
-    .unwrap();
+    let agent = Agent::new(script()).tool(tool.clone()).tool(charge.clone());
+    let reply =
+        resume_when_free_on(db.open(), fast_lease(), "ops", agent, &fork, PATIENCE).unwrap();
     assert_eq!(
         reply.outcome,
         Outcome::Succeeded {

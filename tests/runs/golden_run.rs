@@ -2,11 +2,13 @@
 
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, MoveInfo, MoveObserver, Outcome, RunState, StartRun,
-    Supervisor, ToolCall,
-    testkit::{CountingClock, RecordingTool, ScriptedModel, TempStore, with_system},
+    ToolCall,
+    testkit::{CountingClock, RecordingTool, ScriptedModel, TempStore},
 };
 use serde_json::json;
 use std::sync::{Arc, Mutex};
+
+use crate::support::ask;
 
 /// The event log of the run below: (seq, kind, step).
 pub const GOLDEN: &[(u64, &str, Option<u32>)] = &[
@@ -74,17 +76,13 @@ fn scripted_run_succeeds_with_the_golden_event_sequence() {
     let config = Config::default()
         .clock(clock.clone())
         .observer(commits.clone());
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("golden", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("golden", json!({"q": 1})).with_id("run-1"))
-            .await
-            .unwrap()
-    })
+    let reply = ask(
+        store,
+        config,
+        "golden",
+        agent,
+        StartRun::new("golden", json!({"q": 1})).with_id("run-1"),
+    )
     .unwrap();
 
     assert_eq!(

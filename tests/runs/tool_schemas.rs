@@ -3,14 +3,16 @@
 //! model is told why, as a failed result of that call.
 
 use agentrt::{
-    Agent, EventKind, Message, ModelResponse, Outcome, RunId, StartRun, Supervisor, Tool, ToolCall,
-    ToolContext, ToolError, ToolResult, ToolSpec, async_trait, schema_for,
-    testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
+    Agent, EventKind, Message, ModelResponse, Outcome, RunId, Tool, ToolCall, ToolContext,
+    ToolError, ToolResult, ToolSpec, async_trait, schema_for,
+    testkit::{RecordingTool, ScriptedModel, TempStore},
 };
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::sync::{Arc, Mutex};
+
+use crate::support::outcome_of;
 
 /// Refund part of an order.
 #[derive(Deserialize, JsonSchema)]
@@ -69,19 +71,7 @@ impl Tool for Broken {
 }
 
 fn run(db: &TempStore, agent: Agent) -> Outcome {
-    let store = db.open();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("a", json!("refund order 7")).with_id("run-1"))
-            .await
-            .unwrap()
-    })
-    .unwrap()
-    .outcome
+    outcome_of(db, agent, json!("refund order 7"))
 }
 
 /// The results the model saw on its last turn, by call id.

@@ -5,11 +5,13 @@
 use std::sync::{Arc, Mutex};
 
 use agentrt::{
-    Agent, Event, EventKind, Model, ModelError, ModelRequest, ModelResponse, Outcome, RunId,
-    StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
-    testkit::{ScriptedModel, TempStore, with_system},
+    Agent, Config, Event, EventKind, Model, ModelError, ModelRequest, ModelResponse, Outcome,
+    RunId, StartRun, Store, Tool, ToolCall, ToolContext, ToolError, async_trait,
+    testkit::{ScriptedModel, TempStore},
 };
 use serde_json::{Value, json};
+
+use crate::support::ask;
 
 /// What each call found in the database when it began: (what called, step, events seen).
 type Seen = Arc<Mutex<Vec<(&'static str, u32, Vec<Event>)>>>;
@@ -81,16 +83,13 @@ fn each_start_is_written_before_its_side_effect_and_each_outcome_before_the_next
         seen: seen.clone(),
     };
     let store = db.open();
-    let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", Agent::new(model).tool(tool))
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("a", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-    })
+    let reply = ask(
+        store,
+        Config::default(),
+        "a",
+        Agent::new(model).tool(tool),
+        StartRun::new("a", json!({})).with_id("r1"),
+    )
     .unwrap();
     assert_eq!(
         reply.outcome,

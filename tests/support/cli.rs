@@ -1,17 +1,36 @@
-//! The database the CLI's tests run against, seeded the same way in each of them.
+//! The command line's tests: the `agentrt` binary as a command, and the database they run it
+//! against, seeded the same way in each of them.
 
 use std::{
+    ffi::OsStr,
     path::Path,
     pin::pin,
     time::{Duration, SystemTime},
 };
 
+use super::supervise;
 use agentrt::{
     Agent, Config, ModelResponse, RequireApprovalFor, RunId, StartRun, Store, Supervisor, ToolCall,
     Usage,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, with_system},
+    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
+use assert_cmd::Command;
 use serde_json::json;
+
+/// The `agentrt` binary, on the database at `db` (a path or a URL).
+pub fn agentrt(db: impl AsRef<OsStr>) -> Command {
+    let mut command = Command::cargo_bin("agentrt").unwrap();
+    command.arg("--db").arg(db);
+    command
+}
+
+/// A database with a finished run `done`, a run `wait` waiting for approval of call `pay-1`,
+/// and a run `crashed` whose process died mid-run (its short lease already stale): [`seed`]'s.
+pub fn fixture() -> TempStore {
+    let db = TempStore::sqlite();
+    seed(&db.path());
+    db
+}
 
 /// Seeds the database at `path` with a finished run `done`, a run `wait` waiting for approval
 /// of call `pay-1`, and a run `crashed` whose process died mid-run (its short lease already
@@ -61,11 +80,12 @@ pub fn seed(path: &Path) {
             .unwrap();
         // A short TTL, so that the lease is stale soon after the crash; not so short that a
         // renewal late on a loaded machine lets it lapse before the tool runs.
-        let doomed = Supervisor::builder(store)
-            .config(Config::default().lease_ttl(Duration::from_millis(500)))
-            .agent("plain", blocking)
-            .start()
-            .unwrap();
+        let doomed = supervise(
+            store,
+            Config::default().lease_ttl(Duration::from_millis(500)),
+            "plain",
+            blocking,
+        );
         // The crash comes once the tool runs, or once the start gives up because a late renewal
         // let the short lease lapse first: either way the run is left RUNNING under a lease of
         // the dead process.

@@ -1,13 +1,13 @@
 //! The crash-point explorer over real agents: every move, crashed before it is applied and
 //! after it commits, then resumed; every invariant holds.
 
-use crate::support::quickstart_agent;
-
 use agentrt::{
     Agent, ApprovalReason, Decision, ModelResponse, RunId, ToolCall,
     testkit::{Behaviour, CrashPoint, Explorer, ReconcileHook, RecordingTool, ScriptedModel},
 };
 use serde_json::json;
+
+use crate::support::quickstart_agent;
 
 #[test]
 fn every_crash_point_of_the_quickstart_agent_keeps_the_invariants() {

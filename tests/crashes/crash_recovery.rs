@@ -2,51 +2,30 @@
 //! flight; a fresh supervisor resumes the run and reconciles the step exactly once.
 
 use agentrt::{
-    Agent, Approval, ApprovalReason, Config, Event, EventKind, ModelResponse, Outcome,
-    Reconciliation, RecordApproval, ResumeRun, RunId, RunState, StartRun, Store, Supervisor,
-    ToolCall, ToolResult,
+    Agent, Approval, ApprovalReason, Config, Event, EventKind, Outcome, Reconciliation,
+    RecordApproval, ResumeRun, RunId, RunState, StartRun, Store, ToolResult,
     testkit::{
         Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, assert_no_run_leased,
         resume_when_free, with_system,
     },
 };
 use serde_json::json;
-use std::time::Duration;
+
+use crate::support::{
+    PATIENCE, ask, call_then_answer, crash_in_tool, crash_when, fast_lease, supervise,
+};
 
 fn charge_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new(
-            "charge-1",
-            "charge",
-            json!({"cents": 500}),
-        )]),
-        ModelResponse::answer("charged"),
-    ])
+    call_then_answer("charge-1", "charge", json!({"cents": 500}), "charged")
 }
-
-/// A short TTL: a crashed supervisor's runs are free again quickly.
-fn fast_lease() -> Config {
-    Config::default().lease_ttl(Duration::from_millis(300))
-}
-
-/// How long a resume waits for a dead supervisor's lease at most.
-const PATIENCE: Duration = Duration::from_secs(10);
 
 /// Runs the agent until the charge tool is in flight, then crashes the supervisor.
 fn crash_mid_tool(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool) -> RunId {
     charge.set_behaviour(Behaviour::Block);
-    let (store, agent) = (db.open(), Agent::new(model.clone()).tool(charge.clone()));
-    let charge = charge.clone();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        // The call never answers: the system goes away under it.
-        actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
-        charge.wait_executions(1).await;
-    });
+    let agent = Agent::new(model.clone()).tool(charge.clone());
+    let start = StartRun::new("billing", json!({})).with_id("run-1");
+    // The call never answers: the system goes away under it.
+    crash_in_tool(db, "billing", agent, start, charge);
     let run_id = RunId::from("run-1");
     let store = db.open();
     let events = store.events(&run_id).unwrap();
@@ -62,11 +41,7 @@ fn crash_mid_tool(db: &TempStore, model: &ScriptedModel, charge: &RecordingTool)
 fn resume(db: &TempStore, agent: Agent, run_id: &RunId, approval: Option<Approval>) -> Outcome {
     let (store, id) = (db.open(), run_id.clone());
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, fast_lease(), "billing", agent);
         if let Some(approval) = approval {
             supervisor
                 .send(RecordApproval(approval))
@@ -331,20 +306,16 @@ fn interrupted_model_call_is_dispatched_again() {
     let db = TempStore::new();
     let model = charge_then_answer().block_at_turn(0);
     let charge = RecordingTool::new("charge");
-    let (store, agent, blocked) = (
+    let agent = Agent::new(model.clone()).tool(charge.clone());
+    let start = StartRun::new("billing", json!({})).with_id("run-1");
+    crash_when(
         db.open(),
-        Agent::new(model.clone()).tool(charge.clone()),
-        model.clone(),
+        fast_lease(),
+        "billing",
+        agent,
+        start,
+        model.wait_calls(1),
     );
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
-        blocked.wait_calls(1).await;
-    });
     let run_id = RunId::from("run-1");
     let before = db.open().events(&run_id).unwrap();
     assert_eq!(before.last().unwrap().kind, EventKind::ModelStarted);
@@ -399,19 +370,9 @@ fn a_recovered_run_once_finished_cannot_be_resumed_again() {
     assert!(matches!(outcome, Outcome::Succeeded { .. }));
     // Resuming a finished run is refused and changes nothing.
     let before = db.open().events(&run_id).unwrap();
-    let (store, agent, id) = (
-        db.open(),
-        Agent::new(model.clone()).tool(charge.clone()),
-        run_id.clone(),
-    );
-    let err = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        supervisor.send(ResumeRun::new(id)).await.unwrap()
-    })
-    .unwrap_err();
+    let agent = Agent::new(model.clone()).tool(charge.clone());
+    let resume = ResumeRun::new(run_id.clone());
+    let err = ask(db.open(), Config::default(), "billing", agent, resume).unwrap_err();
     assert!(err.is_run_state(), "{err}");
     assert_eq!(db.open().events(&run_id).unwrap(), before);
 }

@@ -10,17 +10,17 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::support::child;
 use agentrt::{
     Agent, Approval, Config, EventKind, FencingToken, ModelResponse, Outcome, Reconciliation,
-    RecordApproval, RequireApprovalFor, ResumeRun, RunId, StartRun, Supervisor, Tool, ToolCall,
-    ToolContext, ToolError, async_trait,
+    RequireApprovalFor, RunId, StartRun, Tool, ToolCall, ToolContext, ToolError, async_trait,
     testkit::{
         Admission, Behaviour, FencedResource, FencedTool, ReconcileHook, RecordingTool,
         ScriptedModel, TempStore, assert_no_run_leased, resume_when_free, with_system,
     },
 };
 use serde_json::{Value, json};
+
+use crate::support::{child, decide_then_resume, supervise};
 
 const TTL: Duration = Duration::from_millis(400);
 
@@ -55,11 +55,7 @@ fn tokens_grow_at_each_acquisition_and_reach_the_tool_its_hook_and_the_log() {
     // The start takes token 1; the process dies inside the charge.
     let (store, first, probe) = (db.open(), agent.clone(), charge.clone());
     with_system(move || async move {
-        let sup = Supervisor::builder(store)
-            .config(config())
-            .agent("a", first)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config(), "a", first);
         actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id("r1")));
         probe.wait_executions(1).await;
     });
@@ -69,11 +65,7 @@ fn tokens_grow_at_each_acquisition_and_reach_the_tool_its_hook_and_the_log() {
     charge.set_behaviour(Behaviour::Succeed);
     let store = db.open();
     let outcome = with_system(move || async move {
-        let sup = Supervisor::builder(store)
-            .config(config())
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config(), "a", agent);
         let run_id = RunId::from("r1");
         let waiting = resume_when_free(&sup, &run_id, Duration::from_secs(10))
             .await
@@ -83,12 +75,7 @@ fn tokens_grow_at_each_acquisition_and_reach_the_tool_its_hook_and_the_log() {
             "{waiting:?}"
         );
         let approval = Approval::approve("r1", "c2", "ops@example.com");
-        sup.send(RecordApproval(approval)).await.unwrap().unwrap();
-        sup.send(ResumeRun::new(run_id))
-            .await
-            .unwrap()
-            .unwrap()
-            .outcome
+        decide_then_resume(&sup, approval).await.unwrap().outcome
     });
     assert_eq!(
         outcome,
@@ -165,11 +152,12 @@ fn child_process_charges_after_its_gate() {
     let store = agentrt::Store::connect(&location).unwrap();
     let reply = with_system(move || async move {
         let agent = Agent::new(charge_model()).tool(StallingCharge { resource, gate });
-        let sup = Supervisor::builder(store)
-            .config(Config::default().lease_owner("child").lease_ttl(TTL))
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(
+            store,
+            Config::default().lease_owner("child").lease_ttl(TTL),
+            "a",
+            agent,
+        );
         sup.send(StartRun::new("a", json!({})).with_id("r1"))
             .await
             .unwrap()
@@ -276,11 +264,12 @@ fn a_stopped_process_taken_over_has_its_late_attempt_refused() {
     let (store, charge) = (db.open(), FencedTool::new("charge", resource.clone()));
     let outcome = with_system(move || async move {
         let agent = Agent::new(charge_model()).tool(charge);
-        let sup = Supervisor::builder(store)
-            .config(Config::default().lease_owner("parent").lease_ttl(TTL))
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(
+            store,
+            Config::default().lease_owner("parent").lease_ttl(TTL),
+            "a",
+            agent,
+        );
         resume_when_free(&sup, &RunId::from("r1"), Duration::from_secs(30))
             .await
             .unwrap()

@@ -18,20 +18,9 @@ use agentrt::{
 };
 use serde_json::json;
 
+use crate::support::{PATIENCE, fast_lease, supervise};
+
 const TTL: Duration = Duration::from_millis(300);
-const PATIENCE: Duration = Duration::from_secs(10);
-
-fn fast_lease() -> Config {
-    Config::default().lease_ttl(TTL)
-}
-
-fn supervisor(store: Store, config: Config, agent: Agent) -> Addr<Supervisor> {
-    Supervisor::builder(store)
-        .config(config)
-        .agent("a", agent)
-        .start()
-        .unwrap()
-}
 
 /// The model asks for `first`, then `second`, then answers.
 fn two_calls(first: &str, second: &str) -> ScriptedModel {
@@ -116,7 +105,7 @@ fn heartbeat_renews_while_a_call_runs_and_stops_on_return_and_on_panic() {
     let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let agent = Agent::new(model).tool(slow.clone()).tool(boom);
     let (result, held) = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
@@ -148,7 +137,7 @@ fn heartbeat_renews_while_a_call_runs_and_stops_on_return_and_on_panic() {
     let model = ScriptedModel::new(vec![ModelResponse::answer("hi")]);
     let store = db.open();
     let held = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), Agent::new(model));
+        let sup = supervise(store, fast_lease(), "a", Agent::new(model));
         sup.send(StartRun::new("a", json!({})).with_id("r2"))
             .await
             .unwrap()
@@ -172,7 +161,7 @@ fn a_run_resumed_after_an_approval_has_its_lease_renewed() {
         .policy(RequireApprovalFor::tools(["slow"]));
     let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let (outcome, held) = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let first = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let first = first.await.unwrap().unwrap();
         assert!(
@@ -213,7 +202,7 @@ fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
     let agent = Agent::new(model).tool(slow.clone());
     let other_agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
     let outcome = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
@@ -239,7 +228,7 @@ fn a_consumer_holding_the_store_connection_does_not_starve_the_heartbeat() {
 
         // Renewals go on past the first expiry, and another supervisor cannot take the run.
         let lease = wait_renewed_past_first_expiry(location, "r1").await;
-        let rival = supervisor(other, fast_lease(), other_agent);
+        let rival = supervise(other, fast_lease(), "a", other_agent);
         let refused = rival.send(ResumeRun::new("r1")).await.unwrap().unwrap_err();
         assert!(
             matches!(&refused, Error::RunLeased { owner, .. } if *owner == lease.owner),
@@ -271,7 +260,7 @@ fn a_lapsed_lease_starts_no_side_effect() {
         .tool(second.clone());
     let (store, db_ref, probe) = (db.open(), &db, first.clone());
     let result = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         // Nobody takes the run: the lease only lapses, and the loop stalls past its expiry.
         let (call, _) = start_and_let_the_lease_lapse(&sup, db_ref, &probe).await;
         call.await.unwrap()
@@ -332,7 +321,7 @@ fn no_model_call_after_the_lease_is_lost() {
     let agent = Agent::new(model.clone()).tool(tool.clone());
     let (store, db_ref, probe) = (db.open(), &db, tool.clone());
     let result = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let (call, _) = start_and_let_the_lease_lapse(&sup, db_ref, &probe).await;
         call.await.unwrap()
     });
@@ -389,7 +378,7 @@ fn lapse_then_take_over() -> Takeover {
         charge_then_notify(&charge, &notify),
     );
     let (first, second, owner_a) = with_system(|| async move {
-        let a = supervisor(store_a, fast_lease(), agent_a);
+        let a = supervise(store_a, fast_lease(), "a", agent_a);
         let (call_a, log) = start_and_let_the_lease_lapse(&a, db_ref, &probe).await;
         let owner_a = lease_of(db_ref.location(), "r1")
             .await
@@ -397,7 +386,7 @@ fn lapse_then_take_over() -> Takeover {
             .owner;
 
         // Another supervisor takes the run over while the first one's charge still runs.
-        let b = supervisor(store_b, fast_lease(), agent_b);
+        let b = supervise(store_b, fast_lease(), "a", agent_b);
         let second = resume_when_free(&b, &RunId::from("r1"), PATIENCE).await;
 
         // The first loop's charge returns only now.
@@ -501,13 +490,13 @@ fn a_call_that_returns_with_an_error_releases_its_lease() {
     // The default TTL (30 s): had the lease not been released, the resume below would be
     // refused with RunLeased for that long.
     let (failed, lease_after, resumed) = with_system(|| async move {
-        let a = supervisor(store, Config::default(), agent_a);
+        let a = supervise(store, Config::default(), "a", agent_a);
         let failed = a
             .send(StartRun::new("a", json!({})).with_id("r1"))
             .await
             .unwrap();
         let lease_after = lease_of(location, "r1").await;
-        let b = supervisor(other, Config::default(), agent_b);
+        let b = supervise(other, Config::default(), "a", agent_b);
         (
             failed,
             lease_after,
@@ -532,7 +521,7 @@ fn a_second_start_or_resume_of_a_run_this_supervisor_executes_is_refused_naming_
     let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
     let (store, location, probe) = (db.open(), db.location(), slow.clone());
     let (resumed, started, lease, events_during, events_after) = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
@@ -571,13 +560,13 @@ fn a_live_lease_of_another_supervisor_is_refused_without_reading_the_clock_or_wr
     let clock = CountingClock::default();
     let clock_b = clock.clone();
     let (refused, owner, before, after) = with_system(|| async move {
-        let a = supervisor(store_a, fast_lease().lease_owner("replica-a"), agent_a);
+        let a = supervise(store_a, fast_lease().lease_owner("replica-a"), "a", agent_a);
         let call = a.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
         let owner = lease_of(location.clone(), "r1").await.unwrap().owner;
         let before = events_of(location.clone(), "r1").await;
-        let b = supervisor(store_b, fast_lease().clock(clock_b), agent_b);
+        let b = supervise(store_b, fast_lease().clock(clock_b), "a", agent_b);
         let refused = b.send(ResumeRun::new("r1")).await.unwrap();
         let after = events_of(location.clone(), "r1").await;
         probe.release();
@@ -616,7 +605,7 @@ fn an_operators_cancel_releases_the_lease_and_the_loop_stops_at_its_next_write()
     let (store, operator_store, location, probe) =
         (db.open(), db.open(), db.location(), first.clone());
     let (outcome, lease_after_cancel, lost) = with_system(|| async move {
-        let sup = supervisor(store, fast_lease(), agent);
+        let sup = supervise(store, fast_lease(), "a", agent);
         let log = LeaseLostLog::new();
         sup.send(SubscribeLeaseLost(log.recipient())).await.unwrap();
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
@@ -661,7 +650,7 @@ fn on_a_memory_store_renewals_go_through_its_one_connection() {
     let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
     let probe = slow.clone();
     let (outcome, renewed) = with_system(|| async move {
-        let sup = supervisor(store.clone(), fast_lease(), agent);
+        let sup = supervise(store.clone(), fast_lease(), "a", agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;
@@ -713,7 +702,7 @@ fn two_supervisors_with_the_same_lease_owner_sweeping_racing_resumes_never_run_a
     // A first process starts every run and dies with each one's charge in flight.
     let (store, a, probe) = (db.open(), agent(), charge.clone());
     with_system(|| async move {
-        let sup = supervisor(store, fast_lease().lease_owner("replica"), a);
+        let sup = supervise(store, fast_lease().lease_owner("replica"), "a", a);
         for i in 0..RUNS {
             actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id(format!("r{i}"))));
         }
@@ -727,7 +716,7 @@ fn two_supervisors_with_the_same_lease_owner_sweeping_racing_resumes_never_run_a
             let (store, agent) = (db.open(), agent());
             std::thread::spawn(move || {
                 with_system(|| async move {
-                    let sup = supervisor(store, fast_lease().lease_owner("replica"), agent);
+                    let sup = supervise(store, fast_lease().lease_owner("replica"), "a", agent);
                     let deadline = SystemTime::now() + PATIENCE * 3;
                     let mut pending: Vec<usize> = (0..RUNS).collect();
                     if replica == 1 {
@@ -827,11 +816,11 @@ fn an_outcome_written_between_a_resumes_read_and_its_takeover_is_not_executed_ag
         go_on: std::sync::Mutex::new(Some(go_on_rx)),
     };
     let (first, second) = with_system(|| async move {
-        let a = supervisor(store_a, fast_lease(), agent_a);
+        let a = supervise(store_a, fast_lease(), "a", agent_a);
         let (call_a, _) = start_and_let_the_lease_lapse(&a, db_ref, &probe).await;
 
         // B reads the run (the charge in flight), then stops right before its takeover.
-        let b = supervisor(store_b, fast_lease().observer(hold), agent_b);
+        let b = supervise(store_b, fast_lease().observer(hold), "a", agent_b);
         let resume =
             actix_rt::spawn(
                 async move { resume_when_free(&b, &RunId::from("r1"), PATIENCE).await },
@@ -882,7 +871,7 @@ fn on_a_memory_store_a_consumer_holding_the_connection_holds_up_no_run() {
     let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
     let probe = slow.clone();
     let outcome = with_system(|| async move {
-        let sup = supervisor(store.clone(), fast_lease(), agent);
+        let sup = supervise(store.clone(), fast_lease(), "a", agent);
         let call = sup.send(StartRun::new("a", json!({})).with_id("r1"));
         let call = actix_rt::spawn(async move { call.await.unwrap() });
         probe.wait_executions(1).await;

@@ -3,48 +3,26 @@
 
 use std::time::Duration;
 
-use crate::support::child;
-
 use agentrt::{
-    Agent, Config, Error, EventKind, ModelResponse, Outcome, ResumeRun, RunId, StartRun, Store,
-    Supervisor, ToolCall,
-    testkit::{
-        Behaviour, RecordingTool, ScriptedModel, TempStore, assert_no_run_leased, resume_when_free,
-        with_system,
-    },
+    Config, Error, EventKind, Outcome, ResumeRun, RunId, StartRun,
+    testkit::{RecordingTool, TempStore, assert_no_run_leased, resume_when_free, with_system},
 };
 use serde_json::json;
 
+use crate::support::{child, provisioning, supervise};
+
 const DB_VAR: &str = "AGENTRT_TEST_CHILD_DB";
 const TTL: Duration = Duration::from_millis(500);
-
-fn agent(tool: &RecordingTool) -> Agent {
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new(
-            "c1",
-            "provision",
-            json!({"size": "xl"}),
-        )]),
-        ModelResponse::answer("provisioned"),
-    ]);
-    Agent::new(model).tool(tool.clone())
-}
 
 /// The child's side: runs `r1` until its tool is in flight, says so, and waits to be killed.
 /// Only meaningful as a child process of the test below, hence ignored.
 #[test]
 #[ignore = "the child process of killed_process_lease_is_taken_over_after_its_ttl"]
 fn child_process_runs_until_killed() {
-    let location = std::env::var(DB_VAR).expect("run by the parent test");
-    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
+    let (store, probe) = child::store_and_stuck_tool(DB_VAR);
     with_system(|| async move {
         let config = Config::default().lease_owner("child").lease_ttl(TTL);
-        let sup = Supervisor::builder(store.clone())
-            .config(config)
-            .agent("a", agent(&probe))
-            .start()
-            .unwrap();
+        let sup = supervise(store.clone(), config, "a", provisioning(&probe));
         actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id("r1")));
         probe.wait_executions(1).await;
         let lease =
@@ -71,14 +49,10 @@ fn killed_process_lease_is_taken_over_after_its_ttl() {
     );
 
     let tool = RecordingTool::new("provision").idempotent(true);
-    let (store, parent_agent) = (db.open(), agent(&tool));
+    let (store, parent_agent) = (db.open(), provisioning(&tool));
     let (refused, resumed) = with_system(|| async move {
         let config = Config::default().lease_owner("parent").lease_ttl(TTL);
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", parent_agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", parent_agent);
         let run_id = RunId::from("r1");
         let refused = sup.send(ResumeRun::new(run_id.clone())).await.unwrap();
         (

@@ -8,21 +8,14 @@ use std::time::Duration;
 
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, Outcome, Reconciliation, Recovery, RunId, RunSettled,
-    RunState, SpawnRun, Store, SubscribeRuns, Supervisor, ToolCall,
+    RunState, SpawnRun, Store, SubscribeRuns, Supervisor,
     testkit::{Behaviour, ReconcileHook, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
 
-use crate::support::settled;
-
 use settled::subscriber;
 
-fn pay_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-        ModelResponse::answer("paid"),
-    ])
-}
+use crate::support::{idempotency_keys, pay_then_answer, settled, supervise};
 
 /// Recovery passes that come often; leases that a loaded machine renews on time.
 fn config() -> Config {
@@ -184,11 +177,7 @@ fn two_recovering_supervisors_execute_each_run_once() {
     });
 
     assert_eq!(settled.len(), 6, "each run settled once: {settled:?}");
-    let mut keys: Vec<String> = pay
-        .executions()
-        .iter()
-        .map(|e| e.idempotency_key.clone())
-        .collect();
+    let mut keys = idempotency_keys(&pay);
     keys.sort();
     let before = keys.len();
     keys.dedup();
@@ -217,11 +206,7 @@ fn a_supervisor_nobody_holds_stops_and_recovers_nothing() {
 
     let (store_b, agent) = (db.open(), Agent::new(pay_then_answer()).tool(pay.clone()));
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store_b)
-            .config(config())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store_b, config(), "billing", agent);
         drop(supervisor);
         // Passes every 100 ms would have taken the run over by then.
         let after = expiry + Duration::from_millis(500);
@@ -265,10 +250,7 @@ fn runs_never_executed_are_recovered_while_takeovers_wait_for_their_turn() {
     let quick = || Agent::new(ScriptedModel::new(vec![ModelResponse::answer("ok")]));
     let origin = store.clone();
     with_system(|| async move {
-        let supervisor = Supervisor::builder(origin)
-            .agent("quick", quick())
-            .start()
-            .unwrap();
+        let supervisor = supervise(origin, Config::default(), "quick", quick());
         supervisor
             .send(agentrt::StartRun::new("quick", json!({})).with_id("origin"))
             .await

@@ -7,26 +7,19 @@
 use std::time::Duration;
 
 use agentrt::{
-    Agent, Config, ModelResponse, Outcome, Recovery, RunId, RunState, SpawnRun, StartRun, Store,
-    SubscribeRuns, Supervisor, ToolCall,
-    testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
+    Agent, Config, ModelResponse, Outcome, Recovery, RunId, RunState, StartRun, Supervisor,
+    testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
 
+use crate::support::{
+    child, provisioning,
+    settled::{self, subscribed},
+    spawn, supervise,
+};
+
 const DB_VAR: &str = "AGENTRT_TEST_RECOVERY_CHILD_DB";
 const TTL: Duration = Duration::from_millis(500);
-
-fn provisioning(tool: &RecordingTool) -> Agent {
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new(
-            "c1",
-            "provision",
-            json!({"size": "xl"}),
-        )]),
-        ModelResponse::answer("provisioned"),
-    ]);
-    Agent::new(model).tool(tool.clone())
-}
 
 fn quick() -> Agent {
     Agent::new(ScriptedModel::new(vec![ModelResponse::answer("ok")]))
@@ -36,9 +29,7 @@ fn quick() -> Agent {
 #[test]
 #[ignore = "the child process of runs_a_killed_process_left_are_recovered_without_a_resume"]
 fn child_process_leaves_runs_and_is_killed() {
-    let location = std::env::var(DB_VAR).expect("run by the parent test");
-    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
+    let (store, probe) = child::store_and_stuck_tool(DB_VAR);
     with_system(|| async move {
         let config = Config::default().lease_owner("child").lease_ttl(TTL);
         let sup = Supervisor::builder(store.clone())
@@ -56,25 +47,14 @@ fn child_process_leaves_runs_and_is_killed() {
             .fork(&RunId::from("done"), 1, Some(RunId::from("forked")))
             .unwrap();
         // A run mid-tool, under this process's lease.
-        sup.send(SpawnRun::new("provision", json!({})).with_id("mid-tool"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&sup, "provision", "mid-tool").await;
         probe.wait_executions(1).await;
         // A run whose start was answered: the kill comes right after.
-        sup.send(SpawnRun::new("provision", json!({})).with_id("just-started"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&sup, "provision", "just-started").await;
         println!("READY");
         std::future::pending::<()>().await;
     });
 }
-
-use crate::support::child;
-use crate::support::settled;
-
-use settled::subscriber;
 
 #[test]
 fn runs_a_killed_process_left_are_recovered_without_a_resume() {
@@ -101,7 +81,6 @@ fn runs_a_killed_process_left_are_recovered_without_a_resume() {
     let tool = RecordingTool::new("provision").idempotent(true);
     let (store, agent) = (db.open(), provisioning(&tool));
     let settled = with_system(|| async move {
-        let (inbox, mut rx) = subscriber();
         let config = Config::default()
             .lease_owner("parent")
             .lease_ttl(Duration::from_secs(2))
@@ -112,7 +91,7 @@ fn runs_a_killed_process_left_are_recovered_without_a_resume() {
             .agent("quick", quick())
             .start()
             .unwrap();
-        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        let (_inbox, mut rx) = subscribed(&sup).await;
         rx.wait_for(|seen| seen.len() >= 3).await.unwrap().clone()
     });
 
@@ -147,24 +126,15 @@ const QUEUED: usize = 30;
 #[test]
 #[ignore = "the child process of runs_waiting_their_turn_survive_a_kill_and_are_recovered"]
 fn child_process_queues_runs_and_is_killed() {
-    let location = std::env::var(QUEUE_DB_VAR).expect("run by the parent test");
-    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
-    let (store, probe) = (Store::connect(&location).unwrap(), tool.clone());
+    let (store, probe) = child::store_and_stuck_tool(QUEUE_DB_VAR);
     with_system(|| async move {
         let config = Config::default()
             .lease_owner("child")
             .lease_ttl(TTL)
             .max_concurrent_runs(2);
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("provision", provisioning(&probe))
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "provision", provisioning(&probe));
         for n in 0..QUEUED {
-            sup.send(SpawnRun::new("provision", json!({})).with_id(format!("q{n:02}")))
-                .await
-                .unwrap()
-                .unwrap();
+            spawn(&sup, "provision", format!("q{n:02}")).await;
         }
         probe.wait_executions(2).await;
         println!("READY");
@@ -200,7 +170,6 @@ fn runs_waiting_their_turn_survive_a_kill_and_are_recovered() {
     let tool = RecordingTool::new("provision").idempotent(true);
     let (store, agent) = (db.open(), provisioning(&tool));
     let settled = with_system(|| async move {
-        let (inbox, mut rx) = subscriber();
         let config = Config::default()
             .lease_owner("parent")
             .lease_ttl(Duration::from_secs(2))
@@ -208,12 +177,8 @@ fn runs_waiting_their_turn_survive_a_kill_and_are_recovered() {
             // No second pass from the timer: the first finds a page of 4, and each recovered
             // run's end starts the next pass, until the backlog is drained.
             .recovery(Recovery::default().every(Duration::from_secs(3600)));
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("provision", agent)
-            .start()
-            .unwrap();
-        sup.send(SubscribeRuns(inbox.recipient())).await.unwrap();
+        let sup = supervise(store, config, "provision", agent);
+        let (_inbox, mut rx) = subscribed(&sup).await;
         settled::heard(&mut rx, QUEUED).await
     });
     for s in &settled {

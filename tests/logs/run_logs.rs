@@ -5,18 +5,19 @@
 use std::{
     io::Write,
     sync::{Arc, Mutex, OnceLock},
-    time::Duration,
 };
 
 use agentrt::{
-    Agent, Approval, Config, ModelError, ModelResponse, Outcome, RecordApproval,
-    RequireApprovalFor, ResumeRun, RunId, StartRun, SubscribeLeaseLost, Supervisor, ToolCall,
-    testkit::{
-        Behaviour, LeaseLostLog, RecordingTool, ScriptedModel, TempStore, resume_when_free,
-        with_system,
-    },
+    Agent, Config, ModelError, ModelResponse, Outcome, RunId, StartRun, SubscribeLeaseLost,
+    ToolCall,
+    testkit::{Behaviour, LeaseLostLog, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
+
+use crate::support::{
+    PATIENCE, call_then_answer, crash_in_tool, email_approved_by_carol, fast_lease,
+    resume_when_free_on, supervise,
+};
 
 /// Every line this binary's tests log. The subscriber is the process's: the lines come from
 /// the actix systems' threads and from the lease keepers' own.
@@ -75,34 +76,7 @@ fn assert_logged(level: &str, message: &str, run_id: &str, fields: &[&str]) {
 fn a_run_that_waits_is_approved_and_finishes_says_so_at_each_step() {
     lines();
     let db = TempStore::new();
-    let store = db.open();
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("c1", "email", json!({}))]),
-        ModelResponse::answer("sent"),
-    ]);
-    let agent = Agent::new(model)
-        .tool(RecordingTool::new("email"))
-        .policy(RequireApprovalFor::tools(["email"]));
-    let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("support", agent)
-            .start()
-            .unwrap();
-        let started = StartRun::new("support", json!({})).with_id("logs-approved");
-        let started = supervisor.send(started).await.unwrap().unwrap();
-        assert!(matches!(
-            started.outcome,
-            Outcome::WaitingForApproval { .. }
-        ));
-        let approval = Approval::approve("logs-approved", "c1", "carol");
-        supervisor
-            .send(RecordApproval(approval))
-            .await
-            .unwrap()
-            .unwrap();
-        let resumed = supervisor.send(ResumeRun::new("logs-approved"));
-        resumed.await.unwrap().unwrap().outcome
-    });
+    let outcome = email_approved_by_carol(db.open(), "logs-approved");
     assert!(matches!(outcome, Outcome::Succeeded { .. }), "{outcome:?}");
 
     let run = "logs-approved";
@@ -141,10 +115,7 @@ fn a_failing_run_logs_its_error() {
     let store = db.open();
     let model = ScriptedModel::with_results(vec![Err(ModelError::fatal("the key was revoked"))]);
     let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("support", Agent::new(model))
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "support", Agent::new(model));
         let start = StartRun::new("support", json!({})).with_id("logs-failed");
         supervisor.send(start).await.unwrap().unwrap().outcome
     });
@@ -164,40 +135,20 @@ fn a_failing_run_logs_its_error() {
 fn a_run_taken_over_after_a_crash_names_the_owner_it_was_taken_from() {
     lines();
     let db = TempStore::new();
-    let fast = || Config::default().lease_ttl(Duration::from_millis(300));
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("c1", "charge", json!({}))]),
-        ModelResponse::answer("charged"),
-    ]);
+    let model = call_then_answer("c1", "charge", json!({}), "charged");
     let charge = RecordingTool::new("charge").idempotent(true);
     charge.set_behaviour(Behaviour::Block);
-    let (store, agent) = (db.open(), Agent::new(model.clone()).tool(charge.clone()));
-    let waiting = charge.clone();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let start = StartRun::new("billing", json!({})).with_id("logs-crashed");
-        actix_rt::spawn(supervisor.send(start));
-        // The system goes away with the tool in flight.
-        waiting.wait_executions(1).await;
-    });
+    let agent = Agent::new(model.clone()).tool(charge.clone());
+    let start = StartRun::new("billing", json!({})).with_id("logs-crashed");
+    // The system goes away with the tool in flight.
+    crash_in_tool(&db, "billing", agent, start, &charge);
     let first = db.open().lease(&RunId::from("logs-crashed")).unwrap();
     let first = first.expect("the crashed owner's lease is left").owner;
 
     charge.set_behaviour(Behaviour::Succeed);
-    let (store, agent) = (db.open(), Agent::new(model).tool(charge));
-    let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let id = RunId::from("logs-crashed");
-        resume_when_free(&supervisor, &id, Duration::from_secs(10)).await
-    });
+    let agent = Agent::new(model).tool(charge);
+    let id = RunId::from("logs-crashed");
+    let outcome = resume_when_free_on(db.open(), fast_lease(), "billing", agent, &id, PATIENCE);
     assert!(matches!(
         outcome.unwrap().outcome,
         Outcome::Succeeded { .. }
@@ -227,11 +178,7 @@ fn a_lease_lost_to_a_cancel_is_a_warning_and_the_run_finishes_cancelled() {
     let agent = Agent::new(model).tool(slow.clone());
     let (store, operator) = (db.open(), db.open());
     let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(Config::default().lease_ttl(Duration::from_millis(300)))
-            .agent("support", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, fast_lease(), "support", agent);
         let lost = LeaseLostLog::new();
         supervisor
             .send(SubscribeLeaseLost(lost.recipient()))

@@ -2,18 +2,15 @@
 
 use std::sync::{Arc, Mutex};
 
-use agentrt::{
-    Agent, Approval, ModelResponse, Outcome, RecordApproval, RequireApprovalFor, ResumeRun,
-    StartRun, Supervisor, ToolCall,
-    testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
-};
-use serde_json::json;
+use agentrt::{Outcome, testkit::TempStore};
 use tracing::{
     Subscriber,
     field::{Field, Visit},
     span::{Attributes, Id, Record},
 };
 use tracing_subscriber::{Registry, layer::Context, prelude::*};
+
+use crate::support::email_approved_by_carol;
 
 /// Every value given to the `agent` field of `run` spans, span by span.
 #[derive(Clone, Default)]
@@ -60,34 +57,7 @@ fn a_started_and_a_resumed_run_each_name_their_agent_once() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let db = TempStore::new();
-    let store = db.open();
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("c1", "email", json!({}))]),
-        ModelResponse::answer("sent"),
-    ]);
-    let email = RecordingTool::new("email");
-    let agent = Agent::new(model)
-        .tool(email)
-        .policy(RequireApprovalFor::tools(["email"]));
-    let outcome = with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .agent("support", agent)
-            .start()
-            .unwrap();
-        let started = sup.send(StartRun::new("support", json!({})).with_id("r1"));
-        let started = started.await.unwrap().unwrap();
-        assert!(matches!(
-            started.outcome,
-            Outcome::WaitingForApproval { .. }
-        ));
-        let approval = Approval::approve("r1", "c1", "carol");
-        sup.send(RecordApproval(approval)).await.unwrap().unwrap();
-        sup.send(ResumeRun::new("r1"))
-            .await
-            .unwrap()
-            .unwrap()
-            .outcome
-    });
+    let outcome = email_approved_by_carol(db.open(), "r1");
     assert!(matches!(outcome, Outcome::Succeeded { .. }), "{outcome:?}");
 
     let seen = fields.0.lock().unwrap().clone();

@@ -11,11 +11,13 @@ use std::{
 };
 
 use agentrt::{
-    Agent, CancelRun, Event, EventKind, Model, ModelError, ModelPolicy, ModelRequest,
-    ModelResponse, Outcome, RunId, StartRun, Store, Supervisor, Usage, async_trait,
+    Agent, CancelRun, Config, Event, EventKind, Model, ModelError, ModelPolicy, ModelRequest,
+    ModelResponse, Outcome, RunId, StartRun, Store, Usage, async_trait,
     testkit::{ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
+
+use crate::support::{outcome_of, supervise};
 
 /// Retries that wait milliseconds, not seconds.
 fn quick_policy() -> ModelPolicy {
@@ -32,19 +34,7 @@ fn answer_with_usage() -> ModelResponse {
 
 /// Starts run `run-1` of `agent` and returns how the call ended.
 fn run(db: &TempStore, agent: Agent) -> Outcome {
-    let store = db.open();
-    with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
-        supervisor
-            .send(StartRun::new("a", json!("hello")).with_id("run-1"))
-            .await
-            .unwrap()
-    })
-    .unwrap()
-    .outcome
+    outcome_of(db, agent, json!("hello"))
 }
 
 fn model_events(store: &Store) -> Vec<Event> {
@@ -271,10 +261,7 @@ fn a_cancel_during_the_backoff_stops_the_run_before_another_attempt() {
     let (store, watcher) = (db.open(), db.open());
 
     let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "a", agent);
         let call = supervisor.send(StartRun::new("a", json!("hello")).with_id("run-1"));
         let call = actix_rt::spawn(call);
         // Waits until the failed attempt is in the log: the loop is in its backoff.

@@ -6,10 +6,12 @@ use std::time::Duration;
 
 use agentrt::{
     Agent, Config, EventKind, ModelError, ModelPolicy, ModelResponse, Outcome, RunId, StartRun,
-    Supervisor, ToolCall,
+    ToolCall,
     testkit::{RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 fn script() -> Vec<ModelResponse> {
     vec![
@@ -45,11 +47,7 @@ fn crash_when(
 ) {
     let (store, watcher) = (db.open(), db.open());
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, lease(), "billing", agent);
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
         // Before the run's insert commits it is not found: no events yet.
         while !crash_when(&watcher.events(&RunId::from("run-1")).unwrap_or_default()) {
@@ -61,11 +59,7 @@ fn crash_when(
 fn resume(db: &TempStore, agent: Agent) -> Outcome {
     let store = db.open();
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, lease(), "billing", agent);
         resume_when_free(&supervisor, &RunId::from("run-1"), Duration::from_secs(20)).await
     })
     .unwrap()

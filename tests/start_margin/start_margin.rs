@@ -20,6 +20,8 @@ use agentrt::{
 };
 use serde_json::json;
 
+use crate::support::supervise;
+
 const TTL: Duration = Duration::from_millis(600);
 
 /// The wall clock is the process's: one test at a time.
@@ -93,11 +95,7 @@ fn short_of_the_margin(shift: i64) {
         let config = Config::default()
             .lease_ttl(TTL)
             .observer(ObserverRef(observer.clone()));
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", agent);
         sup.send(SubscribeLeaseLost(seen.recipient()))
             .await
             .unwrap();
@@ -242,11 +240,7 @@ fn a_loop_short_of_the_margin_waits_for_a_renewal_and_goes_on() {
             .lease_ttl(ttl)
             .start_margin(ttl * 2 / 3)
             .observer(stall);
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", agent);
         sup.send(SubscribeLeaseLost(seen.recipient()))
             .await
             .unwrap();

@@ -4,10 +4,12 @@
 use std::time::{Duration, Instant};
 
 use agentrt::{
-    Agent, ModelResponse, Outcome, StartRun, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, Outcome, StartRun, ToolCall,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 fn file_len(path: &std::path::Path) -> u64 {
     std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
@@ -33,10 +35,7 @@ fn the_store_actor_checkpoints_the_log_while_it_commits() {
     ]);
     let agent = Agent::new(model).tool(RecordingTool::new("t"));
     let runs = with_system(move || async move {
-        let sup = Supervisor::builder(store)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, Config::default(), "a", agent);
         // Runs until the database file grows: the schedule copies once per period of commits.
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut runs = 0;

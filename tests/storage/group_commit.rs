@@ -8,10 +8,12 @@ use std::{
 
 use agentrt::{
     Agent, Config, EventKind, ModelResponse, MoveInfo, MoveKind, MoveObserver, Outcome, RunId,
-    StartRun, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait, sqlite,
+    StartRun, Tool, ToolCall, ToolContext, ToolError, async_trait, sqlite,
     testkit::{RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
+
+use crate::support::supervise;
 
 const RUNS: usize = 40;
 
@@ -52,11 +54,7 @@ fn logs_on(
         .open(db.path())
         .unwrap();
     with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", agent);
         let calls: Vec<_> = (0..RUNS)
             .map(|i| {
                 actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id(format!("r{i}"))))
@@ -225,11 +223,7 @@ async fn every_call_answers(
     store: agentrt::Store,
     observer: PanicsOnceWhenSynced,
 ) -> (usize, usize) {
-    let sup = Supervisor::builder(store)
-        .config(Config::default().observer(observer))
-        .agent("a", agent())
-        .start()
-        .unwrap();
+    let sup = supervise(store, Config::default().observer(observer), "a", agent());
     let start_all = |prefix: &'static str, runs: usize| {
         let calls: Vec<_> = (0..runs)
             .map(|i| {

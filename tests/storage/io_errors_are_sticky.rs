@@ -11,14 +11,16 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Config, Error, EventKind, ModelResponse, RunId, StartRun, Store, Supervisor, Tool,
-    ToolCall, ToolContext, ToolError, async_trait,
+    Agent, Config, Error, EventKind, ModelResponse, RunId, StartRun, Store, Tool, ToolCall,
+    ToolContext, ToolError, async_trait,
     testkit::{
         FaultKind, ReconcileHook, RecordingTool, ScriptedModel, TempStore, check_invariants,
         faults, resume_when_free, with_system,
     },
 };
 use serde_json::{Value, json};
+
+use crate::support::supervise;
 
 /// The fault a case injects.
 #[derive(Debug, Clone, Copy)]
@@ -143,11 +145,7 @@ fn case(fault: Fault, arm: Arm, ttl: Duration, steps: usize) -> Failed {
     let (error, later, counts) = {
         let (store, recording) = (store.clone(), recording.clone());
         with_system(move || async move {
-            let supervisor = Supervisor::builder(store.clone())
-                .config(config)
-                .agent("a", agent(tool, steps))
-                .start()
-                .unwrap();
+            let supervisor = supervise(store.clone(), config, "a", agent(tool, steps));
             let error = supervisor
                 .send(StartRun::new("a", json!({})).with_id("r1"))
                 .await
@@ -200,11 +198,12 @@ fn case(fault: Fault, arm: Arm, ttl: Duration, steps: usize) -> Failed {
     let resumed = {
         let (store, r1) = (store.clone(), r1.clone());
         with_system(move || async move {
-            let supervisor = Supervisor::builder(store)
-                .config(Config::default().lease_ttl(ttl))
-                .agent("a", answering(tool, steps))
-                .start()
-                .unwrap();
+            let supervisor = supervise(
+                store,
+                Config::default().lease_ttl(ttl),
+                "a",
+                answering(tool, steps),
+            );
             resume_when_free(&supervisor, &r1, ttl * 5).await
         })
     };

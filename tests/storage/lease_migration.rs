@@ -5,12 +5,14 @@ use std::time::{Duration, SystemTime};
 
 use agentrt::{
     Agent, Config, DEFAULT_LEASE_TTL, Error, EventKind, ModelResponse, Outcome, ResumeRun, RunId,
-    SCHEMA_VERSION, Store, Supervisor, ToolCall,
+    SCHEMA_VERSION, Store, ToolCall,
     testkit::{
         CountingClock, RecordingTool, ScriptedModel, TempStore, database_at_schema, with_system,
     },
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 const PRE_LEASE_OWNER: &str = "agentrt:pre-lease-version";
 
@@ -78,11 +80,7 @@ fn a_schema_4_database_migrates_with_its_runs_and_honours_the_grace_lease() {
         .clock(clock.clone())
         .lease_ttl(Duration::from_millis(300));
     let (refused, clock_reads, resumed) = with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", agent);
         let refused = sup.send(ResumeRun::new(run_id.clone())).await.unwrap();
         let clock_reads = clock.reads();
         // Wait out the grace lease: its stored expiry is the condition.

@@ -8,8 +8,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::support::child;
 use agentrt::{RunState, Store, testkit::TempStore};
+
+use crate::support::child;
 
 const DB_VAR: &str = "AGENTRT_TEST_CLOSING_DB";
 

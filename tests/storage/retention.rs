@@ -5,7 +5,6 @@
 
 use std::{
     collections::BTreeMap,
-    path::Path,
     pin::pin,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -16,6 +15,8 @@ use agentrt::{
     testkit::{Behaviour, FixedClock, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
+
+use crate::support::{files, supervise};
 
 /// When the old runs finished: long before the purge's cutoff.
 fn long_ago() -> SystemTime {
@@ -102,20 +103,6 @@ fn leave_live(db: &TempStore, at: SystemTime, waiting: &str, running: &str) {
         let started = sup.send(StartRun::new("plain", json!({})).with_id(running.as_str()));
         futures_util::future::select(pin!(started), pin!(probe.wait_executions(1))).await;
     });
-}
-
-/// Every file of a directory, by name, with its bytes.
-fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                std::fs::read(entry.path()).unwrap(),
-            )
-        })
-        .collect()
 }
 
 const OLD_DONE: &[&str] = &["old-1", "old-2", "old-3", "old-4", "old-5"];
@@ -333,10 +320,12 @@ fn purging_an_origin_leaves_its_fork_whole_and_resumable() {
     let tool = RecordingTool::new("pay");
     let probe = tool.clone();
     let reply = with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .agent("plain", Agent::new(pays()).tool(tool))
-            .start()
-            .unwrap();
+        let sup = supervise(
+            store,
+            Config::default(),
+            "plain",
+            Agent::new(pays()).tool(tool),
+        );
         sup.send(ResumeRun::new(fork)).await.unwrap().unwrap()
     });
     assert_eq!(
@@ -360,11 +349,12 @@ fn a_purge_beside_a_running_supervisor_leaves_its_runs_alone() {
     let probe = tool.clone();
     let location = db.location();
     let (report, reply) = with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .config(Config::default().clock(FixedClock(long_ago())))
-            .agent("plain", Agent::new(pays()).tool(tool))
-            .start()
-            .unwrap();
+        let sup = supervise(
+            store,
+            Config::default().clock(FixedClock(long_ago())),
+            "plain",
+            Agent::new(pays()).tool(tool),
+        );
         let running = sup.send(StartRun::new("plain", json!({})).with_id("busy"));
         let mut running = pin!(running);
         let executing = probe.wait_executions(1);

@@ -2,33 +2,20 @@
 //! key and reference survives, the constraints still refuse what they refused, and writing a
 //! step no longer builds a temporary table.
 
-use crate::support::migrations;
+use agentrt::{Approval, RunId, RunState, SCHEMA_VERSION, Store, testkit::TempStore};
 
-use agentrt::{
-    Approval, RunId, RunState, SCHEMA_VERSION, Store,
-    testkit::{TempStore, database_at_schema},
-};
+use crate::support::migrations;
 
 /// A schema-5 database holding a run that waits for an approval of its step 2, with one
 /// approval already recorded for an earlier attempt.
 fn schema_5_with_a_waiting_run(db: &TempStore) {
-    database_at_schema(&db.path(), 5);
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    conn.execute_batch(
-        r#"
-        INSERT INTO runs (id, agent, input, state, created_at, updated_at)
-        VALUES ('r1', 'a', '{}', 'WAITING_FOR_APPROVAL', 1, 1);
-        INSERT INTO steps (run_id, step, kind, state, attempt, result)
-        VALUES ('r1', 1, 'model', 'finished', 1, '{"tool_calls":[]}');
+    let rows = r#"
         INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, waiting_for)
         VALUES ('r1', 2, 'tool', 'waiting', 1, 'c1', 'pay', '{"amount":5}', 'reconcile');
         INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
         VALUES ('r1', 2, 1, 0, 'alice', 2);
-        INSERT INTO events (run_id, seq, kind, at, payload)
-        VALUES ('r1', 1, 'run.started', 1, '{}');
-        "#,
-    )
-    .unwrap();
+    "#;
+    migrations::waiting_run_at_schema(&db.path(), 5, rows);
 }
 
 #[test]

@@ -4,35 +4,22 @@
 //! a step that does not wait stays out of the index. (That an approval finds its call through
 //! the index is a unit test of the statement, in `src/store/sql.rs`.)
 
-use crate::support::migrations;
+use agentrt::{Approval, Error, RunId, RunState, SCHEMA_VERSION, Store, testkit::TempStore};
 
-use agentrt::{
-    Approval, Error, RunId, RunState, SCHEMA_VERSION, Store,
-    testkit::{TempStore, database_at_schema},
-};
+use crate::support::migrations;
 
 /// A schema-6 database holding a run that waits for a decision on call `c2` (step 4), after a
 /// finished call `c1` (step 2).
 fn schema_6_with_a_waiting_run(db: &TempStore) {
-    database_at_schema(&db.path(), 6);
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    conn.execute_batch(
-        r#"
-        INSERT INTO runs (id, agent, input, state, created_at, updated_at)
-        VALUES ('r1', 'a', '{}', 'WAITING_FOR_APPROVAL', 1, 1);
-        INSERT INTO steps (run_id, step, kind, state, attempt, result)
-        VALUES ('r1', 1, 'model', 'finished', 1, '{"tool_calls":[]}');
+    let rows = r#"
         INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result)
         VALUES ('r1', 2, 'tool', 'finished', 1, 'c1', 'pay', '{"amount":1}', '{"ok":null}');
         INSERT INTO steps (run_id, step, kind, state, attempt, result)
         VALUES ('r1', 3, 'model', 'finished', 1, '{"tool_calls":[]}');
         INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, waiting_for)
         VALUES ('r1', 4, 'tool', 'waiting', 0, 'c2', 'pay', '{"amount":5}', 'policy');
-        INSERT INTO events (run_id, seq, kind, at, payload)
-        VALUES ('r1', 1, 'run.started', 1, '{}');
-        "#,
-    )
-    .unwrap();
+    "#;
+    migrations::waiting_run_at_schema(&db.path(), 6, rows);
 }
 
 /// The indexes of the steps table other than its primary key (a `WITHOUT ROWID` table is its

@@ -2,11 +2,10 @@
 //! takeover by another supervisor after a crash, its resume after an approval) share a trace
 //! id, which no other run's spans have.
 
-use std::{sync::OnceLock, time::Duration};
+use std::sync::OnceLock;
 
 use agentrt::{
-    Agent, Approval, Config, EventKind, ModelResponse, Outcome, RecordApproval, RequireApprovalFor,
-    ResumeRun, RunId, StartRun, Store, Supervisor, ToolCall,
+    Agent, EventKind, Outcome, RunId, StartRun, Store,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
 };
 use opentelemetry::{
@@ -16,6 +15,8 @@ use opentelemetry::{
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use serde_json::json;
 use tracing_subscriber::{Registry, layer::SubscriberExt};
+
+use crate::support::{PATIENCE, call_then_answer, email_approved_by_carol, fast_lease, supervise};
 
 /// The spans every test of this binary exports. The subscriber is the process's: the runs'
 /// spans are made on the actix systems' threads, which the tests start.
@@ -71,19 +72,8 @@ fn stored_trace(store: &Store, run_id: &RunId) -> TraceId {
     TraceId::from_hex(traceparent.split('-').nth(1).unwrap()).unwrap()
 }
 
-fn fast_lease() -> Config {
-    Config::default().lease_ttl(Duration::from_millis(300))
-}
-
 fn charge_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new(
-            "charge-1",
-            "charge",
-            json!({"cents": 5}),
-        )]),
-        ModelResponse::answer("charged"),
-    ])
+    call_then_answer("charge-1", "charge", json!({"cents": 5}), "charged")
 }
 
 #[test]
@@ -100,11 +90,7 @@ fn a_run_taken_over_after_a_crash_stays_one_trace() {
     let (store, agent) = (db.open(), Agent::new(model.clone()).tool(charge.clone()));
     let (waiting, id) = (charge.clone(), run_id.clone());
     let before_crash = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, fast_lease(), "billing", agent);
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id(id)));
         waiting.wait_executions(1).await;
         // What this process exported before it died: the model call had ended.
@@ -129,12 +115,8 @@ fn a_run_taken_over_after_a_crash_stays_one_trace() {
     let (store, agent) = (db.open(), Agent::new(model).tool(charge.clone()));
     let id = run_id.clone();
     let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(fast_lease())
-            .agent("billing", agent)
-            .start()
-            .unwrap();
-        let reply = resume_when_free(&supervisor, &id, Duration::from_secs(10)).await;
+        let supervisor = supervise(store, fast_lease(), "billing", agent);
+        let reply = resume_when_free(&supervisor, &id, PATIENCE).await;
         // Another run, for contrast: a trace of its own.
         let other = StartRun::new("billing", json!({})).with_id("traced-other");
         supervisor.send(other).await.unwrap().unwrap();
@@ -183,34 +165,7 @@ fn a_run_taken_over_after_a_crash_stays_one_trace() {
 fn a_resume_after_an_approval_continues_the_trace() {
     exporter();
     let db = TempStore::new();
-    let store = db.open();
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("c1", "email", json!({}))]),
-        ModelResponse::answer("sent"),
-    ]);
-    let agent = Agent::new(model)
-        .tool(RecordingTool::new("email"))
-        .policy(RequireApprovalFor::tools(["email"]));
-    let outcome = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("support", agent)
-            .start()
-            .unwrap();
-        let started = StartRun::new("support", json!({})).with_id("traced-approval");
-        let started = supervisor.send(started).await.unwrap().unwrap();
-        assert!(matches!(
-            started.outcome,
-            Outcome::WaitingForApproval { .. }
-        ));
-        let approval = Approval::approve("traced-approval", "c1", "carol");
-        supervisor
-            .send(RecordApproval(approval))
-            .await
-            .unwrap()
-            .unwrap();
-        let resumed = supervisor.send(ResumeRun::new("traced-approval"));
-        resumed.await.unwrap().unwrap().outcome
-    });
+    let outcome = email_approved_by_carol(db.open(), "traced-approval");
     assert!(matches!(outcome, Outcome::Succeeded { .. }), "{outcome:?}");
 
     let runs = executions(&finished(), "traced-approval");

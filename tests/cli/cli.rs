@@ -1,30 +1,17 @@
 //! The `agentrt` operator binary, against real database files.
 
-use std::{path::Path, time::Duration};
+use std::time::Duration;
 
 use agentrt::{
     EventKind, RunId, RunState, Store,
     testkit::{TempStore, database_at_schema},
 };
-use assert_cmd::Command;
 use predicates::prelude::*;
 use serde_json::{Value, json};
 
-use crate::support::cli;
+use crate::support::cli::{agentrt, fixture};
 
-/// A database with a finished run `done`, a run `wait` waiting for approval of call `pay-1`,
-/// and a run `crashed` whose process died mid-run (its short lease already stale).
-fn fixture() -> TempStore {
-    let db = TempStore::sqlite();
-    cli::seed(&db.path());
-    db
-}
-
-fn agentrt(db: &Path) -> Command {
-    let mut command = Command::cargo_bin("agentrt").unwrap();
-    command.arg("--db").arg(db);
-    command
-}
+use crate::support::files;
 
 fn json_of(output: &[u8]) -> Value {
     serde_json::from_slice(output)
@@ -34,12 +21,12 @@ fn json_of(output: &[u8]) -> Value {
 #[test]
 fn runs_lists_every_run_and_filters_by_state() {
     let db = fixture();
-    agentrt(&db.path()).arg("runs").assert().success().stdout(
+    agentrt(db.path()).arg("runs").assert().success().stdout(
         predicate::str::contains("done")
             .and(predicate::str::contains("wait"))
             .and(predicate::str::contains("SUCCEEDED")),
     );
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "runs", "--state", "WAITING_FOR_APPROVAL"])
         .output()
         .unwrap();
@@ -58,14 +45,14 @@ fn runs_lists_every_run_and_filters_by_state() {
 #[test]
 fn show_names_the_pending_call_and_the_lease() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["show", "wait"])
         .assert()
         .success()
         .stdout(
             predicate::str::contains("WAITING_FOR_APPROVAL").and(predicate::str::contains("pay-1")),
         );
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["show", "wait", "--json"])
         .output()
         .unwrap();
@@ -77,14 +64,14 @@ fn show_names_the_pending_call_and_the_lease() {
 #[test]
 fn show_gives_the_runs_token_totals() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["show", "done"])
         .assert()
         .success()
         .stdout(predicate::str::contains(
             "model     tokens 30 in, 5 out; 2 answers, 2 attempts (scripted-1)",
         ));
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["show", "done", "--json"])
         .output()
         .unwrap();
@@ -102,12 +89,12 @@ fn show_gives_the_runs_token_totals() {
 #[test]
 fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finishes() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["events", "done"])
         .assert()
         .success()
         .stdout(predicate::str::contains("run.finished"));
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "events", "done", "--after", "2"])
         .output()
         .unwrap();
@@ -129,7 +116,7 @@ fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finis
             .clone()
     );
     // A finished run: --follow prints what is there and ends.
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["events", "done", "--follow"])
         .timeout(Duration::from_secs(20))
         .assert()
@@ -139,18 +126,18 @@ fn events_prints_the_log_after_a_sequence_number_and_follows_until_the_run_finis
 #[test]
 fn lease_shows_a_stale_lease_of_a_dead_process() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["lease", "done"])
         .assert()
         .success()
         .stdout("none\n");
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "lease", "crashed"])
         .output()
         .unwrap();
     let lease = json_of(&out.stdout);
     assert_eq!(lease["lease"]["expired"], json!(true));
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["lease", "crashed"])
         .assert()
         .success()
@@ -160,7 +147,7 @@ fn lease_shows_a_stale_lease_of_a_dead_process() {
 #[test]
 fn cancel_approve_and_deny_write_what_they_say() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["approve", "wait", "pay-1", "--by", "alice", "--note", "ok"])
         .assert()
         .success()
@@ -174,7 +161,7 @@ fn cancel_approve_and_deny_write_what_they_say() {
     assert_eq!(recorded.payload["decided_by"], json!("alice"));
 
     // Deciding twice is refused, with one line and a failure code; nothing is written.
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["deny", "wait", "pay-1", "--by", "bob"])
         .assert()
         .failure()
@@ -187,7 +174,7 @@ fn cancel_approve_and_deny_write_what_they_say() {
         events.len()
     );
 
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "cancel", "wait", "--reason", "duplicate order"])
         .output()
         .unwrap();
@@ -203,7 +190,7 @@ fn cancel_approve_and_deny_write_what_they_say() {
 #[test]
 fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
     let db = fixture();
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["fork", "done", "--at", "1"])
         .output()
         .unwrap();
@@ -236,7 +223,7 @@ fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
         json!({"origin": "done", "at": 1, "steps_copied": 0})
     );
 
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "fork", "done", "--at", "3", "--id", "again"])
         .output()
         .unwrap();
@@ -260,7 +247,7 @@ fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
             "no run with id \"nope\"",
         ),
     ] {
-        agentrt(&db.path()).args(args).assert().failure().stderr(
+        agentrt(db.path()).args(args).assert().failure().stderr(
             predicate::str::contains(expected)
                 .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
         );
@@ -271,7 +258,7 @@ fn fork_writes_a_new_run_and_prints_its_id_without_executing_it() {
 #[test]
 fn deny_records_a_denial() {
     let db = fixture();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["--json", "deny", "wait", "pay-1", "--by", "bob"])
         .assert()
         .success();
@@ -282,12 +269,12 @@ fn deny_records_a_denial() {
 #[test]
 fn doctor_reports_schema_settings_integrity_and_stale_leases() {
     let db = fixture();
-    agentrt(&db.path()).arg("doctor").assert().success().stdout(
+    agentrt(db.path()).arg("doctor").assert().success().stdout(
         predicate::str::contains("integrity       ok")
             .and(predicate::str::contains("crashed"))
             .and(predicate::str::contains("synchronous     FULL\n")),
     );
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["doctor", "--json"])
         .output()
         .unwrap();
@@ -308,7 +295,7 @@ fn migrate_reports_and_applies_only_on_request() {
     let db = TempStore::sqlite();
     database_at_schema(&db.path(), 4);
     let bytes = std::fs::read(db.path()).unwrap();
-    agentrt(&db.path())
+    agentrt(db.path())
         .arg("migrate")
         .assert()
         .success()
@@ -322,14 +309,14 @@ fn migrate_reports_and_applies_only_on_request() {
         "a report writes nothing"
     );
     // Other commands refuse an old schema rather than migrate it.
-    agentrt(&db.path())
+    agentrt(db.path())
         .arg("runs")
         .assert()
         .failure()
         .stderr(predicate::str::contains("migrate"));
     assert_eq!(std::fs::read(db.path()).unwrap(), bytes);
 
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "migrate", "--apply"])
         .output()
         .unwrap();
@@ -342,7 +329,7 @@ fn migrate_reports_and_applies_only_on_request() {
         ),
         (json!(4), json!(agentrt::SCHEMA_VERSION), json!(true))
     );
-    agentrt(&db.path())
+    agentrt(db.path())
         .arg("migrate")
         .assert()
         .success()
@@ -358,7 +345,7 @@ fn a_missing_path_is_refused_and_nothing_is_created() {
         vec!["migrate", "--apply"],
         vec!["cancel", "x", "--reason", "r"],
     ] {
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(&command)
             .assert()
             .failure()
@@ -378,7 +365,7 @@ fn a_file_that_is_not_sqlite_or_is_newer_is_refused_unchanged() {
     .unwrap();
     let bytes = std::fs::read(db.path()).unwrap();
     for command in [vec!["runs"], vec!["doctor"], vec!["migrate", "--apply"]] {
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(&command)
             .assert()
             .failure()
@@ -393,7 +380,7 @@ fn a_file_that_is_not_sqlite_or_is_newer_is_refused_unchanged() {
         .unwrap();
     let bytes = std::fs::read(newer.path()).unwrap();
     for command in [vec!["runs"], vec!["doctor"], vec!["migrate", "--apply"]] {
-        agentrt(&newer.path())
+        agentrt(newer.path())
             .args(&command)
             .assert()
             .failure()
@@ -429,14 +416,10 @@ fn unknown_runs_and_calls_are_named_in_one_line() {
         (vec!["approve", "done", "pay-1", "--by", "a"], "not waiting"),
         (vec!["cancel", "done", "--reason", "r"], "SUCCEEDED"),
     ] {
-        agentrt(&db.path())
-            .args(&command)
-            .assert()
-            .failure()
-            .stderr(
-                predicate::str::contains(expected)
-                    .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
-            );
+        agentrt(db.path()).args(&command).assert().failure().stderr(
+            predicate::str::contains(expected)
+                .and(predicate::str::is_match("^agentrt: [^\n]*\n$").unwrap()),
+        );
     }
     let store = db.open();
     assert_eq!(
@@ -463,7 +446,7 @@ fn a_blank_decider_or_reason_and_a_directory_are_refused_with_what_they_are() {
         vec!["deny", "wait", "c1", "--by", "  "],
         vec!["cancel", "wait", "--reason", ""],
     ] {
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(&command)
             .assert()
             .failure()
@@ -483,25 +466,11 @@ fn a_blank_decider_or_reason_and_a_directory_are_refused_with_what_they_are() {
         ));
 }
 
-/// Every file of a directory, by name, with its bytes.
-fn files(dir: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                std::fs::read(entry.path()).unwrap(),
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn purge_deletes_the_finished_runs_and_prints_what_and_the_file_sizes() {
     let db = fixture();
     let before = files(db.dir());
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["purge", "--dry-run", "--finished-before", "0s"])
         .assert()
         .success()
@@ -512,7 +481,7 @@ fn purge_deletes_the_finished_runs_and_prints_what_and_the_file_sizes() {
         );
     assert_eq!(files(db.dir()), before, "a dry run writes nothing");
 
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "purge", "--finished-before", "0s"])
         .output()
         .unwrap();
@@ -535,7 +504,7 @@ fn purge_deletes_the_finished_runs_and_prints_what_and_the_file_sizes() {
         assert!(!store.events(&RunId::from(kept)).unwrap().is_empty());
     }
     drop(store);
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["purge", "--finished-before", "0s"])
         .assert()
         .success()
@@ -591,7 +560,7 @@ fn purge_refuses_bad_input_and_live_or_unknown_runs_and_changes_nothing() {
             "a purge batch of 0 runs",
         ),
     ] {
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(&args)
             .assert()
             .failure()
@@ -607,11 +576,11 @@ fn purge_refuses_bad_input_and_live_or_unknown_runs_and_changes_nothing() {
 #[test]
 fn vacuum_rewrites_the_file_and_doctor_reports_its_free_space() {
     let db = fixture();
-    agentrt(&db.path()).arg("doctor").assert().success().stdout(
+    agentrt(db.path()).arg("doctor").assert().success().stdout(
         predicate::str::contains("auto_vacuum     incremental")
             .and(predicate::str::contains("freelist_count")),
     );
-    agentrt(&db.path())
+    agentrt(db.path())
         .arg("vacuum")
         .assert()
         .success()
@@ -641,7 +610,7 @@ fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
         if let Some(cursor) = &after {
             args.extend(["--after".into(), cursor.clone()]);
         }
-        let out = agentrt(&db.path()).args(&args).output().unwrap();
+        let out = agentrt(db.path()).args(&args).output().unwrap();
         assert!(
             out.status.success(),
             "{}",
@@ -658,21 +627,21 @@ fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
     }
     assert_eq!(seen, all, "each run once, in order");
     // The table says where the next page starts, on stderr.
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["runs", "--limit", "1"])
         .assert()
         .success()
         .stderr(predicate::str::contains(
             "more runs follow: the next page is `--after ",
         ));
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "runs", "--agent", "waits", "--since", "1h"])
         .output()
         .unwrap();
     let page = json_of(&out.stdout);
     assert_eq!(page["runs"].as_array().unwrap().len(), 1);
     assert_eq!(page["runs"][0]["id"], json!("wait"));
-    let out = agentrt(&db.path())
+    let out = agentrt(db.path())
         .args(["--json", "runs", "--since", "2999-01-01T00:00:00Z"])
         .output()
         .unwrap();
@@ -685,7 +654,7 @@ fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
         (vec!["runs", "--limit", "0"], "give a limit from 1 to 1000"),
         (vec!["runs", "--since", "soon"], "is neither an age"),
     ] {
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(&args)
             .assert()
             .failure()

@@ -4,7 +4,6 @@
 //! what became of the run's executor and of the database.
 
 use std::{
-    collections::BTreeMap,
     io::Read,
     os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
@@ -20,6 +19,8 @@ use agentrt::{
 };
 use assert_cmd::Command;
 use serde_json::json;
+
+use crate::support::{cli, files};
 
 /// The variable that makes this test binary, started by a test, one of [`helper`]'s children.
 const HELPER: &str = "AGENTRT_CLI_READ_ONLY_HELPER";
@@ -64,8 +65,6 @@ fn in_child(what: &str, path: &Path) {
     assert!(status.success(), "the helper {what} failed");
 }
 
-use crate::support::cli;
-
 /// A database seeded once per test binary, closed: nothing beside it.
 fn seeded() -> &'static Path {
     static SEEDED: std::sync::OnceLock<(tempfile::TempDir, PathBuf)> = std::sync::OnceLock::new();
@@ -90,23 +89,9 @@ fn copy() -> (tempfile::TempDir, PathBuf) {
     (dir, path)
 }
 
-/// Every file of a directory, by name, with its bytes.
-fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                std::fs::read(entry.path()).unwrap(),
-            )
-        })
-        .collect()
-}
-
 fn agentrt(db: &Path) -> Command {
-    let mut command = Command::cargo_bin("agentrt").unwrap();
-    command.arg("--db").arg(db).timeout(Duration::from_secs(30));
+    let mut command = cli::agentrt(db);
+    command.timeout(Duration::from_secs(30));
     command
 }
 

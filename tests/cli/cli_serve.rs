@@ -9,24 +9,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use agentrt::{RunId, RunState, testkit::TempStore};
+use agentrt::{RunId, RunState};
 use assert_cmd::Command;
 use predicates::prelude::*;
 
-use crate::support::cli;
-
-/// A database with a run `wait` waiting for approval of call `pay-1`, among others.
-fn fixture() -> TempStore {
-    let db = TempStore::sqlite();
-    cli::seed(&db.path());
-    db
-}
-
-fn agentrt(db: &Path) -> Command {
-    let mut command = Command::cargo_bin("agentrt").unwrap();
-    command.arg("--db").arg(db);
-    command
-}
+use crate::support::cli::{agentrt, fixture};
 
 /// A served process, killed when dropped.
 struct Served(Child);
@@ -93,7 +80,7 @@ fn serve(db: &Path, port: u16, extra: &[&str]) -> Served {
 fn serve_refuses_a_network_address_without_tokens_and_changes_nothing() {
     let db = fixture();
     let before = std::fs::read(db.path()).unwrap();
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["serve", "--listen", "0.0.0.0:0"])
         .assert()
         .failure()
@@ -114,14 +101,14 @@ fn a_tokens_file_that_is_not_one_is_refused_with_its_line() {
     ] {
         let file = dir.path().join("tokens");
         std::fs::write(&file, text).unwrap();
-        agentrt(&db.path())
+        agentrt(db.path())
             .args(["serve", "--tokens"])
             .arg(&file)
             .assert()
             .failure()
             .stderr(predicate::str::contains(says));
     }
-    agentrt(&db.path())
+    agentrt(db.path())
         .args(["serve", "--tokens", "/nonexistent/tokens"])
         .assert()
         .failure()

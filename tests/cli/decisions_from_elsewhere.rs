@@ -11,23 +11,18 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, Config, EventKind, Message, ModelResponse, Outcome, RequireApprovalFor, RunId,
+    Agent, Approval, Config, EventKind, ModelResponse, Outcome, RequireApprovalFor, RunId,
     RunSettled, RunState, SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext,
     ToolError, ToolResult, Watch, async_trait,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::{Value, json};
 
-use crate::support::settled;
-
 use settled::{heard, subscriber};
 
-fn pay_then_answer() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-        ModelResponse::answer("paid"),
-    ])
-}
+use crate::support::{
+    idempotency_keys, last_tool_result, pay_then_answer, settled, spawn, supervise,
+};
 
 /// An agent whose `pay` call waits for a person.
 fn approving(model: ScriptedModel, pay: impl Tool) -> Agent {
@@ -77,11 +72,7 @@ async fn subscribed(
     name: &str,
     agent: Agent,
 ) -> (actix::Addr<Supervisor>, Inbox) {
-    let supervisor = Supervisor::builder(store)
-        .config(config)
-        .agent(name, agent)
-        .start()
-        .unwrap();
+    let supervisor = supervise(store, config, name, agent);
     let (inbox, rx) = subscriber();
     supervisor
         .send(SubscribeRuns(inbox.recipient()))
@@ -99,11 +90,7 @@ async fn waiting_run(
     run_id: &str,
 ) -> (actix::Addr<Supervisor>, Inbox) {
     let (supervisor, mut rx) = subscribed(store, config, "billing", agent).await;
-    supervisor
-        .send(SpawnRun::new("billing", json!({})).with_id(run_id))
-        .await
-        .unwrap()
-        .unwrap();
+    spawn(&supervisor, "billing", run_id).await;
     let paused = heard(&mut rx, 1).await;
     assert!(
         matches!(paused[0].result, Ok(Outcome::WaitingForApproval { .. })),
@@ -199,17 +186,7 @@ fn a_denial_by_the_cli_resumes_the_run_and_the_model_is_told() {
         })
     );
     assert!(pay.executions().is_empty(), "a denied call never runs");
-    let told = model
-        .seen()
-        .last()
-        .unwrap()
-        .iter()
-        .rev()
-        .find_map(|m| match m {
-            Message::Tool { result, .. } => Some(result.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let told = last_tool_result(&model);
     match told {
         ToolResult::Error(error) => assert!(error.contains("over budget"), "{error}"),
         other => panic!("the model was not told of the denial: {other:?}"),
@@ -231,11 +208,7 @@ fn a_cancel_by_the_cli_fires_the_running_tools_cancellation_signal() {
 
     let settled = with_system(|| async move {
         let (supervisor, mut rx) = subscribed(store, config, "billing", agent).await;
-        supervisor
-            .send(SpawnRun::new("billing", json!({})).with_id("r1"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&supervisor, "billing", "r1").await;
         probe.wait_executions(1).await;
         cli(&location, &["cancel", "r1", "--reason", "change freeze"]).await;
         heard(&mut rx, 1).await
@@ -281,11 +254,7 @@ fn of_two_watching_supervisors_one_resumes_each_decided_run() {
         let (inbox, mut rx) = subscriber();
         let mut supervisors = Vec::new();
         for (store, agent) in stores.into_iter().zip(agents) {
-            let supervisor = Supervisor::builder(store)
-                .config(watching())
-                .agent("billing", agent)
-                .start()
-                .unwrap();
+            let supervisor = supervise(store, watching(), "billing", agent);
             supervisor
                 .send(SubscribeRuns(inbox.clone().recipient()))
                 .await
@@ -319,11 +288,7 @@ fn of_two_watching_supervisors_one_resumes_each_decided_run() {
             })
         );
     }
-    let mut keys: Vec<String> = pay
-        .executions()
-        .iter()
-        .map(|e| e.idempotency_key.clone())
-        .collect();
+    let mut keys = idempotency_keys(&pay);
     keys.sort();
     keys.dedup();
     assert_eq!(pay.executions().len(), ids.len(), "each call ran once");
@@ -386,11 +351,7 @@ fn a_supervisor_without_the_watch_or_the_agent_leaves_the_decided_run_waiting() 
         let (_plain, _) = waiting_run(plain, Config::default(), billing, "billing-1").await;
         // Watches, and has only the shipping agent.
         let (supervisor, mut rx) = subscribed(watcher, watching(), "shipping", shipping).await;
-        supervisor
-            .send(SpawnRun::new("shipping", json!({})).with_id("shipping-1"))
-            .await
-            .unwrap()
-            .unwrap();
+        spawn(&supervisor, "shipping", "shipping-1").await;
         heard(&mut rx, 1).await;
         cli(
             &location,
@@ -483,11 +444,7 @@ fn latency_from_a_cli_approval_to_the_tool_starting() {
         )
         .await;
         for (n, id) in runs.iter().enumerate() {
-            supervisor
-                .send(SpawnRun::new("billing", json!({})).with_id(id.as_str()))
-                .await
-                .unwrap()
-                .unwrap();
+            spawn(&supervisor, "billing", id.as_str()).await;
             // One run at a time: the scripted model answers in turn.
             heard(&mut rx, 2 * n + 1).await;
             // A pause spread over a poll period (the golden ratio's steps): decisions that

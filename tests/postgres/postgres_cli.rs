@@ -4,37 +4,24 @@
 #![cfg(feature = "postgres")]
 
 use agentrt::{
-    Agent, ModelResponse, RequireApprovalFor, RunId, RunState, StartRun, Store, Supervisor,
-    ToolCall,
+    Agent, Config, RequireApprovalFor, RunId, RunState, StartRun, Store, Supervisor,
     testkit::{
-        RecordingTool, ScriptedModel,
+        RecordingTool,
         postgres::{Schema, server},
         with_system,
     },
 };
-use assert_cmd::Command;
 use predicates::prelude::*;
 use serde_json::json;
 
-fn agentrt(url: &str) -> Command {
-    let mut command = Command::cargo_bin("agentrt").unwrap();
-    command.arg("--db").arg(url);
-    command
-}
-
-fn script() -> ScriptedModel {
-    ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("pay-1", "pay", json!({"cents": 100}))]),
-        ModelResponse::answer("paid"),
-    ])
-}
+use crate::support::{cli::agentrt, pay_then_answer, supervise};
 
 /// A run `done` that finished and a run `wait` waiting for the approval of `pay-1`.
 fn seed(url: &str, pay: &RecordingTool) -> Store {
     let store = Store::connect(url).unwrap();
     let (plain, waits) = (
-        Agent::new(script()).tool(pay.clone()),
-        Agent::new(script())
+        Agent::new(pay_then_answer()).tool(pay.clone()),
+        Agent::new(pay_then_answer())
             .tool(pay.clone())
             .policy(RequireApprovalFor::tools(["pay"])),
     );
@@ -132,15 +119,12 @@ fn an_approval_recorded_by_url_resumes_and_the_tool_runs_once() {
         .args(["approve", "wait", "pay-1", "--by", "alice"])
         .assert()
         .success();
-    let waits = Agent::new(script())
+    let waits = Agent::new(pay_then_answer())
         .tool(pay.clone())
         .policy(RequireApprovalFor::tools(["pay"]));
     let resumed = store.clone();
     with_system(|| async move {
-        let sup = Supervisor::builder(resumed)
-            .agent("waits", waits)
-            .start()
-            .unwrap();
+        let sup = supervise(resumed, Config::default(), "waits", waits);
         sup.send(agentrt::ResumeRun::new("wait"))
             .await
             .unwrap()

@@ -15,9 +15,8 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use crate::support::child;
 use agentrt::{
-    Agent, Config, Error, ModelResponse, ResumeRun, RunId, StartRun, Store, Supervisor, ToolCall,
+    Agent, Config, Error, ModelResponse, ResumeRun, RunId, StartRun, Store, ToolCall,
     testkit::{
         Behaviour, RecordingTool, ScriptedModel, TempStore,
         postgres::{Schema, server},
@@ -25,6 +24,8 @@ use agentrt::{
     },
 };
 use serde_json::json;
+
+use crate::support::{child, supervise};
 
 const TTL: Duration = Duration::from_millis(400);
 /// How far each child's wall clock is moved: ten TTLs, one back and one forward.
@@ -60,11 +61,7 @@ fn child_executes_its_run_and_reaches_for_the_other() {
     let store = Store::connect(&location).unwrap();
     with_system(|| async move {
         let config = Config::default().lease_owner(name.as_str()).lease_ttl(TTL);
-        let sup = Supervisor::builder(store)
-            .config(config)
-            .agent("a", agent(&tool))
-            .start()
-            .unwrap();
+        let sup = supervise(store, config, "a", agent(&tool));
         actix_rt::spawn(sup.send(StartRun::new("a", json!({})).with_id(format!("run-{name}"))));
         tool.wait_executions(1).await;
         println!("HOLDING");

@@ -5,8 +5,7 @@
 #![cfg(feature = "postgres")]
 
 use agentrt::{
-    Agent, Config, ModelResponse, RequireApprovalFor, RunState, SpawnRun, Store, Supervisor,
-    ToolCall, Watch,
+    Agent, Config, ModelResponse, RequireApprovalFor, RunState, SpawnRun, Store, ToolCall, Watch,
     testkit::{
         RecordingTool, ScriptedModel,
         postgres::{Schema, server},
@@ -14,6 +13,8 @@ use agentrt::{
     },
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 #[test]
 fn a_store_opened_and_watched_inside_an_actix_system_resumes_a_decided_run() {
@@ -32,11 +33,12 @@ fn a_store_opened_and_watched_inside_an_actix_system_resumes_a_decided_run() {
         ]))
         .tool(tool.clone())
         .policy(RequireApprovalFor::tools(["pay"]));
-        let sup = Supervisor::builder(store.clone())
-            .config(Config::default().watch(Watch::default()))
-            .agent("a", agent)
-            .start()
-            .unwrap();
+        let sup = supervise(
+            store.clone(),
+            Config::default().watch(Watch::default()),
+            "a",
+            agent,
+        );
         let run_id = sup
             .send(SpawnRun::new("a", json!({})))
             .await

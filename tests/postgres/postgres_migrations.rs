@@ -11,12 +11,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::support::child;
 use agentrt::{
     Error, SCHEMA_VERSION, Store,
     postgres::Options,
     testkit::postgres::{Schema, server},
 };
+
+use crate::support::child;
 
 const URL: &str = "AGENTRT_MIGRATE_URL";
 const GO: &str = "AGENTRT_MIGRATE_GO";

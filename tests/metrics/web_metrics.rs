@@ -6,17 +6,18 @@
 
 use std::{
     collections::HashMap,
-    io::{Read, Write},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
-use crate::support::metrics::{one_at_a_time, serve};
+use crate::support::metrics::{self, one_at_a_time, serve};
 use agentrt::{
-    Agent, Config, ModelResponse, RunId, RunState, StartRun, Supervisor, ToolCall, Usage,
+    Agent, Config, ModelResponse, RunId, RunState, StartRun, ToolCall, Usage,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 /// A short TTL: renewals come every 100 ms, and a crashed supervisor's run is free soon.
 const TTL: Duration = Duration::from_millis(300);
@@ -26,28 +27,6 @@ const PATIENCE: Duration = Duration::from_secs(20);
 
 /// One sample of a scrape: its name with its labels as printed, and its value.
 type Samples = HashMap<String, f64>;
-
-/// `GET /agentrt/metrics`: the status line and the body.
-fn get_metrics(address: SocketAddr) -> (String, String, String) {
-    let mut stream = TcpStream::connect(address).expect("the server accepts");
-    // HTTP/1.0: the body ends where the connection does.
-    stream
-        .write_all(b"GET /agentrt/metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
-    let status = head.lines().next().unwrap_or_default().to_owned();
-    let content_type = head
-        .lines()
-        .find_map(|line| {
-            let (name, value) = line.split_once(':')?;
-            name.eq_ignore_ascii_case("content-type")
-                .then(|| value.trim().to_owned())
-        })
-        .unwrap_or_default();
-    (status, content_type, body.to_owned())
-}
 
 /// The samples of a scrape in the text format, each line checked as it is read.
 fn parse(body: &str) -> Samples {
@@ -73,7 +52,11 @@ fn parse(body: &str) -> Samples {
 }
 
 fn scrape(address: SocketAddr) -> Samples {
-    let (status, content_type, body) = get_metrics(address);
+    let metrics::Scrape {
+        status,
+        content_type,
+        body,
+    } = metrics::scrape(address);
     assert!(status.contains(" 200 "), "{status}");
     assert!(content_type.starts_with("text/plain"), "{content_type}");
     parse(&body)
@@ -144,11 +127,7 @@ fn a_takeover_and_its_finished_run_move_the_scraped_counters() {
     let (store, first, blocked) = (db.open(), agent(), charge.clone());
     let scraped = before.clone();
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config())
-            .agent("billing", first)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, config(), "billing", first);
         actix_rt::spawn(supervisor.send(StartRun::new("billing", json!({})).with_id("run-1")));
         blocked.wait_executions(1).await;
         actix_rt::task::spawn_blocking(move || {
@@ -165,11 +144,7 @@ fn a_takeover_and_its_finished_run_move_the_scraped_counters() {
     charge.set_behaviour(Behaviour::Succeed);
     let (store, second, id) = (db.open(), agent(), run_id.clone());
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(config())
-            .agent("billing", second)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, config(), "billing", second);
         resume_when_free(&supervisor, &id, PATIENCE).await
     })
     .unwrap();

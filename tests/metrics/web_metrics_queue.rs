@@ -4,34 +4,28 @@
 //! The recorder is the process's, so this test takes its turn at it ([`one_at_a_time`]).
 
 use std::{
-    io::{Read, Write},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
-use crate::support::metrics::{one_at_a_time, serve};
+use crate::support::metrics::{self, one_at_a_time, serve};
 use agentrt::{
-    Agent, Config, ModelResponse, Outcome, StartRun, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, Outcome, StartRun, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 /// How long a condition is waited for at most: far longer than it takes.
 const PATIENCE: Duration = Duration::from_secs(20);
 
 /// The value of `series` in a scrape of `/agentrt/metrics`; 0 when it is not printed.
 fn scraped(address: SocketAddr, series: &str) -> f64 {
-    let mut stream = TcpStream::connect(address).expect("the server accepts");
-    // HTTP/1.0: the body ends where the connection does.
-    stream
-        .write_all(b"GET /agentrt/metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+    let metrics::Scrape { status, body, .. } = metrics::scrape(address);
     assert!(
-        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
-        "{head}"
+        status.starts_with("HTTP/1.0 200") || status.starts_with("HTTP/1.1 200"),
+        "{status}"
     );
     body.lines()
         .filter_map(|line| line.rsplit_once(' '))
@@ -66,11 +60,12 @@ fn a_run_waiting_for_a_slot_is_scraped_as_queued_until_its_turn() {
     let agent = Agent::new(model).tool(hold.clone());
     let store = db.open();
     let first = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .config(Config::default().max_concurrent_runs(1))
-            .agent("work", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            store,
+            Config::default().max_concurrent_runs(1),
+            "work",
+            agent,
+        );
         let first =
             actix_rt::spawn(supervisor.send(StartRun::new("work", json!({})).with_id("r1")));
         hold.wait_executions(1).await;

@@ -6,20 +6,20 @@
 
 use std::{
     collections::HashMap,
-    io::{Read, Write},
-    net::{SocketAddr, TcpStream},
     sync::{Arc, Mutex},
 };
 
-use crate::support::metrics::serve;
+use crate::support::metrics::{Scrape, scrape, serve};
 use agentrt::{
-    Agent, ModelResponse, Outcome, StartRun, Supervisor, Usage,
+    Agent, Config, ModelResponse, Outcome, StartRun, Usage,
     testkit::{ScriptedModel, TempStore, with_system},
 };
 use metrics::{
     Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
 };
 use serde_json::json;
+
+use crate::support::supervise;
 
 /// The application's recorder: the sum of each counter, by name.
 #[derive(Clone, Default)]
@@ -77,22 +77,6 @@ impl Recorder for Tally {
     }
 }
 
-/// `GET /agentrt/metrics`: the status line and the body.
-fn scrape(address: SocketAddr) -> (String, String) {
-    let mut stream = TcpStream::connect(address).expect("the server accepts");
-    // HTTP/1.0: the body ends where the connection does.
-    stream
-        .write_all(b"GET /agentrt/metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
-    (
-        head.lines().next().unwrap_or_default().to_owned(),
-        body.to_owned(),
-    )
-}
-
 #[test]
 fn with_the_applications_recorder_the_counters_go_there_and_the_scrape_keeps_the_store_gauges() {
     let tally = Tally::default();
@@ -105,10 +89,7 @@ fn with_the_applications_recorder_the_counters_go_there_and_the_scrape_keeps_the
     let agent = Agent::new(ScriptedModel::new(vec![answer]));
     let store = db.open();
     let reply = with_system(|| async move {
-        let supervisor = Supervisor::builder(store)
-            .agent("echo", agent)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, Config::default(), "echo", agent);
         supervisor.send(StartRun::new("echo", json!({}))).await
     })
     .unwrap()
@@ -118,7 +99,7 @@ fn with_the_applications_recorder_the_counters_go_there_and_the_scrape_keeps_the
     assert_eq!(tally.get("agentrt_model_tokens_total"), 42);
     assert_eq!(tally.get("agentrt_runs_finished_total"), 1);
 
-    let (status, body) = scrape(address);
+    let Scrape { status, body, .. } = scrape(address);
     assert!(status.contains(" 200 "), "{status}");
     let first = body.lines().next().unwrap_or_default();
     assert!(

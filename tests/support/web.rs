@@ -3,9 +3,10 @@
 
 use std::{future::Future, net::SocketAddr, time::Duration};
 
+use super::supervise;
 use actix_web::{App, HttpServer, dev::ServerHandle};
 use agentrt::{
-    Agent, ModelResponse, RequireApprovalFor, RunId, Store, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, RequireApprovalFor, RunId, Store, Supervisor, ToolCall,
     testkit::{RecordingTool, ScriptedModel},
     web::Api,
 };
@@ -40,24 +41,12 @@ pub async fn serve_supervised(
     agent: Agent,
     shape: impl FnOnce(Api) -> Api,
 ) -> (SocketAddr, actix::Addr<Supervisor>, Api) {
-    let supervisor = Supervisor::builder(store.clone())
-        .agent(name, agent)
-        .start()
-        .unwrap();
+    let supervisor = supervise(store.clone(), Config::default(), name, agent);
     let api = shape(Api::new(store.clone()).supervisor(supervisor.clone()));
     let (addr, server) = serve(api.clone()).await;
     // The server lives as long as the test's system.
     std::mem::forget(server);
     (addr, supervisor, api)
-}
-
-/// Starts run `id` of `agent` in the background.
-pub async fn spawn(supervisor: &actix::Addr<Supervisor>, agent: &str, id: &str) {
-    supervisor
-        .send(agentrt::SpawnRun::new(agent, json!({})).with_id(id))
-        .await
-        .unwrap()
-        .unwrap();
 }
 
 /// An agent whose model calls `transfer` (which needs an approval), then answers.

@@ -26,6 +26,8 @@ use agentrt::{
 };
 use serde_json::json;
 
+use crate::support::supervise;
+
 const OPERATOR: &str = "alice";
 const TOKEN: &str = "console-test-token";
 const PREFIX: &str = "/ops";
@@ -340,11 +342,7 @@ fn a_lapsed_lease_is_shown_expired_and_the_run_resumed_from_its_page() {
         let config = Config::default()
             .lease_owner("crashed-host")
             .lease_ttl(Duration::from_millis(200));
-        let supervisor = Supervisor::builder(store)
-            .config(config)
-            .agent("research", crashed)
-            .start()
-            .unwrap();
+        let supervisor = supervise(store, config, "research", crashed);
         let run_id = supervisor
             .send(SpawnRun::new("research", json!({"q": "ada"})))
             .await

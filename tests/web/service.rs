@@ -2,25 +2,26 @@
 //! and a watch, and `agentrt::web` mounted under `/agentrt`: a run started, approved and
 //! finished, and at start-up the runs a dead process left taken over.
 
-use crate::support::quickstart_agent;
-
 use std::time::Duration;
 
 use actix_web::{App, HttpServer};
 use agentrt::{
-    Agent, Config, ModelResponse, Recovery, StartRun, Supervisor, ToolCall, Watch,
+    Agent, Config, ModelResponse, Recovery, StartRun, ToolCall, Watch,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
     web::Api,
 };
 use serde_json::{Value, json};
 
+use crate::support::{quickstart_agent, supervise};
+
 /// Starts the service as `examples/service.rs` does, on a free port; returns its base URL.
 fn serve(store: agentrt::Store, agent: Agent, config: Config) -> String {
-    let supervisor = Supervisor::builder(store.clone())
-        .config(config.watch(Watch::default()))
-        .agent("support", agent)
-        .start()
-        .unwrap();
+    let supervisor = supervise(
+        store.clone(),
+        config.watch(Watch::default()),
+        "support",
+        agent,
+    );
     let api = Api::new(store).supervisor(supervisor);
     let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
         .workers(1)
@@ -103,11 +104,7 @@ fn at_start_up_the_service_takes_over_runs_a_dead_process_left_running() {
     // A process dies with the deploy in flight; its lease is still live when the service starts.
     let (store, dying, probe, dying_config) = (db.open(), agent(), deploy.clone(), config.clone());
     with_system(|| async move {
-        let sup = Supervisor::builder(store)
-            .config(dying_config)
-            .agent("support", dying)
-            .start()
-            .unwrap();
+        let sup = supervise(store, dying_config, "support", dying);
         actix_rt::spawn(sup.send(StartRun::new("support", json!({})).with_id("left")));
         probe.wait_executions(1).await;
     });

@@ -1,16 +1,16 @@
 //! The web API over real HTTP: every route, and every error with its stable code.
 
-use crate::support::web;
-
 use std::collections::BTreeSet;
 
+use crate::support::web::{ALICE, Client, code, paying_agent, serve};
 use agentrt::{
-    Config, RunId, RunState, Supervisor,
+    Config, RunId, RunState,
     testkit::{RecordingTool, TempStore, with_system},
     web::Api,
 };
 use serde_json::{Value, json};
-use web::{ALICE, Client, code, paying_agent, serve};
+
+use crate::support::supervise;
 
 #[test]
 fn a_run_is_started_listed_shown_approved_and_followed_to_its_end_over_http() {
@@ -18,11 +18,12 @@ fn a_run_is_started_listed_shown_approved_and_followed_to_its_end_over_http() {
     let store = db.open();
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .config(Config::default().lease_owner("web-test"))
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            store.clone(),
+            Config::default().lease_owner("web-test"),
+            "payments",
+            paying_agent(&transfer),
+        );
         let api = Api::new(store.clone())
             .supervisor(supervisor)
             .token("alice", ALICE)
@@ -183,10 +184,12 @@ fn every_error_is_json_with_a_stable_code() {
     let store = db.open();
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            store.clone(),
+            Config::default(),
+            "payments",
+            paying_agent(&transfer),
+        );
         let api = Api::new(store.clone())
             .supervisor(supervisor)
             .token("alice", ALICE)
@@ -368,11 +371,12 @@ fn an_api_without_a_supervisor_records_decisions_and_refuses_to_start_runs() {
     let transfer = RecordingTool::new("transfer");
     with_system(|| async move {
         // A supervisor elsewhere (here, in the same system, but not the API's) executes.
-        let supervisor = Supervisor::builder(db.open())
-            .config(Config::default().watch(agentrt::Watch::default()))
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            db.open(),
+            Config::default().watch(agentrt::Watch::default()),
+            "payments",
+            paying_agent(&transfer),
+        );
         supervisor
             .send(agentrt::SpawnRun::new("payments", json!({})).with_id("r1"))
             .await

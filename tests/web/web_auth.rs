@@ -1,24 +1,28 @@
 //! Operators are authenticated: a write needs a configured token, reads may too, the approver
 //! recorded is the token's operator, and an API without tokens listens only on loopback.
 
-use crate::support::web;
-
 use std::net::SocketAddr;
 
 use agentrt::{
-    Supervisor,
+    Config,
     testkit::{RecordingTool, TempStore, with_system},
     web::{Api, token_digest},
 };
 use serde_json::json;
-use web::{ALICE, Client, code, paying_agent, serve};
+
+use crate::support::{
+    supervise,
+    web::{self, ALICE, Client, code, paying_agent, serve},
+};
 
 /// A supervisor with a run `r1` waiting for its payment's approval, and the API over it.
 async fn waiting_run(store: agentrt::Store, transfer: &RecordingTool, api: Api) -> SocketAddr {
-    let supervisor = Supervisor::builder(store.clone())
-        .agent("payments", paying_agent(transfer))
-        .start()
-        .unwrap();
+    let supervisor = supervise(
+        store.clone(),
+        Config::default(),
+        "payments",
+        paying_agent(transfer),
+    );
     let (addr, server) = serve(api.supervisor(supervisor)).await;
     std::mem::forget(server);
     let client = Client::new(addr, Some(ALICE));

@@ -2,17 +2,19 @@
 //! `Last-Event-ID`, keep-alive comments, wakes by commits rather than by polling each client,
 //! and a client that goes away takes its server-side work with it.
 
-use crate::support::web;
-
 use std::time::Duration;
 
 use agentrt::{
-    Agent, ModelResponse, RunState, SpawnRun, Supervisor, ToolCall,
+    Agent, Config, ModelResponse, RunState, ToolCall,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, with_system},
     web::Api,
 };
 use serde_json::json;
-use web::{ALICE, Client, EventStream, paying_agent, serve, serve_supervised, spawn, wait_until};
+
+use crate::support::{
+    spawn, supervise,
+    web::{ALICE, Client, EventStream, paying_agent, serve, serve_supervised, wait_until},
+};
 
 /// An agent whose tool blocks until the test releases it.
 fn gated_agent(tool: &RecordingTool) -> Agent {
@@ -29,10 +31,12 @@ fn a_run_stream_sends_each_event_once_with_its_seq_and_ends_after_the_run() {
     let store = db.open();
     let work = RecordingTool::new("work").behaviour(Behaviour::Block);
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("gated", gated_agent(&work))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            store.clone(),
+            Config::default(),
+            "gated",
+            gated_agent(&work),
+        );
         let api = Api::new(store.clone()).supervisor(supervisor.clone());
         let (addr, _server) = serve(api).await;
         spawn(&supervisor, "gated", "r1").await;
@@ -145,10 +149,12 @@ fn a_commit_of_this_process_wakes_the_streams_without_waiting_for_a_check() {
     let store = db.open();
     let work = RecordingTool::new("work").behaviour(Behaviour::Block);
     with_system(|| async move {
-        let supervisor = Supervisor::builder(store.clone())
-            .agent("gated", gated_agent(&work))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            store.clone(),
+            Config::default(),
+            "gated",
+            gated_agent(&work),
+        );
         // A check for other processes' commits once an hour: only the bell of this process's
         // commits can wake the stream within the test.
         let api = Api::new(store.clone())
@@ -177,10 +183,12 @@ fn another_processs_commit_reaches_the_stream_at_the_next_check() {
     with_system(|| async move {
         // The supervisor writes through a handle of its own, as another process would: its
         // commits ring no bell the API hears.
-        let supervisor = Supervisor::builder(db.open())
-            .agent("payments", paying_agent(&transfer))
-            .start()
-            .unwrap();
+        let supervisor = supervise(
+            db.open(),
+            Config::default(),
+            "payments",
+            paying_agent(&transfer),
+        );
         let api = Api::new(store.clone()).check_every(Duration::from_millis(20));
         let (addr, _server) = serve(api).await;
         let mut changes = EventStream::open(addr, "/stream", &[]).await;
@@ -218,11 +226,7 @@ fn a_client_that_goes_away_ends_its_streams_work() {
         let start = |id: &'static str| {
             let supervisor = supervisor.clone();
             async move {
-                supervisor
-                    .send(SpawnRun::new("payments", json!({})).with_id(id))
-                    .await
-                    .unwrap()
-                    .unwrap();
+                spawn(&supervisor, "payments", id).await;
             }
         };
         start("r1").await;
@@ -309,11 +313,7 @@ fn commits_of_other_runs_do_not_hold_back_an_idle_streams_keep_alive() {
             let supervisor = supervisor.clone();
             actix_rt::spawn(async move {
                 for n in 0.. {
-                    supervisor
-                        .send(SpawnRun::new("payments", json!({})).with_id(format!("other-{n}")))
-                        .await
-                        .unwrap()
-                        .unwrap();
+                    spawn(&supervisor, "payments", format!("other-{n}")).await;
                     actix_rt::time::sleep(Duration::from_millis(5)).await;
                 }
             })

@@ -49,6 +49,23 @@ pub fn call_then_answer(id: &str, tool: &str, args: Value, answer: &str) -> Scri
     ])
 }
 
+/// A model that asks for `pay` to pay 100 cents (call `pay-1`), then answers "paid".
+pub fn pay_then_answer() -> ScriptedModel {
+    call_then_answer("pay-1", "pay", json!({"cents": 100}), "paid")
+}
+
+/// The model of the approval tests: it asks for `transfer` (call `pay-1`), then answers.
+pub fn transfer_then_answer() -> ScriptedModel {
+    call_then_answer("pay-1", "transfer", json!({"amount": 100}), "finished")
+}
+
+/// An agent whose model asks for `tool` to provision an `xl` (call `c1`), then answers: the
+/// run the child-process tests leave behind.
+pub fn provisioning(tool: &RecordingTool) -> Agent {
+    let model = call_then_answer("c1", "provision", json!({"size": "xl"}), "provisioned");
+    Agent::new(model).tool(tool.clone())
+}
+
 /// A supervisor over `store` with `config`, executing `agent` as `name`, started in the
 /// current actix system.
 pub fn supervise(store: Store, config: Config, name: &str, agent: Agent) -> Addr<Supervisor> {
@@ -59,7 +76,8 @@ pub fn supervise(store: Store, config: Config, name: &str, agent: Agent) -> Addr
         .unwrap()
 }
 
-/// Sends `msg` to a new supervisor ([`supervise`]) in an actix system of its own, and answers its reply.
+/// Sends `msg` to a new supervisor ([`supervise`]) in an actix system of its own, and answers
+/// its reply.
 pub fn ask<M>(store: Store, config: Config, name: &str, agent: Agent, msg: M) -> M::Result
 where
     M: actix::Message + Send + 'static,
@@ -72,8 +90,27 @@ where
     })
 }
 
-/// Sends `msg` to a new supervisor ([`supervise`]) and crashes it once `until` completes: its actix system
-/// goes away with no further write, and the call never answers.
+/// Runs `run-1` of `agent` (as `a`) on `input` on a new supervisor over `db`, until it ends or
+/// waits; answers how the call ended.
+pub fn outcome_of(db: &TempStore, agent: Agent, input: Value) -> Outcome {
+    let start = StartRun::new("a", input).with_id("run-1");
+    ask(db.open(), Config::default(), "a", agent, start)
+        .unwrap()
+        .outcome
+}
+
+/// Starts run `id` of `agent` on `supervisor` in the background (`SpawnRun`), once it is
+/// durable.
+pub async fn spawn(supervisor: &Addr<Supervisor>, agent: &str, id: impl Into<RunId>) {
+    supervisor
+        .send(SpawnRun::new(agent, json!({})).with_id(id))
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// Sends `msg` to a new supervisor ([`supervise`]) and crashes it once `until` completes: its
+/// actix system goes away with no further write, and the call never answers.
 pub fn crash_when<M>(
     store: Store,
     config: Config,
@@ -111,8 +148,8 @@ where
     );
 }
 
-/// Resumes `run_id` on a new supervisor ([`supervise`]) once the lease a dead one left has expired
-/// ([`resume_when_free`], for `patience` at most).
+/// Resumes `run_id` on a new supervisor ([`supervise`]) once the lease a dead one left has
+/// expired ([`resume_when_free`], for `patience` at most).
 pub fn resume_when_free_on(
     store: Store,
     config: Config,
@@ -126,44 +163,6 @@ pub fn resume_when_free_on(
         let supervisor = supervise(store, config, name, agent);
         resume_when_free(&supervisor, &run_id, patience).await
     })
-}
-
-/// The kinds of `events`, in order.
-pub fn kinds(events: &[Event]) -> Vec<EventKind> {
-    events.iter().map(|e| e.kind).collect()
-}
-
-/// The kinds of the events of `run_id`, in order.
-pub fn kinds_of(store: &Store, run_id: &RunId) -> Vec<EventKind> {
-    kinds(&store.events(run_id).unwrap())
-}
-
-/// The tool results the model saw on its last turn.
-pub fn results_seen(model: &ScriptedModel) -> Vec<ToolResult> {
-    model
-        .seen()
-        .pop()
-        .unwrap()
-        .into_iter()
-        .filter_map(|m| match m {
-            Message::Tool { result, .. } => Some(result),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Every file of `dir`, by name, with its bytes.
-pub fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                std::fs::read(entry.path()).unwrap(),
-            )
-        })
-        .collect()
 }
 
 /// Records `approval` on `supervisor`, then resumes the run it decides.
@@ -193,11 +192,6 @@ pub fn record_then_resume(
         let supervisor = supervise(store, config, name, agent);
         decide_then_resume(&supervisor, approval).await
     })
-}
-
-/// The model of the approval tests: it asks for `transfer` (call `pay-1`), then answers.
-pub fn transfer_then_answer() -> ScriptedModel {
-    call_then_answer("pay-1", "transfer", json!({"amount": 100}), "finished")
 }
 
 /// Starts a run with `start` on a new supervisor ([`supervise`]) in an actix system of its
@@ -236,16 +230,28 @@ pub fn email_approved_by_carol(store: Store, run_id: &str) -> Outcome {
     start_then_decide(store, Config::default(), "support", agent, start, approval)
 }
 
-/// An agent whose model asks for `tool` to provision an `xl` (call `c1`), then answers: the
-/// run the child-process tests leave behind.
-pub fn provisioning(tool: &RecordingTool) -> Agent {
-    let model = call_then_answer("c1", "provision", json!({"size": "xl"}), "provisioned");
-    Agent::new(model).tool(tool.clone())
+/// The kinds of `events`, in order.
+pub fn kinds(events: &[Event]) -> Vec<EventKind> {
+    events.iter().map(|e| e.kind).collect()
 }
 
-/// A model that asks for `pay` to pay 100 cents (call `pay-1`), then answers "paid".
-pub fn pay_then_answer() -> ScriptedModel {
-    call_then_answer("pay-1", "pay", json!({"cents": 100}), "paid")
+/// The kinds of the events of `run_id`, in order.
+pub fn kinds_of(store: &Store, run_id: &RunId) -> Vec<EventKind> {
+    kinds(&store.events(run_id).unwrap())
+}
+
+/// The tool results the model saw on its last turn.
+pub fn results_seen(model: &ScriptedModel) -> Vec<ToolResult> {
+    model
+        .seen()
+        .pop()
+        .unwrap()
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::Tool { result, .. } => Some(result),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The tool result the model saw for its call, on its last turn.
@@ -271,21 +277,16 @@ pub fn idempotency_keys(tool: &RecordingTool) -> Vec<String> {
         .collect()
 }
 
-/// Runs `run-1` of `agent` (as `a`) on `input` on a new supervisor over `db`, until it ends or
-/// waits; answers how the call ended.
-pub fn outcome_of(db: &TempStore, agent: Agent, input: Value) -> Outcome {
-    let start = StartRun::new("a", input).with_id("run-1");
-    ask(db.open(), Config::default(), "a", agent, start)
+/// Every file of `dir`, by name, with its bytes.
+pub fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
         .unwrap()
-        .outcome
-}
-
-/// Starts run `id` of `agent` on `supervisor` in the background (`SpawnRun`), once it is
-/// durable.
-pub async fn spawn(supervisor: &Addr<Supervisor>, agent: &str, id: impl Into<RunId>) {
-    supervisor
-        .send(SpawnRun::new(agent, json!({})).with_id(id))
-        .await
-        .unwrap()
-        .unwrap();
+        .map(|entry| {
+            let entry = entry.unwrap();
+            (
+                entry.file_name().to_string_lossy().into_owned(),
+                std::fs::read(entry.path()).unwrap(),
+            )
+        })
+        .collect()
 }

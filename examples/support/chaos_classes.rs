@@ -1,5 +1,5 @@
 //! The chaos run's count of executions: a pure function of a run's events and the executions
-//! its tools logged, shared by `examples/chaos.rs` and `tests/chaos_classes.rs`.
+//! its tools logged, shared by `examples/chaos.rs` and `tests/crashes/chaos_classes.rs`.
 //!
 //! Per idempotency key, the earliest execution by an owner whose lease was not taken over is
 //! the first; every other execution is sorted into exactly one class, and one that no class

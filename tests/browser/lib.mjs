@@ -1,6 +1,6 @@
 // Shared by the console's browser tests: Debian's Chromium driven by playwright-core, the
 // harness's settings from the environment, and a check that the page asked nothing of any
-// other origin. tests/console_browser.rs runs these scripts; each exits 0 when its checks pass.
+// other origin. tests/web/console_browser.rs runs these scripts; each exits 0 when its checks pass.
 import assert from "node:assert/strict";
 import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -19,7 +19,7 @@ setTimeout(() => {
 /** A variable the harness must set. */
 export function env(name) {
   const value = process.env[name];
-  if (!value) throw new Error(`${name} is not set: run this script through tests/console_browser.rs`);
+  if (!value) throw new Error(`${name} is not set: run this script through tests/web/console_browser.rs`);
   return value;
 }
 

@@ -8,17 +8,32 @@ use std::{
     time::Duration,
 };
 
-/// Starts the ignored test `name` of this binary as a child process, with `var` naming the
-/// store at `location`.
-pub fn spawn(name: &str, var: &str, location: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            name,
-            "--nocapture",
-            "--test-threads=1",
-        ])
+use agentrt::{
+    Store,
+    testkit::{Behaviour, RecordingTool},
+};
+
+/// A command that runs test `name` of the module `module` (the `module_path!()` of its file)
+/// of this binary, and nothing else, in a child process: whether it is ignored or not, its
+/// output not captured.
+pub fn test(module: &str, name: &str) -> Command {
+    // libtest names a test by its path below the crate: the module's, less the binary's name.
+    let (_, path) = module.split_once("::").expect("a module of a test binary");
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command.args([
+        "--include-ignored",
+        "--exact",
+        &format!("{path}::{name}"),
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    command
+}
+
+/// Starts the ignored test `name` of `module` (see [`test`]) as a child process, with `var`
+/// naming the store at `location`.
+pub fn spawn(module: &str, name: &str, var: &str, location: &str) -> Child {
+    test(module, name)
         .env(var, location)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -52,13 +67,28 @@ pub fn report(child: &mut Child, word: &'static str) -> String {
     }
 }
 
-/// Starts the ignored test `name` as a child process on the store at `location` (see [`spawn`]),
+/// Starts the ignored test `name` of `module` as a child process on the store at `location`
+/// (see [`spawn`]),
 /// waits for its report of `word`, and kills it with SIGKILL, so that it writes nothing more;
 /// answers what followed `word`.
-pub fn killed_after(name: &str, var: &str, location: &str, word: &'static str) -> String {
-    let mut child = spawn(name, var, location);
+pub fn killed_after(
+    module: &str,
+    name: &str,
+    var: &str,
+    location: &str,
+    word: &'static str,
+) -> String {
+    let mut child = spawn(module, name, var, location);
     let reported = report(&mut child, word);
     child.kill().unwrap();
     child.wait().unwrap();
     reported
+}
+
+/// The child's side: the store the parent named in `var` (see [`spawn`]), and a `provision`
+/// tool whose calls block until the process is killed.
+pub fn store_and_stuck_tool(var: &str) -> (Store, RecordingTool) {
+    let location = std::env::var(var).expect("run by the parent test");
+    let tool = RecordingTool::new("provision").behaviour(Behaviour::BlockIgnoringCancel);
+    (Store::connect(&location).unwrap(), tool)
 }

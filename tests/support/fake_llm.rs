@@ -3,8 +3,6 @@
 //! connection, hangs, or sends a broken body), and a run driven against it through a real
 //! supervisor.
 
-#![allow(dead_code)] // Each test file uses its own part.
-
 use std::{
     collections::VecDeque,
     io::{BufRead, BufReader, Read, Write},
@@ -17,10 +15,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::ask;
 use agentrt::{
-    Agent, Event, EventKind, ModelPolicy, RunReply, StartRun, Supervisor, Tool, ToolContext,
-    ToolError, async_trait,
-    testkit::{TempStore, with_system},
+    Agent, Config, Event, EventKind, ModelPolicy, RunReply, StartRun, Tool, ToolContext, ToolError,
+    async_trait, testkit::TempStore,
 };
 use serde_json::{Value, json};
 
@@ -281,16 +279,13 @@ impl Ran {
     pub fn of(agent: Agent, input: Value) -> Ran {
         let db = TempStore::new();
         let store = db.open();
-        let reply = with_system(|| async move {
-            let supervisor = Supervisor::builder(store)
-                .agent("agent", agent)
-                .start()
-                .unwrap();
-            supervisor
-                .send(StartRun::new("agent", input).with_id("run-1"))
-                .await
-                .unwrap()
-        })
+        let reply = ask(
+            store,
+            Config::default(),
+            "agent",
+            agent,
+            StartRun::new("agent", input).with_id("run-1"),
+        )
         .unwrap();
         let events = db.open().events(&reply.run_id).unwrap();
         Ran { reply, events }

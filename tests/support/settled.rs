@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use actix::{Actor, Addr, Context, Handler, Message};
-use agentrt::RunSettled;
+use agentrt::{RunSettled, SubscribeRuns, Supervisor};
 use tokio::sync::watch;
 
 /// Keeps every `RunSettled` it is sent.
@@ -50,4 +50,16 @@ pub async fn heard(rx: &mut watch::Receiver<Vec<RunSettled>>, count: usize) -> V
         rx.wait_for(|seen| seen.len() >= count),
     );
     heard.await.expect("settled in time").unwrap().clone()
+}
+
+/// A subscriber of `supervisor`'s settlements (see [`subscriber`]), once subscribed.
+pub async fn subscribed(
+    supervisor: &Addr<Supervisor>,
+) -> (Addr<Settled>, watch::Receiver<Vec<RunSettled>>) {
+    let (settled, rx) = subscriber();
+    supervisor
+        .send(SubscribeRuns(settled.clone().recipient()))
+        .await
+        .unwrap();
+    (settled, rx)
 }

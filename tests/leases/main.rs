@@ -1,0 +1,11 @@
+//! Leases and recovery: one live executor per run, takeovers after a crash or a kill, fencing
+//! tokens, and the recovery of runs a dead process left.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod fencing_token;
+mod lease;
+mod lease_process;
+mod recovery;
+mod recovery_process;

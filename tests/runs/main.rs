@@ -1,0 +1,18 @@
+//! Runs and approvals: starting, spawning, cancelling and forking runs, policy decisions and
+//! approvals, bad input, the conversation a model sees, tool schemas, the concurrency limit and
+//! what is written before each side effect.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod approvals;
+mod background_runs;
+mod bad_input;
+mod cancel;
+mod concurrency_limit;
+mod conversation;
+mod fork;
+mod golden_run;
+mod json_shape;
+mod tool_schemas;
+mod write_ahead;

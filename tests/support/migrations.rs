@@ -1,0 +1,49 @@
+//! Helpers shared by more than one test file (each file includes this module).
+
+use std::path::Path;
+
+use agentrt::{Store, testkit::database_at_schema};
+
+/// Writes, behind agentrt's back (foreign keys off), an approval of a step that does not exist
+/// into the database at `path`, then checks that opening it is refused with an error naming the
+/// approvals table and leaves the file at schema `version`. Returns a connection to the file,
+/// for checks of what the migration left as it was.
+pub fn a_dangling_approval_stops_the_migration(path: &Path, version: u32) -> rusqlite::Connection {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.pragma_update(None, "foreign_keys", false).unwrap();
+    conn.execute(
+        "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
+         VALUES ('r1', 7, 1, 1, 'eve', 3)",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let err = Store::open(path).unwrap_err();
+    assert!(err.to_string().contains("approvals"), "{err}");
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let found: u32 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(found, version);
+    conn
+}
+
+/// Makes the database at `path` one at schema `version` (as that version left it) holding run
+/// `r1`, waiting for a decision after a finished model call at step 1, with its first event;
+/// then writes `rows`, more SQL, as that version's statements would have.
+pub fn waiting_run_at_schema(path: &Path, version: u32, rows: &str) {
+    database_at_schema(path, version);
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.execute_batch(&format!(
+        r#"
+        INSERT INTO runs (id, agent, input, state, created_at, updated_at)
+        VALUES ('r1', 'a', '{{}}', 'WAITING_FOR_APPROVAL', 1, 1);
+        INSERT INTO steps (run_id, step, kind, state, attempt, result)
+        VALUES ('r1', 1, 'model', 'finished', 1, '{{"tool_calls":[]}}');
+        {rows}
+        INSERT INTO events (run_id, seq, kind, at, payload)
+        VALUES ('r1', 1, 'run.started', 1, '{{}}');
+        "#
+    ))
+    .unwrap();
+}

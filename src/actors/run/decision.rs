@@ -29,7 +29,7 @@ impl RunLoop {
             .ok_or_else(|| {
                 Error::Corrupt(format!(
                     "run {} waits for approval with no waiting step",
-                    self.run_id
+                    self.run_id()
                 ))
             })?;
         let call = waiting.call.clone().expect("only tool steps wait");
@@ -50,10 +50,10 @@ impl RunLoop {
         // The policy is asked again (it may have changed); an approval settles what it leaves open.
         let policy_decision = match reason {
             ApprovalReason::Policy => {
-                let policy = self.agent.policy.clone();
+                let policy = self.agent().policy.clone();
                 Some(
                     std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        policy.decide(&self.run_id, &call)
+                        policy.decide(self.run_id(), &call)
                     }))
                     .map_err(|panic| self.panicked(waiting.step, "the policy".into(), panic))?,
                 )
@@ -110,14 +110,14 @@ impl RunLoop {
             ToolDecision::RequireApproval { .. } => (false, None),
         };
         tracing::info!(
-            run_id = %self.run_id,
+            run_id = %self.run_id(),
             step = number,
             call_id = %call.id,
             tool = %call.name,
             approved,
             decided_by = %by.unwrap_or(source),
-            owner = %self.env.grant.holder.owner,
-            fencing_token = self.env.grant.token(),
+            owner = %self.grant().holder.owner,
+            fencing_token = self.grant().token(),
             "run resumed"
         );
         match self.after_decision(number, attempt, call, decision, reason)? {

@@ -15,8 +15,8 @@ impl RunLoop {
     /// returns early when the keeper reports the lease lost (the loop then stops).
     pub(super) async fn wait_for_margin(&self) -> Result<()> {
         loop {
-            let seen = self.env.grant.renewals();
-            if self.env.grant.has_margin() || self.env.cancellation.is_cancelled() {
+            let seen = self.grant().renewals();
+            if self.grant().has_margin() || self.cancellation().is_cancelled() {
                 return Ok(());
             }
             self.wait_for_renewal(seen).await?;
@@ -26,24 +26,24 @@ impl RunLoop {
     /// Waits for a renewal after the `seen`-th (at once if one came already); `LeaseLost` when
     /// the deadline passes first. Returns early when the cancellation signal fires.
     pub(super) async fn wait_for_renewal(&self, seen: u64) -> Result<()> {
-        let grant = &self.env.grant;
+        let grant = &self.grant();
         let renewal = grant.renewal();
         let mut renewal = std::pin::pin!(renewal);
         renewal.as_mut().enable();
-        if grant.renewed_since(seen) || self.env.cancellation.is_cancelled() {
+        if grant.renewed_since(seen) || self.cancellation().is_cancelled() {
             return Ok(());
         }
         let left = grant.remaining();
         if left.is_zero() {
             return Err(Error::LeaseLost {
-                run_id: self.run_id.clone(),
+                run_id: self.run_id().clone(),
                 reason: LeaseLostReason::Expired,
             });
         }
         tracing::debug!(?left, "short of the start margin; waiting for a renewal");
         futures_util::select_biased! {
             () = renewal.fuse() => Ok(()),
-            () = self.env.cancellation.cancelled().fuse() => Ok(()),
+            () = self.cancellation().cancelled().fuse() => Ok(()),
             () = actix_rt::time::sleep(left).fuse() => Ok(()),
         }
     }
@@ -52,7 +52,7 @@ impl RunLoop {
     /// [`short_of_margin`](Self::short_of_margin)), once the next renewal came: the loop then
     /// plans it again.
     pub(super) async fn unless_short<T>(&self, started: Result<T>) -> Result<Option<T>> {
-        let seen = self.env.grant.renewals();
+        let seen = self.grant().renewals();
         match started {
             Err(err) if self.short_of_margin(&err) => {
                 self.wait_for_renewal(seen).await.map(|()| None)
@@ -71,7 +71,7 @@ impl RunLoop {
                 reason: LeaseLostReason::Expired,
                 ..
             }
-        ) && !self.env.cancellation.is_cancelled()
-            && !self.env.grant.remaining().is_zero()
+        ) && !self.cancellation().is_cancelled()
+            && !self.grant().remaining().is_zero()
     }
 }

@@ -4,7 +4,9 @@
 //! The loop ([`run_loop`]) plans the next move and commits it; each kind of step has a file of
 //! its own: [`start`] (the first move of a call), [`model`], [`tool`], [`decision`] (resuming a
 //! decision), [`reconcile`]; [`lease`] holds the waits for the lease's start margin, and
-//! [`outcome`] how a call ends.
+//! [`outcome`] how a call ends. The loop's state is private to [`run_loop`]: a step sees the
+//! run through its methods (the run's id and agent, the lease, the cancellation signal, the
+//! store, the model's request), and changes it only by committing moves and folding them in.
 
 mod decision;
 mod lease;

@@ -11,14 +11,14 @@ use tracing::Instrument;
 
 use super::run_loop::{Next, RunLoop};
 use crate::{
-    agent::{ModelError, ModelRequest},
+    agent::ModelError,
     error::Result,
     metrics,
     store::{
         model::{ModelOutcome, StepRow},
         moves::{self, FailModelAttempt, FinishModelStep},
     },
-    types::{ModelResponse, Outcome, StepKind, StepState},
+    types::{Outcome, StepKind, StepState},
 };
 
 impl RunLoop {
@@ -35,16 +35,9 @@ impl RunLoop {
         );
         #[cfg(feature = "otel")]
         span.record("otel.name", "chat");
-        let request = ModelRequest {
-            run_id: &self.run_id,
-            step,
-            attempt,
-            input: &self.input,
-            messages: &self.messages,
-            tools: &self.agent.specs,
-        };
-        let policy = &self.agent.model_policy;
-        let answer = AssertUnwindSafe(self.agent.model.complete(request))
+        let request = self.request(step, attempt);
+        let policy = &self.agent().model_policy;
+        let answer = AssertUnwindSafe(self.agent().model.complete(request))
             .catch_unwind()
             .instrument(span);
         let timeout = async {
@@ -57,7 +50,7 @@ impl RunLoop {
         // A model call has no side effect: on cancel or timeout it is dropped, not awaited.
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
-            _ = self.env.cancellation.cancelled().fuse() => return self.interrupted_by_signal().await,
+            _ = self.cancellation().cancelled().fuse() => return self.interrupted_by_signal().await,
             () = timeout.fuse() => Ok(Err(ModelError::retryable(format!(
                 "no answer within {} s",
                 policy.attempt_timeout().unwrap_or_default().as_secs_f64()
@@ -122,7 +115,7 @@ impl RunLoop {
         let message = error.message().to_owned();
         let next = if error.is_retryable() {
             let unit = rand::random::<f64>();
-            self.agent
+            self.agent()
                 .model_policy
                 .next_attempt(attempt, error.retry_after_hint(), unit)
         } else {
@@ -174,25 +167,8 @@ impl RunLoop {
     /// (an operator's cancel, a lost lease) ended the wait, with where the loop goes then.
     pub(super) async fn back_off(&self, wait: Duration) -> Option<Result<Next>> {
         futures_util::select_biased! {
-            _ = self.env.cancellation.cancelled().fuse() => Some(self.interrupted_by_signal().await),
+            _ = self.cancellation().cancelled().fuse() => Some(self.interrupted_by_signal().await),
             () = actix_rt::time::sleep(wait).fuse() => None,
-        }
-    }
-
-    /// Call ids address approvals: they are kept unique within the run. An empty id, or one
-    /// an earlier call of the run (or of this response) took, becomes `call-STEP`.
-    pub(super) fn make_call_ids_unique(&mut self, step: u32, response: &mut ModelResponse) {
-        for (call, number) in response.tool_calls.iter_mut().zip(step + 1..) {
-            if call.id.is_empty() || self.call_ids.contains(&call.id) {
-                call.id = format!("call-{number}");
-                // Only a model that itself answers with ids like ours gets here.
-                let mut suffix = 1;
-                while self.call_ids.contains(&call.id) {
-                    suffix += 1;
-                    call.id = format!("call-{number}-{suffix}");
-                }
-            }
-            self.call_ids.insert(call.id.clone());
         }
     }
 }

@@ -19,7 +19,7 @@ impl RunLoop {
     /// finished, failed, cancelled, or stopped by an error. A lost lease is logged where it is
     /// found.
     pub(super) fn ended(&self, result: &Result<Outcome>) {
-        let (run_id, steps) = (&self.run_id, self.steps.len());
+        let (run_id, steps) = (self.run_id(), self.step_count());
         match result {
             Ok(Outcome::WaitingForApproval { pending }) => tracing::info!(
                 %run_id,
@@ -53,22 +53,17 @@ impl RunLoop {
                 reason: run.error.unwrap_or_default(),
             });
         }
-        let reason = self
-            .env
-            .lease_lost
-            .borrow()
-            .clone()
-            .unwrap_or(LeaseLostReason::Expired);
+        let reason = self.lease_lost().unwrap_or(LeaseLostReason::Expired);
         Err(Error::LeaseLost {
-            run_id: self.run_id.clone(),
+            run_id: self.run_id().clone(),
             reason,
         })
     }
 
     pub(super) async fn read_run(&self) -> Result<crate::types::Run> {
-        let id = self.run_id.clone();
+        let id = self.run_id().clone();
         send(
-            self.env.store.addr(),
+            self.store().addr(),
             ReadState::new(move |reads| moves::run(reads, &id)),
         )
         .await
@@ -77,7 +72,7 @@ impl RunLoop {
     /// The cancellation signal fired during a model call (which is dropped, not awaited: it has
     /// no side effect): an operator's cancel, or a lost lease.
     pub(super) async fn interrupted_by_signal(&self) -> Result<Next> {
-        if self.env.lease_lost.borrow().is_some() {
+        if self.lease_lost().is_some() {
             return self.stopped().await.map(Next::Return);
         }
         self.cancelled().await.map(Next::Return)
@@ -96,7 +91,7 @@ impl RunLoop {
         let message = panic_message(panic);
         tracing::error!(step, what, message, "panic in a run");
         Error::Panicked {
-            run_id: self.run_id.clone(),
+            run_id: self.run_id().clone(),
             step,
             what,
             message,

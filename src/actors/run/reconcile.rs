@@ -28,7 +28,7 @@ impl RunLoop {
         let Some(call) = step.call.clone() else {
             return self.reconcile_model(number, attempt).await;
         };
-        let tool = self.agent.tools.get(&call.name).map(|t| t.tool.clone());
+        let tool = self.agent().tools.get(&call.name).map(|t| t.tool.clone());
         let answer = match &tool {
             Some(tool) => {
                 let ctx = self.tool_context(number, &call, attempt);
@@ -107,9 +107,9 @@ impl RunLoop {
     /// is left of a failed attempt's backoff has passed; or, when that attempt was the last
     /// the model policy allows, the run fails.
     pub(super) async fn reconcile_model(&mut self, number: u32, attempt: u32) -> Result<Next> {
-        let id = self.run_id.clone();
+        let id = self.run_id().clone();
         let last = send(
-            self.env.store.addr(),
+            self.store().addr(),
             ReadState::new(move |reads| {
                 // The takeover marked the step interrupted: what came before says what it was
                 // doing.
@@ -126,7 +126,7 @@ impl RunLoop {
         } else {
             "model_call"
         };
-        let policy = &self.agent.model_policy;
+        let policy = &self.agent().model_policy;
         let resolution = if attempt >= policy.max_attempts_allowed() {
             let error = match failed.as_ref().and_then(|e| e.payload["error"].as_str()) {
                 Some(error) => error.to_owned(),

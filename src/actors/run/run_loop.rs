@@ -12,7 +12,7 @@ use crate::{
         lease_keeper::{Hold, LeaseKeeper, LeaseLost},
         store::StoreHandle,
     },
-    agent::{Agent, Cancellation, Decision},
+    agent::{Agent, Cancellation, Decision, ModelRequest},
     error::{Error, Result},
     store::{
         backend::Durability,
@@ -46,17 +46,17 @@ pub(super) struct Env {
 
 /// The state of one run's loop, kept in step with what it has committed.
 pub(super) struct RunLoop {
-    pub(super) env: Env,
-    pub(super) run_id: RunId,
-    pub(super) agent: Arc<Agent>,
-    pub(super) input: Value,
-    pub(super) steps: Vec<StepRow>,
+    env: Env,
+    run_id: RunId,
+    agent: Arc<Agent>,
+    input: Value,
+    steps: Vec<StepRow>,
     /// What the model sees: built from the finished steps, in order.
-    pub(super) messages: Vec<ChatMessage>,
+    messages: Vec<ChatMessage>,
     /// Every step before this index is finished.
-    pub(super) cursor: usize,
+    cursor: usize,
     /// The ids of the run's tool calls, kept unique.
-    pub(super) call_ids: HashSet<String>,
+    call_ids: HashSet<String>,
 }
 
 /// A move that no side effect precedes: planned (the policy asked, if it is a decision) before
@@ -114,6 +114,70 @@ impl Planned {
 }
 
 impl RunLoop {
+    /// The run.
+    pub(super) fn run_id(&self) -> &RunId {
+        &self.run_id
+    }
+
+    /// The run's agent: its model, tools and policies.
+    pub(super) fn agent(&self) -> &Agent {
+        &self.agent
+    }
+
+    /// The lease this call holds.
+    pub(super) fn grant(&self) -> &Grant {
+        &self.env.grant
+    }
+
+    /// Fires on an operator's cancel and on a lost lease.
+    pub(super) fn cancellation(&self) -> &Cancellation {
+        &self.env.cancellation
+    }
+
+    /// The way to the store actor.
+    pub(super) fn store(&self) -> &StoreHandle {
+        &self.env.store
+    }
+
+    /// Why the keeper reported the lease lost, if it did.
+    pub(super) fn lease_lost(&self) -> Option<LeaseLostReason> {
+        self.env.lease_lost.borrow().clone()
+    }
+
+    /// How many steps the run has.
+    pub(super) fn step_count(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// What the model is asked at attempt `attempt` of step `step`: the conversation so far.
+    pub(super) fn request(&self, step: u32, attempt: u32) -> ModelRequest<'_> {
+        ModelRequest {
+            run_id: &self.run_id,
+            step,
+            attempt,
+            input: &self.input,
+            messages: &self.messages,
+            tools: &self.agent.specs,
+        }
+    }
+
+    /// Call ids address approvals: they are kept unique within the run. An empty id, or one
+    /// an earlier call of the run (or of this response) took, becomes `call-STEP`.
+    pub(super) fn make_call_ids_unique(&mut self, step: u32, response: &mut ModelResponse) {
+        for (call, number) in response.tool_calls.iter_mut().zip(step + 1..) {
+            if call.id.is_empty() || self.call_ids.contains(&call.id) {
+                call.id = format!("call-{number}");
+                // Only a model that itself answers with ids like ours gets here.
+                let mut suffix = 1;
+                while self.call_ids.contains(&call.id) {
+                    suffix += 1;
+                    call.id = format!("call-{number}-{suffix}");
+                }
+            }
+            self.call_ids.insert(call.id.clone());
+        }
+    }
+
     pub(super) fn new(env: Env, agent: Arc<Agent>, input: Value, steps: Vec<StepRow>) -> Self {
         let run_id = env.run_id.clone();
         let messages = agent.opening(&input);

@@ -47,7 +47,7 @@ impl RunLoop {
                     // Answered once durable: the loop plans its first model call after.
                     // A failed insert drops `started`: the caller reads the error from the call.
                     Some(started) => {
-                        run.env.store.apply(create, Durability::Durable).await?;
+                        run.store().apply(create, Durability::Durable).await?;
                         let _ = started.send(());
                     }
                     None => {
@@ -61,8 +61,8 @@ impl RunLoop {
                 tracing::info!(
                     %run_id,
                     agent = %agent,
-                    owner = %run.env.grant.holder.owner,
-                    fencing_token = run.env.grant.token(),
+                    owner = %run.grant().holder.owner,
+                    fencing_token = run.grant().token(),
                     "run started"
                 );
                 run.hold();
@@ -109,8 +109,8 @@ impl RunLoop {
                         tracing::info!(
                             %run_id,
                             previous_owner = %previous.as_deref().unwrap_or("none"),
-                            owner = %run.env.grant.holder.owner,
-                            fencing_token = run.env.grant.token(),
+                            owner = %run.grant().holder.owner,
+                            fencing_token = run.grant().token(),
                             interrupted,
                             "run taken over"
                         );

@@ -26,10 +26,10 @@ impl RunLoop {
         // The start was written under the lease, but its answer came back after the deadline
         // (the process stalled, or the network held the answer up): by now another process may
         // have taken the run over. The call is not made; the takeover reconciles the step.
-        if self.env.grant.remaining().is_zero() {
+        if self.grant().remaining().is_zero() {
             tracing::warn!(step = number, tool = %call.name, "the lease expired before the tool could start");
             return Err(Error::LeaseLost {
-                run_id: self.run_id.clone(),
+                run_id: self.run_id().clone(),
                 reason: LeaseLostReason::Expired,
             });
         }
@@ -39,12 +39,12 @@ impl RunLoop {
             tool = %call.name,
             call_id = %call.id,
             attempt = i64::from(attempt),
-            fencing_token = self.env.grant.token() as i64,
+            fencing_token = self.grant().token() as i64,
             otel.name = tracing::field::Empty,
         );
         #[cfg(feature = "otel")]
         span.record("otel.name", format!("execute_tool {}", call.name));
-        let result = match self.agent.tools.get(&call.name).map(|t| t.tool.clone()) {
+        let result = match self.agent().tools.get(&call.name).map(|t| t.tool.clone()) {
             // The agent was registered again without this tool since the call started.
             None => {
                 metrics::tool_failed();
@@ -82,7 +82,7 @@ impl RunLoop {
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
         // outcome alone is offered.
-        let next = if self.env.cancellation.is_cancelled() {
+        let next = if self.cancellation().is_cancelled() {
             Ok(None)
         } else {
             self.plan()
@@ -97,13 +97,13 @@ impl RunLoop {
 
     pub(super) fn tool_context(&self, step: u32, call: &ToolCall, attempt: u32) -> ToolContext {
         ToolContext {
-            run_id: self.run_id.clone(),
+            run_id: self.run_id().clone(),
             step,
             call_id: call.id.clone(),
             attempt,
-            idempotency_key: idempotency_key(&self.run_id, step),
-            fencing_token: FencingToken::new(self.env.grant.token()),
-            cancellation: self.env.cancellation.clone(),
+            idempotency_key: idempotency_key(self.run_id(), step),
+            fencing_token: FencingToken::new(self.grant().token()),
+            cancellation: self.cancellation().clone(),
         }
     }
 }

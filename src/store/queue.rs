@@ -46,16 +46,8 @@ impl MoveQueue {
         mv: M,
         durability: Durability,
     ) -> (impl Future<Output = Result<M::Output>> + 'static, bool) {
-        let (reply, answer) = oneshot::channel();
-        let pending = PendingMove {
-            info: info(&mv),
-            mv,
-            reading: None,
-            result: None,
-            reply,
-            durability,
-        };
-        (answered(answer), self.submit(Box::new(pending)))
+        let (pending, answer) = pending(mv, durability);
+        (answered(answer), self.submit(pending))
     }
 
     /// Queues `first` and `then` to be committed in one transaction, `then` applied only if
@@ -120,9 +112,8 @@ impl MoveQueue {
     }
 }
 
-/// A queued move, and the answer its caller waits for: for a writer driven outside a store
-/// actor (the conformance suite's groups).
-#[cfg(test)]
+/// A move ready for a writer, and the answer its caller waits for (also for a writer driven
+/// outside a store actor: the conformance suite's groups).
 pub(crate) fn pending<M: Move>(
     mv: M,
     durability: Durability,

@@ -118,6 +118,23 @@ pub enum Error {
         reason: LeaseLostReason,
     },
 
+    /// The supervisor is draining (it was sent [`Drain`](crate::Drain)): it admits no run,
+    /// starts or resumes nothing, and hands its runs over to the other replicas. Nothing was
+    /// written: send the request to another replica.
+    #[error("this supervisor is draining: it starts and resumes no run; ask another replica")]
+    Draining,
+
+    /// A draining supervisor stopped the run at a step boundary, with nothing in flight, and
+    /// released its lease (`run.released`): another replica continues it at once, with
+    /// nothing to reconcile.
+    #[error(
+        "run {run_id} was handed over: this supervisor is draining; another replica continues          it"
+    )]
+    HandedOver {
+        /// The run.
+        run_id: RunId,
+    },
+
     /// The input was not acceptable; nothing was written.
     #[error("invalid input: {0}")]
     InvalidInput(String),

@@ -191,15 +191,25 @@ pub enum EventKind {
     StepInterrupted,
     /// `step.reconciled`
     StepReconciled,
+    /// `step.tool_timed_out`: a tool call ran past its timeout (or its heartbeats stopped)
+    /// and did not return within the grace after its cancellation: it is reconciled like an
+    /// interrupted call.
+    ToolTimedOut,
     /// `lease.taken_over`: a resume took over a lease another owner (or this one) let expire.
     LeaseTakenOver,
+    /// `run.released`: a draining supervisor released the lease at a step boundary, with
+    /// nothing in flight.
+    RunReleased,
+    /// `run.handed_over`: another owner took up a released run, with no wait and nothing to
+    /// reconcile.
+    RunHandedOver,
     /// `run.finished`
     RunFinished,
 }
 
 impl EventKind {
     /// Every kind, in the order of `docs/events.md`.
-    pub const ALL: [EventKind; 15] = [
+    pub const ALL: [EventKind; 18] = [
         EventKind::RunStarted,
         EventKind::RunForked,
         EventKind::ModelStarted,
@@ -212,8 +222,11 @@ impl EventKind {
         EventKind::ToolStarted,
         EventKind::ToolFinished,
         EventKind::StepInterrupted,
+        EventKind::ToolTimedOut,
         EventKind::StepReconciled,
         EventKind::LeaseTakenOver,
+        EventKind::RunReleased,
+        EventKind::RunHandedOver,
         EventKind::RunFinished,
     ];
 
@@ -233,7 +246,10 @@ impl EventKind {
             EventKind::ToolFinished => "step.tool_finished",
             EventKind::StepInterrupted => "step.interrupted",
             EventKind::StepReconciled => "step.reconciled",
+            EventKind::ToolTimedOut => "step.tool_timed_out",
             EventKind::LeaseTakenOver => "lease.taken_over",
+            EventKind::RunReleased => "run.released",
+            EventKind::RunHandedOver => "run.handed_over",
             EventKind::RunFinished => "run.finished",
         }
     }

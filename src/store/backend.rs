@@ -510,6 +510,9 @@ pub(crate) enum ChangeKind {
     Decided,
     /// The run was cancelled: the tool running for it, if any, is to be told.
     Cancelled,
+    /// A draining supervisor released the run's lease with nothing in flight: a replica with
+    /// recovery or a watch takes it over at once.
+    Released,
 }
 
 /// One change of the feed: a run of an agent, and what happened to it.

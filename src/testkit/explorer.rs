@@ -831,6 +831,8 @@ fn check_log(events: &[Event]) -> Vec<String> {
                 | EventKind::RunResumed
                 | EventKind::RunFinished
                 | EventKind::LeaseTakenOver
+                | EventKind::RunReleased
+                | EventKind::RunHandedOver
         );
         if about_a_step != event.step.is_some() {
             violations.push(format!(

@@ -112,6 +112,8 @@ impl From<Error> for ApiError {
             Error::InvalidInput(_) => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_input"),
             Error::RunLeased { .. } => (StatusCode::CONFLICT, "run_leased"),
             Error::RunExists(_) => (StatusCode::CONFLICT, "run_exists"),
+            Error::Draining => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+            Error::HandedOver { .. } => (StatusCode::SERVICE_UNAVAILABLE, "handed_over"),
             _ if err.is_run_state() => (StatusCode::CONFLICT, "run_state"),
             Error::Database(_)
             | Error::StoreUnavailable

@@ -164,6 +164,7 @@ impl Handler<Changed> for Supervisor {
                     self.decided(run_id, ctx)
                 }
                 ChangeKind::Decided => {}
+                ChangeKind::Released => {}
             }
         }
     }

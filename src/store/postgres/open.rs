@@ -16,10 +16,16 @@ pub use crate::store::SCHEMA_VERSION;
 
 /// The migrations, by the version each brings the database to: an empty schema goes straight
 /// to the first version PostgreSQL was supported at.
-const MIGRATIONS: &[(u32, &str)] = &[(
-    10,
-    include_str!("../../../migrations/postgres/0010_schema.sql"),
-)];
+const MIGRATIONS: &[(u32, &str)] = &[
+    (
+        10,
+        include_str!("../../../migrations/postgres/0010_schema.sql"),
+    ),
+    (
+        11,
+        include_str!("../../../migrations/postgres/0011_handover.sql"),
+    ),
+];
 
 /// The longest schema name a store may live in: its change feed's channel is `agentrt_` and
 /// the name.

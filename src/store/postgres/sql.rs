@@ -980,6 +980,7 @@ impl crate::store::feed::Feed for PgTx<'_> {
                 let kind = match get::<String>(row, 3)?.as_str() {
                     "decided" => ChangeKind::Decided,
                     "cancelled" => ChangeKind::Cancelled,
+                    "released" => ChangeKind::Released,
                     other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
                 };
                 Ok((

@@ -914,6 +914,7 @@ fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
             let kind = match kind.as_str() {
                 "decided" => ChangeKind::Decided,
                 "cancelled" => ChangeKind::Cancelled,
+                    "released" => ChangeKind::Released,
                 other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
             };
             let run_id = RunId::from(run_id);

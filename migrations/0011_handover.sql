@@ -7,6 +7,9 @@ ALTER TABLE steps ADD COLUMN progress TEXT CHECK (progress IS NULL OR json_valid
 -- replica with recovery or a watch takes over at once instead of at its next pass. SQLite
 -- cannot widen a CHECK in place: the table is copied, ids and all, so that readers' cursors
 -- stay valid and AUTOINCREMENT goes on past the last id.
+DROP TRIGGER run_changes_decided;
+DROP TRIGGER run_changes_cancelled;
+DROP TRIGGER run_changes_trimmed;
 CREATE TABLE run_changes_v11 (
     id     INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id TEXT    NOT NULL,

@@ -62,9 +62,10 @@ pub use actix;
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume,
-        ForkRun, RecordApproval, Recovery, RegisterAgent, ResumeRun, RunSettled, SpawnRun,
-        StartRun, SubscribeRuns, Supervisor, SupervisorBuilder, Watch,
+        CancelRun, Config, DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, DEFAULT_LEASE_TTL,
+        DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume, Drain, DrainReport, ForkRun, RecordApproval,
+        Recovery, RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns,
+        Supervisor, SupervisorBuilder, Watch, drain_on_signal, stop_on_signal,
     },
 };
 pub use agent::{
@@ -102,7 +103,7 @@ pub use types::{
 /// [`ChatMessage`](crate::ChatMessage)).
 pub mod prelude {
     pub use crate::{
-        Agent, Approval, CancelRun, ChatMessage, Config, Decision, Error, Model, ModelError,
+        Agent, Approval, CancelRun, ChatMessage, Config, Decision, Drain, Error, Model, ModelError,
         ModelRequest, ModelResponse, Outcome, Policy, RecordApproval, Result, ResumeRun, RunId,
         RunReply, SpawnRun, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext, ToolError,
         ToolResult, actix, async_trait, serde_json,

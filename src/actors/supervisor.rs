@@ -3,6 +3,7 @@
 
 mod admission;
 mod config;
+mod drain;
 mod operator;
 mod recovery;
 mod watch;
@@ -10,6 +11,10 @@ mod watch;
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 use config::lease_owner;
 pub use config::{Config, DEFAULT_LEASE_TTL};
+pub use drain::{
+    DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, Drain, DrainReport, drain_on_signal,
+    stop_on_signal,
+};
 pub use operator::{CancelRun, DecideAndResume, ForkRun, RecordApproval};
 pub use recovery::Recovery;
 pub use watch::Watch;
@@ -62,6 +67,7 @@ pub struct Supervisor {
     max_running: usize,
     admission: admission::Admission,
     watching: watch::Watching,
+    draining: drain::Draining,
 }
 
 /// Assembles a [`Supervisor`].
@@ -103,7 +109,13 @@ impl SupervisorBuilder {
             Some(renewer) => Renewer::Own(renewer),
             None => Renewer::Store(store_actor.addr().clone()),
         };
-        let watcher = match self.config.watch.clone() {
+        // A supervisor that recovers watches the feed too, for the runs a drain released: it
+        // takes them over at once instead of at its next pass. Only a configured watch acts
+        // on decisions.
+        let decisions = self.config.watch.is_some();
+        let watch = (self.config.watch.clone())
+            .or_else(|| self.config.recovery.as_ref().map(|_| Watch::default()));
+        let watcher = match watch {
             Some(watch) => Some((watch, self.store.watcher()?)),
             None => None,
         };
@@ -127,7 +139,8 @@ impl SupervisorBuilder {
             recovering: Default::default(),
             max_running: self.config.max_concurrent_runs,
             admission: Default::default(),
-            watching: watch::Watching::new(watcher),
+            watching: watch::Watching::new(watcher, decisions),
+            draining: Default::default(),
         }
         .start())
     }
@@ -150,6 +163,9 @@ impl Supervisor {
     /// polls every future it holds at each wake-up, and with thousands of runs at once that
     /// would cost each run's every move a pass over all the others.
     fn execute(&mut self, run_id: RunId, job: Job, ctx: &mut Context<Self>) -> Execution {
+        if let Err(err) = self.refuse_if_draining() {
+            return Box::pin(std::future::ready(Err(err)));
+        }
         if self.executing.contains_key(&run_id) || self.admission.holds(&run_id) {
             // Executing it in another call, or about to: refuse, naming our own lease,
             // without a write.
@@ -193,6 +209,7 @@ impl Supervisor {
             store: self.store_actor.clone(),
             keeper: self.keeper.clone(),
             holder: self.holder.clone(),
+            draining: self.draining.signal.clone(),
         };
         let (reply, ended) = oneshot::channel();
         let supervisor = ctx.address();
@@ -242,6 +259,7 @@ impl Handler<Ended> for Supervisor {
             self.executing.remove(&run_id);
         }
         self.tell_settled(&run_id, &result);
+        self.drained_execution_ended(&run_id, &result);
         self.watched_execution_ended(&run_id, &result, ctx);
         self.admit_waiting(ctx);
         self.slot_freed(ctx);

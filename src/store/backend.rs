@@ -50,6 +50,9 @@ pub(crate) trait Reads {
     fn count_by_state(&mut self) -> Result<Vec<(RunState, u64)>>;
     /// A run's events after sequence number `after`, in order (none for an unknown run).
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>>;
+    /// A run's last event (`None` for an unknown run): a takeover reads it to tell a run a
+    /// drain released from one whose owner died.
+    fn last_event(&mut self, run_id: &RunId) -> Result<Option<Event>>;
     /// A run's first event, its `run.started` (`None` for an unknown run): where the run's
     /// trace context is kept.
     #[cfg(feature = "otel")]
@@ -147,7 +150,7 @@ pub(crate) struct StepUpdate<'a> {
 /// `BEGIN IMMEDIATE` serializes writers; a backend with concurrent writers locks the run's row
 /// first, or runs its transactions serializable and applies a move again after a conflict
 /// (which is why a move may be applied more than once, with the same clock reading).
-pub(crate) trait Tx: Reads {
+pub(crate) trait Tx: LeaseWrites {
     /// Waits for, and takes until the commit, the right to write the run's row: what a move
     /// does before it reads the clock a guard compares with, so that a wait for another
     /// writer comes before the reading, not between it and the guard. Nothing to do where a
@@ -289,6 +292,8 @@ pub enum MoveKind {
     /// A new run from an existing one's history before a step (`run.started`, `run.forked`,
     /// and the copies).
     ForkRun,
+    /// A draining supervisor's release of a run for another replica (`run.released`).
+    HandOver,
 }
 
 impl MoveKind {
@@ -311,6 +316,7 @@ impl MoveKind {
             MoveKind::RecordApproval => "record_approval",
             MoveKind::CancelRun => "cancel_run",
             MoveKind::ForkRun => "fork_run",
+            MoveKind::HandOver => "hand_over",
         }
     }
 }

@@ -16,7 +16,7 @@ impl RunLoop {
     pub(super) async fn wait_for_margin(&self) -> Result<()> {
         loop {
             let seen = self.grant().renewals();
-            if self.grant().has_margin() || self.cancellation().is_cancelled() {
+            if self.grant().has_margin() || self.cancellation().is_cancelled() || self.draining() {
                 return Ok(());
             }
             self.wait_for_renewal(seen).await?;
@@ -24,7 +24,8 @@ impl RunLoop {
     }
 
     /// Waits for a renewal after the `seen`-th (at once if one came already); `LeaseLost` when
-    /// the deadline passes first. Returns early when the cancellation signal fires.
+    /// the deadline passes first. Returns early when the cancellation signal fires, or a drain
+    /// starts.
     pub(super) async fn wait_for_renewal(&self, seen: u64) -> Result<()> {
         let grant = &self.grant();
         let renewal = grant.renewal();
@@ -44,6 +45,7 @@ impl RunLoop {
         futures_util::select_biased! {
             () = renewal.fuse() => Ok(()),
             () = self.cancellation().cancelled().fuse() => Ok(()),
+            () = self.drained().fuse() => Ok(()),
             () = actix_rt::time::sleep(left).fuse() => Ok(()),
         }
     }

@@ -3,12 +3,13 @@
 //!
 //! The loop ([`run_loop`]) plans the next move and commits it; each kind of step has a file of
 //! its own: [`start`] (the first move of a call), [`model`], [`tool`], [`decision`] (resuming a
-//! decision), [`reconcile`]; [`lease`] holds the waits for the lease's start margin, and
-//! [`outcome`] how a call ends. The loop's state is private to [`run_loop`]: a step sees the
+//! decision), [`reconcile`], [`handover`] (a drain's release); [`lease`] holds the waits for
+//! the lease's start margin, and [`outcome`] how a call ends. The loop's state is private to [`run_loop`]: a step sees the
 //! run through its methods (the run's id and agent, the lease, the cancellation signal, the
 //! store, the model's request), and changes it only by committing moves and folding them in.
 
 mod decision;
+mod handover;
 mod lease;
 mod model;
 mod outcome;
@@ -104,6 +105,8 @@ pub(crate) struct Execute {
     pub store: StoreHandle,
     pub keeper: Addr<LeaseKeeper>,
     pub holder: Holder,
+    /// The supervisor's drain signal.
+    pub draining: tokio_util::sync::CancellationToken,
 }
 
 impl Handler<Execute> for RunActor {
@@ -139,6 +142,7 @@ impl Handler<Execute> for RunActor {
             recipient: ctx.address().recipient(),
             cancellation: self.cancellation.clone(),
             lease_lost: self.lease_lost.clone(),
+            draining: msg.draining,
         };
         let work = async move {
             let (run_id, store, keeper, grant) = (
@@ -177,8 +181,9 @@ impl Handler<Execute> for RunActor {
             keeper.do_send(Release {
                 run_id: run_id.clone(),
             });
-            // A call that acquired nothing has nothing to release.
-            if result.is_err() && grant.token() != 0 {
+            // A call that acquired nothing has nothing to release; a handover released it.
+            let released = matches!(result, Err(Error::HandedOver { .. }));
+            if result.is_err() && grant.token() != 0 && !released {
                 // Paused and finished runs released the lease in their move; any other return
                 // releases it here, so another process need not wait out the TTL.
                 let released = store

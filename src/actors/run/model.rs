@@ -51,6 +51,8 @@ impl RunLoop {
         let answer = futures_util::select_biased! {
             answer = answer.fuse() => answer,
             _ = self.cancellation().cancelled().fuse() => return self.interrupted_by_signal().await,
+            // Abandoned rather than awaited: quick, and safe for a call with no side effect.
+            () = self.drained().fuse() => return self.hand_over().await,
             () = timeout.fuse() => Ok(Err(ModelError::retryable(format!(
                 "no answer within {} s",
                 policy.attempt_timeout().unwrap_or_default().as_secs_f64()
@@ -98,8 +100,13 @@ impl RunLoop {
         for row in created {
             self.push_step(row);
         }
-        // The first call's decision (and start) commits with the answer.
-        let next = self.plan();
+        // The first call's decision (and start) commits with the answer, unless a drain hands
+        // the run over first.
+        let next = if self.draining() {
+            Ok(None)
+        } else {
+            self.plan()
+        };
         let ((), next) = self.commit_with(first, next, |_| true).await?;
         next
     }
@@ -164,10 +171,12 @@ impl RunLoop {
     }
 
     /// Waits `wait` before a model call's next attempt; `Some` when the cancellation signal
-    /// (an operator's cancel, a lost lease) ended the wait, with where the loop goes then.
+    /// (an operator's cancel, a lost lease) or a drain ended the wait, with where the loop goes
+    /// then.
     pub(super) async fn back_off(&self, wait: Duration) -> Option<Result<Next>> {
         futures_util::select_biased! {
             _ = self.cancellation().cancelled().fuse() => Some(self.interrupted_by_signal().await),
+            () = self.drained().fuse() => Some(self.hand_over().await),
             () = actix_rt::time::sleep(wait).fuse() => None,
         }
     }

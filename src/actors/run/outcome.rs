@@ -16,8 +16,8 @@ use crate::{
 
 impl RunLoop {
     /// Logs where this execution left the run, for an operator: waiting for an approval,
-    /// finished, failed, cancelled, or stopped by an error. A lost lease is logged where it is
-    /// found.
+    /// finished, failed, cancelled, or stopped by an error. A lost lease and a handover are
+    /// logged where they are found.
     pub(super) fn ended(&self, result: &Result<Outcome>) {
         let (run_id, steps) = (self.run_id(), self.step_count());
         match result {
@@ -38,7 +38,8 @@ impl RunLoop {
             Ok(Outcome::Cancelled { reason }) => {
                 tracing::info!(%run_id, state = %RunState::Cancelled, steps, %reason, "run finished")
             }
-            Err(Error::LeaseLost { .. }) => {}
+            // Logged where it is found.
+            Err(Error::LeaseLost { .. } | Error::HandedOver { .. }) => {}
             // It stays RUNNING, for a resume or another process's recovery.
             Err(err) => tracing::warn!(%run_id, steps, error = %err, "run stopped"),
         }

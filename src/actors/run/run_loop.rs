@@ -6,6 +6,7 @@ use std::{cell::RefCell, collections::HashSet, panic::AssertUnwindSafe, rc::Rc, 
 
 use actix::{Addr, Recipient};
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     actors::{
@@ -42,6 +43,9 @@ pub(super) struct Env {
     /// Fires on an operator's cancel and on a lost lease: the tool running is told.
     pub(super) cancellation: Cancellation,
     pub(super) lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
+    /// Fires when the supervisor drains: the loop hands the run over at its next step
+    /// boundary. A tool running is not told (it runs to its end); a model call is abandoned.
+    pub(super) draining: CancellationToken,
 }
 
 /// The state of one run's loop, kept in step with what it has committed.
@@ -137,6 +141,16 @@ impl RunLoop {
     /// The way to the store actor.
     pub(super) fn store(&self) -> &StoreHandle {
         &self.env.store
+    }
+
+    /// Whether the supervisor drains: the run is handed over at its next step boundary.
+    pub(super) fn draining(&self) -> bool {
+        self.env.draining.is_cancelled()
+    }
+
+    /// Completes when the supervisor starts to drain.
+    pub(super) async fn drained(&self) {
+        self.env.draining.cancelled().await
     }
 
     /// Why the keeper reported the lease lost, if it did.
@@ -285,9 +299,14 @@ impl RunLoop {
             }
             let next = match self.plan() {
                 Err(err) => return Err(err),
+                // A drain hands the run over between two steps: nothing is in flight.
+                Ok(Some(_)) if self.draining() => return self.hand_over().await,
                 Ok(Some(planned)) => {
                     if planned.starts() {
                         self.wait_for_margin().await?;
+                        if self.draining() {
+                            return self.hand_over().await;
+                        }
                     }
                     let mv = self.planned_move(&planned);
                     let applied = self.env.store.apply(mv, planned.durability()).await;
@@ -299,6 +318,13 @@ impl RunLoop {
                 Ok(None) => {
                     let step = self.steps[self.cursor].clone();
                     match (step.kind, step.state) {
+                        // A reserved model call is abandoned (it has no side effect), and an
+                        // interrupted step is left to the next owner's one reconciliation.
+                        (StepKind::Model, StepState::InFlight) | (_, StepState::Interrupted)
+                            if self.draining() =>
+                        {
+                            return self.hand_over().await;
+                        }
                         (StepKind::Model, StepState::InFlight) => {
                             self.call_model(step.step, step.attempt).await?
                         }

@@ -81,8 +81,8 @@ impl RunLoop {
         };
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
-        // outcome alone is offered.
-        let next = if self.cancellation().is_cancelled() {
+        // outcome alone is offered. So does a drain, which then hands the run over.
+        let next = if self.cancellation().is_cancelled() || self.draining() {
             Ok(None)
         } else {
             self.plan()

@@ -47,6 +47,16 @@ impl Admission {
     pub(super) fn len(&self) -> usize {
         self.waiting.len()
     }
+
+    /// Empties the line (a drain): each run that waited, with the caller that waits for it.
+    pub(super) fn leave(&mut self) -> Vec<(RunId, oneshot::Sender<Result<RunReply>>)> {
+        metrics::runs_dequeued(self.waiting.len());
+        self.ids.clear();
+        self.waiting
+            .drain(..)
+            .map(|(run_id, _, reply)| (run_id, reply))
+            .collect()
+    }
 }
 
 impl Supervisor {
@@ -112,7 +122,7 @@ impl Supervisor {
     /// Starts the runs that wait, oldest first, while slots are free. Each one's execution
     /// goes on whether or not its caller still waits: the run is durable and must move on.
     pub(super) fn admit_waiting(&mut self, ctx: &mut Context<Self>) {
-        while self.has_room() {
+        while self.has_room() && !self.draining.is_on() {
             let Some((run_id, job, reply)) = self.admission.waiting.pop_front() else {
                 return;
             };
@@ -142,6 +152,11 @@ impl Handler<Queued> for Supervisor {
         if let Err(err) = inserted {
             self.admission.ids.remove(&run_id);
             return Err(err);
+        }
+        // Inserted as a drain began: it waits in the database for another replica.
+        if self.draining.is_on() {
+            self.admission.ids.remove(&run_id);
+            return Err(Error::HandedOver { run_id });
         }
         tracing::debug!(%run_id, waiting = self.admission.len() + 1, "run queued");
         // Its turn executes it as a resume would; one cancelled meanwhile ends cancelled.

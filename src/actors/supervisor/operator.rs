@@ -59,6 +59,9 @@ impl Handler<ForkRun> for Supervisor {
     type Result = Execution;
 
     fn handle(&mut self, msg: ForkRun, ctx: &mut Context<Self>) -> Self::Result {
+        if let Err(err) = self.refuse_if_draining() {
+            return Box::pin(std::future::ready(Err(err)));
+        }
         let ForkRun { run_id, at, new_id } = msg;
         let new_id = new_id.unwrap_or_else(RunId::random);
         let fork = moves::ForkRun {
@@ -163,6 +166,9 @@ impl Handler<DecideAndResume> for Supervisor {
     type Result = Execution;
 
     fn handle(&mut self, msg: DecideAndResume, ctx: &mut Context<Self>) -> Self::Result {
+        if let Err(err) = self.refuse_if_draining() {
+            return Box::pin(std::future::ready(Err(err)));
+        }
         let approval = msg.0;
         let run_id = approval.run_id.clone();
         // Before the decision commits: the watch, which hears of it, leaves the resume to us.

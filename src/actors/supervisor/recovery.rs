@@ -155,7 +155,7 @@ impl Supervisor {
             return;
         };
         let slots = self.free_slots();
-        if self.recovering.reading || slots == 0 {
+        if self.recovering.reading || slots == 0 || self.draining.is_on() {
             return;
         }
         self.recovering.reading = true;
@@ -269,6 +269,24 @@ impl Supervisor {
             .saturating_sub(self.executing.len() + self.admission.len() + starting)
     }
 
+    /// A draining replica released `run_id` (the change feed said so): it is taken over now,
+    /// not at the next pass, if a slot is free; otherwise a freed slot's pass finds it.
+    pub(super) fn released(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
+        if self.executing.contains_key(&run_id)
+            || self.admission.holds(&run_id)
+            || self.recovering.now.contains_key(&run_id)
+        {
+            return;
+        }
+        if self.free_slots() == 0 {
+            self.recovering.more = true;
+            return;
+        }
+        tracing::debug!(%run_id, "run released by a draining replica: taking it over");
+        self.recovering.now.insert(run_id.clone(), true);
+        self.recover(run_id, ctx);
+    }
+
     /// Resumes `run_id`, which a pass found free. A run another owner took first is left to a
     /// later pass, which finds it again only if that owner dies too.
     fn recover(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
@@ -305,8 +323,14 @@ impl Handler<Recovered> for Supervisor {
                 tracing::info!(%run_id, outcome = ?reply.outcome, "run recovered");
                 self.recovering.failed.remove(&run_id);
             }
-            // Taken by another owner, or no longer RUNNING: nothing to recover.
-            Err(Error::RunLeased { .. } | Error::RunState { .. }) => {}
+            // Taken by another owner, or no longer RUNNING: nothing to recover. A draining
+            // supervisor recovers nothing, and hands over what it recovered.
+            Err(
+                Error::RunLeased { .. }
+                | Error::RunState { .. }
+                | Error::Draining
+                | Error::HandedOver { .. },
+            ) => {}
             Err(err) => {
                 let every = self.recovery.as_ref().map_or(Duration::ZERO, |r| r.every);
                 let (failures, until) = self

@@ -93,16 +93,20 @@ pub(super) struct Watching {
     /// Runs decided while this supervisor executed or claimed them: the execution may have
     /// paused for the very call just decided, so its end is looked at.
     deferred: HashSet<RunId>,
+    /// Whether decisions are acted on (a configured watch), or only released runs (a
+    /// supervisor that recovers).
+    decisions: bool,
 }
 
 impl Watching {
-    pub(super) fn new(watcher: Option<(Watch, Box<dyn Watcher>)>) -> Self {
+    pub(super) fn new(watcher: Option<(Watch, Box<dyn Watcher>)>, decisions: bool) -> Self {
         Watching {
             watcher,
             stop: Arc::default(),
             failed: HashMap::new(),
             claimed: HashMap::new(),
             deferred: HashSet::new(),
+            decisions,
         }
     }
 }
@@ -160,10 +164,19 @@ impl Handler<Changed> for Supervisor {
                         tracing::info!(%run_id, "run cancelled elsewhere: its tool is told");
                     }
                 }
-                ChangeKind::Decided if self.agents.contains_key(&agent) => {
+                ChangeKind::Decided
+                    if self.watching.decisions
+                        && self.agents.contains_key(&agent)
+                        && !self.draining.is_on() =>
+                {
                     self.decided(run_id, ctx)
                 }
                 ChangeKind::Decided => {}
+                ChangeKind::Released
+                    if self.agents.contains_key(&agent) && !self.draining.is_on() =>
+                {
+                    self.released(run_id, ctx)
+                }
                 ChangeKind::Released => {}
             }
         }

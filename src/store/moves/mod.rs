@@ -9,12 +9,14 @@
 //! - [`tool`]: the policy's decision on a tool call, its rejection, its outcome;
 //! - [`decision`]: an operator's decision, and the resume that acts on it;
 //! - [`recovery`]: the takeover of a run whose owner died, and the reconciliation of its
-//!   interrupted steps.
+//!   interrupted steps;
+//! - [`handover`]: a draining supervisor's release of a run, for another replica to take up.
 //!
 //! Also the reads ([`reads`]) and the lease's writes outside any move ([`lease`]).
 
 mod decision;
 mod guard;
+mod handover;
 mod lease;
 mod lifecycle;
 mod model;
@@ -24,6 +26,7 @@ mod tool;
 
 pub(crate) use decision::{RecordApproval, ResumeWaiting};
 pub(crate) use guard::{Cx, FIRST_TOKEN, model_failure};
+pub(crate) use handover::HandOver;
 pub(crate) use lease::renew;
 pub(crate) use lifecycle::{CancelRun, CreateRun, FailRun, ForkRun, QueueRun};
 pub(crate) use model::{BeginModelAttempt, BeginModelStep, FailModelAttempt, FinishModelStep};

@@ -83,8 +83,8 @@ impl Move for FailModelAttempt {
     }
 }
 
-/// Starts the next attempt of model step `step`, whose attempt `attempt` failed, before its
-/// request is dispatched.
+/// Starts the next attempt of model step `step`, whose attempt `attempt` failed (or was
+/// abandoned by a drain), before its request is dispatched.
 pub(crate) struct BeginModelAttempt {
     pub by: Leased,
     pub step: u32,
@@ -104,7 +104,13 @@ impl Move for BeginModelAttempt {
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
         cx.touch_held(&self.by.grant, Need::Margin, "a model call cannot start")?;
-        cx.start_attempt(self.step, StepState::InFlight, self.attempt)?;
+        // In flight after a failed attempt; pending after a drain abandoned one (rarely).
+        if cx
+            .start_attempt(self.step, StepState::InFlight, self.attempt)
+            .is_err()
+        {
+            cx.start_attempt(self.step, StepState::Pending, self.attempt)?;
+        }
         let payload = json!({ "attempt": self.attempt + 1 });
         cx.append(EventKind::ModelStarted, Some(self.step), &payload)
     }

@@ -21,7 +21,7 @@ use crate::{
 
 /// Takes over a RUNNING run whose lease expired or is absent: the lease is taken and every
 /// step in flight marked interrupted, in one transaction with `run.resumed` (and
-/// `lease.taken_over` when someone held it).
+/// `lease.taken_over` when someone held it, or `run.handed_over` when a drain released it).
 ///
 /// A live lease of another owner is refused with `RunLeased` before the clock is read or
 /// anything is written. This supervisor's own live lease is not refused: the caller checked
@@ -89,6 +89,13 @@ impl Move for TakeOver {
             return Err(cx.refused(None, what));
         }
         grant.acquired(row.epoch + 1, sent);
+        // A run nobody holds was released by a drain if that is the last thing its log says.
+        let released = match row.owner {
+            Some(_) => None,
+            None => {
+                (cx.tx.last_event(run_id)?).filter(|event| event.kind == EventKind::RunReleased)
+            }
+        };
         let payload = json!({ "from": RunState::Running.as_str(), "fencing_token": row.epoch + 1 });
         cx.append(EventKind::RunResumed, None, &payload)?;
         if let Some(previous) = &row.owner {
@@ -99,6 +106,14 @@ impl Move for TakeOver {
                 "new_expires_at": expires_at,
             });
             cx.append(EventKind::LeaseTakenOver, None, &payload)?;
+        } else if let Some(released) = released {
+            // A drain released it at a step boundary: nothing is in flight, nothing waited.
+            let payload = json!({
+                "previous_owner": released.payload["owner"],
+                "new_owner": &*holder.owner,
+                "fencing_token": row.epoch + 1,
+            });
+            cx.append(EventKind::RunHandedOver, None, &payload)?;
         }
         let mut interrupted = cx.tx.interrupt_steps(run_id)?;
         interrupted.sort_unstable_by_key(|(step, ..)| *step);

@@ -342,6 +342,17 @@ impl Reads for PgTx<'_> {
         rows.iter().map(|row| event_from_row(run_id, row)).collect()
     }
 
+    fn last_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        let rows = self.rows(
+            "SELECT seq, kind, at, step, payload FROM events
+             WHERE run_id = $1 ORDER BY seq DESC LIMIT 1",
+            &[&run_id.as_str()],
+        )?;
+        rows.first()
+            .map(|row| event_from_row(run_id, row))
+            .transpose()
+    }
+
     #[cfg(feature = "otel")]
     fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
         let rows = self.rows(

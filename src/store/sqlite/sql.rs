@@ -301,6 +301,18 @@ impl Reads for Sql<'_> {
             .db()
     }
 
+    fn last_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        self.0
+            .prepare_cached(
+                "SELECT seq, kind, at, step, payload FROM events
+                 WHERE run_id = ?1 ORDER BY seq DESC LIMIT 1",
+            )
+            .db()?
+            .query_row([run_id.as_str()], |row| event_from_row(run_id, row))
+            .optional()
+            .db()
+    }
+
     #[cfg(feature = "otel")]
     fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
         self.0
@@ -914,7 +926,7 @@ fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
             let kind = match kind.as_str() {
                 "decided" => ChangeKind::Decided,
                 "cancelled" => ChangeKind::Cancelled,
-                    "released" => ChangeKind::Released,
+                "released" => ChangeKind::Released,
                 other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
             };
             let run_id = RunId::from(run_id);

@@ -2,7 +2,7 @@
 //! at the run's next step boundary (its lease released, so that another replica continues it
 //! at once, with nothing to reconcile), and gives up at a deadline.
 
-use std::{future::Future, time::Duration};
+use std::time::Duration;
 
 use actix::{Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
 use tokio::sync::oneshot;
@@ -256,18 +256,10 @@ impl Supervisor {
 /// });
 /// # }
 /// ```
-pub fn drain_on_signal(
-    supervisor: Addr<Supervisor>,
-    drain: Drain,
-) -> impl Future<Output = DrainReport> {
-    async move {
-        wait_for_signal().await;
-        match supervisor.send(drain).await {
-            Ok(report) => report,
-            // The supervisor stopped already: nothing of it is left to drain.
-            Err(_) => DrainReport::default(),
-        }
-    }
+pub async fn drain_on_signal(supervisor: Addr<Supervisor>, drain: Drain) -> DrainReport {
+    wait_for_signal().await;
+    // A supervisor that stopped already has nothing left to drain.
+    supervisor.send(drain).await.unwrap_or_default()
 }
 
 /// The one line that makes SIGTERM a deploy instead of a crash, in an actix application: on

@@ -31,9 +31,9 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, Config, Decision, Error, EventKind, ModelResponse, Outcome, Reconciliation,
-    RecordApproval, RunId, RunState, StartRun, Store, Supervisor, Tool, ToolCall, ToolContext,
-    ToolError, async_trait,
+    Agent, Approval, Config, Decision, Drain, Error, EventKind, ModelResponse, Outcome,
+    Reconciliation, RecordApproval, Recovery, RunId, RunState, StartRun, Store, Supervisor, Tool,
+    ToolCall, ToolContext, ToolError, async_trait,
     testkit::{
         Admission, FencedResource, ScriptedModel, check_invariants, resume_when_free, with_system,
     },
@@ -68,6 +68,9 @@ enum Mode {
     /// Every host's wall clock off by a random amount within 10 TTLs either way, for the whole
     /// run (libfaketime), and the kills.
     Skew,
+    /// A rolling deploy: SIGTERM a random worker every 0.3 to 2.5 s, wait for its drain to hand
+    /// its runs over and its process to exit, and start it again. No kills.
+    Deploy,
 }
 
 impl Mode {
@@ -538,12 +541,20 @@ fn agent(dir: &Path) -> Agent {
 }
 
 fn config(owner: &str, mode: Mode) -> Config {
-    Config::default()
+    let config = Config::default()
         .clock(true_now)
         .lease_owner(owner)
         .lease_ttl(mode.ttl())
-        .start_margin(mode.ttl() / 3)
+        .start_margin(mode.ttl() / 3);
+    match mode {
+        // The released runs reach the others through the feed: the period is only a backstop.
+        Mode::Deploy => config.recovery(Recovery::default().every(Duration::from_secs(5))),
+        _ => config,
+    }
 }
+
+/// How long a deploy's worker drains: far longer than its tools take.
+const DEPLOY_DRAIN: Duration = Duration::from_secs(5);
 
 /// Starts or resumes runs forever, several at once, until killed.
 fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
@@ -571,6 +582,23 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
             .agent(AGENT, agent)
             .start()
             .expect("starts");
+        if mode == Mode::Deploy {
+            // As a service does: SIGTERM drains, then the process exits.
+            let sup = sup.clone();
+            actix_rt::spawn(async move {
+                let report = agentrt::drain_on_signal(sup, Drain::within(DEPLOY_DRAIN)).await;
+                println!(
+                    "worker-{index} pid {} DRAINED handed_over={} settled={} left_running={} \
+                     left_queued={}",
+                    std::process::id(),
+                    report.handed_over.len(),
+                    report.settled.len(),
+                    report.left_running.len(),
+                    report.left_queued
+                );
+                std::process::exit(if report.is_clean() { 0 } else { 4 });
+            });
+        }
         let lanes: Vec<_> = (0..4)
             .map(|_| {
                 let (sup, store) = (sup.clone(), store.clone());
@@ -595,11 +623,15 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
                             .expect("reads")
                         };
                         let (open, total) = open;
-                        if open.is_empty() || (total < 400 && rand::random_bool(0.4)) {
-                            let _ = drive(&sup, None).await;
+                        let driven = if open.is_empty() || (total < 400 && rand::random_bool(0.4)) {
+                            drive(&sup, None).await
                         } else {
                             let run_id = open[rand::random_range(0..open.len())].clone();
-                            let _ = drive(&sup, Some(run_id)).await;
+                            drive(&sup, Some(run_id)).await
+                        };
+                        // A draining worker starts nothing: its process exits soon.
+                        if let Err(Error::Draining | Error::HandedOver { .. }) = driven {
+                            actix_rt::time::sleep(Duration::from_millis(50)).await;
                         }
                     }
                 })
@@ -717,7 +749,20 @@ impl Launcher<'_> {
     }
 }
 
-/// Sends `signal` (`STOP`, `CONT`) to a worker: with kill(1), as agentrt has no libc of its own.
+/// Waits for a worker sent SIGTERM to drain and exit cleanly: false if it exits with a
+/// failure, or is still running well past its drain's deadline and grace.
+fn drained(child: &mut Child) -> bool {
+    let limit = Instant::now() + DEPLOY_DRAIN + Duration::from_secs(5);
+    while Instant::now() < limit {
+        match child.try_wait().expect("the worker's status") {
+            Some(status) => return status.success(),
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+    false
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `TERM`) to a worker: with kill(1), as agentrt has no libc of its own.
 fn signal(child: &Child, signal: &str) {
     let status = Command::new("kill")
         .arg(format!("-{signal}"))
@@ -832,6 +877,9 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         .collect();
     let gap = || Duration::from_millis(rand::random_range(300..2500));
     let (mut kills, mut stops, mut cuts) = (0, 0, 0);
+    // Drains: SIGTERMs whose worker exited cleanly, and those that did not in time (then
+    // killed).
+    let (mut drains, mut unclean_drains) = (0, 0);
     let mut next = Instant::now() + gap();
     let mut disturbances = File::create(disturbances_path(dir)).expect("the disturbances log");
     let mut note = |what: &str, index: usize, child: &Child| {
@@ -892,6 +940,18 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
                     cuts += 1;
                     let ttls = rand::random_range(1.0..=5.0);
                     worker.cut_until = Some(now + mode.ttl().mul_f64(ttls));
+                } else if mode == Mode::Deploy {
+                    note("TERM", victim, &worker.child);
+                    signal(&worker.child, "TERM");
+                    if drained(&mut worker.child) {
+                        drains += 1;
+                    } else {
+                        note("KILL-AFTER-TERM", victim, &worker.child);
+                        worker.child.kill().expect("SIGKILL");
+                        worker.child.wait().expect("reaped");
+                        unclean_drains += 1;
+                    }
+                    worker.child = launcher.spawn(victim as u8);
                 } else {
                     note("KILL", victim, &worker.child);
                     worker.child.kill().expect("SIGKILL"); // Child::kill is SIGKILL on Unix
@@ -978,10 +1038,12 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     let one_clock = !(mode == Mode::Skew && matches!(db, Db::Sqlite(_)));
     for run in &runs {
         let events = store.events(&run.id).expect("the events");
-        count.takeovers += events
-            .iter()
-            .filter(|e| e.kind == EventKind::LeaseTakenOver)
-            .count();
+        let of = |kind: EventKind| events.iter().filter(|e| e.kind == kind).count();
+        count.takeovers += of(EventKind::LeaseTakenOver);
+        count.released += of(EventKind::RunReleased);
+        count.handed_over += of(EventKind::RunHandedOver);
+        count.interruptions += of(EventKind::StepInterrupted);
+        count.reconciliations += of(EventKind::StepReconciled);
         for (start, expired) in late_starts(&events).into_iter().filter(|_| one_clock) {
             eprintln!(
                 "run {}: {} of step {} at {} ms, after its lease expired at {expired} ms",
@@ -1045,6 +1107,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         runs_left_leased,
         takeovers,
         late_starts,
+        released,
+        handed_over,
+        interruptions,
+        reconciliations,
         ..
     } = count;
     let late = if one_clock {
@@ -1062,7 +1128,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         _ => String::new(),
     };
     println!(
-        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late}{skews}",
+        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} drains={drains} unclean_drains={unclean_drains} released={released} handed_over={handed_over} interruptions={interruptions} reconciliations={reconciliations} ttl_waits={takeovers} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late}{skews}",
         mode_name.get_name(),
         db.kind(),
         args.hosts.unwrap_or(0),
@@ -1070,11 +1136,16 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     );
     drop(store);
     db.discard(args.dir.is_some());
+    // A deploy whose tools finish within the drain's deadline is no crash: nothing waits out
+    // a TTL, nothing is interrupted or reconciled.
+    let deployed_cleanly = mode != Mode::Deploy
+        || (unclean_drains == 0 && takeovers == 0 && interruptions == 0 && reconciliations == 0);
     Ok(fenced_applied_twice == 0
         && unexplained == 0
         && lost_events == 0
         && runs_left_leased == 0
-        && late_starts == 0)
+        && late_starts == 0
+        && deployed_cleanly)
 }
 
 /// A refused fenced write whose process was killed before its line: its attempt is the one
@@ -1173,6 +1244,14 @@ struct Count {
     takeovers: usize,
     /// Starts of a side effect after the expiry of their lease (`late_starts`).
     late_starts: usize,
+    /// `run.released`: runs a draining worker let go.
+    released: usize,
+    /// `run.handed_over`: released runs another worker took up.
+    handed_over: usize,
+    /// `step.interrupted`.
+    interruptions: usize,
+    /// `step.reconciled`.
+    reconciliations: usize,
 }
 
 impl Count {

@@ -13,7 +13,7 @@
 mod quickstart_agent;
 
 use actix_web::{App, HttpServer};
-use agentrt::{Config, Recovery, Store, Supervisor, Watch, web::Api};
+use agentrt::{Config, Drain, Recovery, Store, Supervisor, Watch, web::Api};
 
 #[actix_web::main]
 async fn main() -> std::io::Result<()> {
@@ -30,9 +30,12 @@ async fn main() -> std::io::Result<()> {
         .start()
         .map_err(std::io::Error::other)?;
     // Without tokens it answers loopback connections only; `.token("alice", TOKEN)` opens it.
-    let api = Api::new(store).supervisor(supervisor);
-    HttpServer::new(move || App::new().service(api.scope("/agentrt")))
+    let api = Api::new(store).supervisor(supervisor.clone());
+    let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
+        .disable_signals()
         .bind("127.0.0.1:8080")?
-        .run()
-        .await
+        .run();
+    // A deploy's SIGTERM hands every run over to the other replicas, then stops the server.
+    agentrt::web::stop_on_signal(supervisor, Drain::default(), server.handle());
+    server.await
 }

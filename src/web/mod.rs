@@ -39,14 +39,14 @@ use std::{
 use actix::Addr;
 use actix_web::{
     App, HttpServer,
-    dev::HttpServiceFactory,
+    dev::{HttpServiceFactory, ServerHandle},
     web::{self, Data},
 };
 
 pub use auth::{LOCAL_OPERATOR, MIN_TOKEN_LEN, token_digest};
 pub use error::ApiError;
 
-use crate::{Store, Supervisor};
+use crate::{Drain, Store, Supervisor};
 
 /// The OpenAPI document of the routes, served at `/openapi.json`.
 pub(crate) const OPENAPI: &str = include_str!("openapi.json");
@@ -273,15 +273,56 @@ struct Parts {
     check_every: Duration,
 }
 
-/// Serves `api` at the root of an HTTP server on `addr` until the server stops (Ctrl-C):
-/// refused, before anything listens, for an address that is not loopback when no tokens are
-/// configured.
+/// Serves `api` at the root of an HTTP server on `addr` until SIGTERM or SIGINT: refused,
+/// before anything listens, for an address that is not loopback when no tokens are
+/// configured. At the signal, an API with a supervisor drains it first ([`Drain::default`]:
+/// its runs are handed over to the other replicas), then the server stops gracefully, as
+/// [`stop_on_signal`] does.
 pub async fn serve(api: Api, addr: impl ToSocketAddrs) -> std::io::Result<()> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
     api.check_listen(&addrs).map_err(std::io::Error::other)?;
-    let server = HttpServer::new(move || App::new().service(api.scope(""))).bind(&addrs[..])?;
+    let supervisor = api.shared.supervisor.clone();
+    let server = HttpServer::new(move || App::new().service(api.scope("")))
+        .disable_signals()
+        .bind(&addrs[..])?;
     for addr in server.addrs() {
         tracing::info!(%addr, "agentrt API and console listening");
     }
-    server.run().await
+    let server = server.run();
+    let handle = server.handle();
+    actix_rt::spawn(async move {
+        match supervisor {
+            Some(supervisor) => {
+                crate::drain_on_signal(supervisor, Drain::default()).await;
+            }
+            None => crate::actors::supervisor::wait_for_signal().await,
+        }
+        handle.stop(true).await;
+    });
+    server.await
+}
+
+/// The one line that makes SIGTERM a deploy in an actix-web service: on SIGTERM or SIGINT,
+/// drains `supervisor` (see [`Drain`]: no run is started or resumed meanwhile, and each is
+/// handed over at its next step boundary), then stops `server` gracefully. Build the server
+/// with `disable_signals()`, so that its own handling does not stop it before the drain
+/// ends.
+///
+/// ```no_run
+/// # use actix_web::{App, HttpServer};
+/// # use agentrt::{Drain, Supervisor, web::Api};
+/// # async fn demo(api: Api, supervisor: actix::Addr<Supervisor>) -> std::io::Result<()> {
+/// let server = HttpServer::new(move || App::new().service(api.scope("/agentrt")))
+///     .disable_signals()
+///     .bind("127.0.0.1:8080")?
+///     .run();
+/// agentrt::web::stop_on_signal(supervisor, Drain::default(), server.handle());
+/// server.await
+/// # }
+/// ```
+pub fn stop_on_signal(supervisor: Addr<Supervisor>, drain: Drain, server: ServerHandle) {
+    actix_rt::spawn(async move {
+        crate::drain_on_signal(supervisor, drain).await;
+        server.stop(true).await;
+    });
 }

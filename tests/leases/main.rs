@@ -4,6 +4,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod drain;
 mod drain_process;
 mod fencing_token;
 mod lease;

@@ -282,7 +282,7 @@ pub fn stop_on_signal(supervisor: Addr<Supervisor>, drain: Drain) {
 
 /// Completes at the first SIGTERM or SIGINT. Where the handler cannot be installed, only the
 /// other signal is waited for (and a failure to install both is logged: nothing then ends it).
-async fn wait_for_signal() {
+pub(crate) async fn wait_for_signal() {
     #[cfg(unix)]
     let term = actix_rt::signal::unix::signal(actix_rt::signal::unix::SignalKind::terminate());
     #[cfg(not(unix))]

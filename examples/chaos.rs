@@ -970,6 +970,18 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         let sleep = wake.saturating_duration_since(Instant::now());
         std::thread::sleep(sleep.min(Duration::from_millis(100)));
     }
+    // A deploy ends as it went: each worker drains and exits, and is not started again.
+    if mode == Mode::Deploy {
+        for (index, worker) in workers.iter_mut().enumerate() {
+            note("TERM", index, &worker.child);
+            signal(&worker.child, "TERM");
+            if drained(&mut worker.child) {
+                drains += 1;
+            } else {
+                unclean_drains += 1;
+            }
+        }
+    }
     // Every worker is killed before its host goes away.
     drop(workers);
     drop(hosts);

@@ -745,9 +745,17 @@ pub fn check_invariants(
     }
     let mut steps: BTreeMap<u32, Step> = BTreeMap::new();
     for event in &events {
+        // A drain abandoned a model call: its next attempt is justified.
+        if event.kind == EventKind::RunReleased
+            && let Some(number) = event.payload["abandoned"]["step"].as_u64()
+        {
+            steps.entry(number as u32).or_default().run_again += 1;
+        }
         let Some(number) = event.step else { continue };
         let step = steps.entry(number).or_default();
         match event.kind {
+            // A failed model attempt that the model policy tries again.
+            EventKind::ModelAttemptFailed => step.run_again += 1,
             EventKind::StepInterrupted => step.interrupted += 1,
             EventKind::StepReconciled => {
                 step.reconciled += 1;

@@ -140,17 +140,55 @@ pub(crate) fn configure(
         // SQL.
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)?;
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)?;
-        for (name, value) in pragmas(options, file, role) {
-            // journal_mode answers with a row; pragma_update_and_check reads it.
-            conn.pragma_update_and_check(None, name, value, |_| Ok(()))
-                .or_else(|err| match err {
-                    rusqlite::Error::QueryReturnedNoRows => Ok(()),
-                    err => Err(err),
-                })?;
-        }
         Ok(())
     })()
-    .map_err(db_error)
+    .map_err(db_error)?;
+    for (name, value) in pragmas(options, file, role) {
+        if (name, value) == ("journal_mode", "WAL") {
+            enable_wal(conn)?;
+            continue;
+        }
+        // Some answer with a row (the value set); pragma_update_and_check reads it.
+        conn.pragma_update_and_check(None, name, value, |_| Ok(()))
+            .or_else(|err| match err {
+                rusqlite::Error::QueryReturnedNoRows => Ok(()),
+                err => Err(err),
+            })
+            .map_err(db_error)?;
+    }
+    Ok(())
+}
+
+/// Puts the connection's database file in WAL mode, or fails with
+/// [`Error::WalModeFailed`]. The pragma answers with the journal mode in force after it: the
+/// old one when SQLite could not switch. On a file not yet in WAL mode the switch is a commit
+/// of its own, which writes the file's header in rollback-journal mode; that commit's failure
+/// (a failed write or sync) comes only as the statement ends, after the answer, so the
+/// statement is run to its end: otherwise the failure is dropped and the store writes on in
+/// rollback-journal mode.
+fn enable_wal(conn: &Connection) -> Result<()> {
+    let failed = |why: String| Error::WalModeFailed {
+        path: conn.path().unwrap_or_default().into(),
+        why,
+    };
+    let answered = (|| {
+        let mut stmt = conn.prepare("PRAGMA journal_mode = WAL")?;
+        let mut rows = stmt.query([])?;
+        let mode: Option<String> = match rows.next()? {
+            Some(row) => Some(row.get(0)?),
+            None => None,
+        };
+        while rows.next()?.is_some() {}
+        Ok(mode)
+    })()
+    .map_err(|err| failed(db_error(err).to_string()))?;
+    match answered {
+        Some(mode) if mode.eq_ignore_ascii_case("wal") => Ok(()),
+        Some(mode) => Err(failed(format!("SQLite left it in journal mode {mode}"))),
+        None => Err(failed(
+            "SQLite did not say which journal mode it is in".into(),
+        )),
+    }
 }
 
 /// The schema version a connection's database is at.

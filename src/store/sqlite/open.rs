@@ -320,6 +320,48 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
 }
 
+/// Refuses a path (`real`, its symbolic links resolved) that names something other than a
+/// regular file, found without opening it: opening a named pipe waits for a writer, which
+/// would hang the open; SQLite would take a device for an empty database, and a directory or
+/// a socket fails with an error that does not say what it is.
+fn refuse_other_than_a_file(path: &Path, real: &Path) -> Result<()> {
+    let kind = std::fs::metadata(real)
+        .map_err(|err| Error::DatabaseCorrupt {
+            path: path.to_path_buf(),
+            detail: format!("it cannot be read: {err}"),
+        })?
+        .file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    let path = path.display();
+    if kind.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "{path} is a directory, not a database file: name the file inside it"
+        )));
+    }
+    #[cfg(unix)]
+    let what = {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            "a named pipe (FIFO)"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_char_device() {
+            "a character device"
+        } else if kind.is_block_device() {
+            "a block device"
+        } else {
+            "a special file"
+        }
+    };
+    #[cfg(not(unix))]
+    let what = "a special file";
+    Err(Error::InvalidInput(format!(
+        "{path} is {what}, not a database file; it was not opened: name an SQLite database file"
+    )))
+}
+
 /// The schema version of a database file, found without creating a `-wal` or `-shm` beside it
 /// (SQLite's read-only connections create both for a database in WAL mode).
 ///
@@ -329,7 +371,9 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
 /// Otherwise no connection has the database open and the file is the whole database: its
 /// header says the version, and a connection that treats it as immutable (taking no lock and
 /// creating nothing) reads the schema's pages to find damage. Symbolic links are resolved
-/// first, as SQLite does, so that the log looked for is the one SQLite would use.
+/// first, as SQLite does, so that the log looked for is the one SQLite would use; a path that
+/// names anything but a regular file (a directory, a named pipe, a socket, a device) is
+/// refused before anything is opened.
 ///
 /// `read_log` reads the version of a database with a log beside it, given the resolved path:
 /// under SQLite's locks for a store about to write (which may create the `-shm`), or as a
@@ -353,17 +397,12 @@ pub(crate) fn read_schema_version(
         }
         Err(err) => return Err(corrupt(format!("it cannot be read: {err}"))),
     };
+    refuse_other_than_a_file(path, &real)?;
     let mut file =
         std::fs::File::open(&real).map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
     let metadata = file
         .metadata()
         .map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
-    if metadata.is_dir() {
-        return Err(Error::InvalidInput(format!(
-            "{} is a directory, not a database file: name the file inside it",
-            path.display()
-        )));
-    }
     let len = metadata.len();
     if len == 0 {
         // SQLite's empty database: a file created and never written.

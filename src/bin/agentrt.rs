@@ -64,8 +64,8 @@ enum Command {
     /// Print a run's events.
     Events {
         run: String,
-        /// Only events after this sequence number.
-        #[arg(long, default_value_t = 0)]
+        /// Only events after this sequence number (at most 2^63 - 1, the largest there can be).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=i64::MAX as u64))]
         after: u64,
         /// Keep printing new events until the run has finished.
         #[arg(long)]

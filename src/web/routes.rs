@@ -254,13 +254,26 @@ struct AfterQuery {
     after: u64,
 }
 
+/// An event cursor (`?after=`, `Last-Event-ID`): past the largest seq an event can have it
+/// would match nothing, and is most likely a cursor gone wrong.
+fn seq_cursor(after: u64, name: &str) -> Result<u64, ApiError> {
+    if after > i64::MAX as u64 {
+        return Err(ApiError::invalid_query(format!(
+            "{name} is an event's seq, at most {} (2^63 - 1); {after} is past every seq",
+            i64::MAX
+        )));
+    }
+    Ok(after)
+}
+
 async fn events(
     shared: Data<Shared>,
     _reader: Reader,
     id: Path<String>,
     query: Query<AfterQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let (store, run_id, after) = (shared.store.clone(), run_id(&id)?, query.after);
+    let after = seq_cursor(query.after, "after")?;
+    let (store, run_id) = (shared.store.clone(), run_id(&id)?);
     let events = blocking(move || {
         // An unknown run is a 404, not an empty list.
         store.run(&run_id)?;
@@ -282,14 +295,15 @@ async fn event_stream(
     let run_id = run_id(&id)?;
     let reconnect = req.headers().get("last-event-id");
     let after = match reconnect {
-        None => query.after,
+        None => seq_cursor(query.after, "after")?,
         Some(value) => value
             .to_str()
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
             .ok_or_else(|| {
                 ApiError::invalid_query("Last-Event-ID must be an event's seq, a whole number")
-            })?,
+            })
+            .and_then(|after| seq_cursor(after, "Last-Event-ID"))?,
     };
     let (store, read_id) = (shared.store.clone(), run_id.clone());
     let (state, missed) = blocking(move || store.state_and_events_after(&read_id, after)).await?;

@@ -661,3 +661,21 @@ fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
             .stderr(predicate::str::contains(says));
     }
 }
+
+#[test]
+fn events_after_a_seq_past_the_largest_a_store_holds_are_refused_not_wrapped_round() {
+    let db = fixture();
+    agentrt(db.path())
+        .args(["events", "done", "--after", &i64::MAX.to_string()])
+        .assert()
+        .success()
+        .stdout("");
+    for after in [i64::MAX as u64 + 1, u64::MAX] {
+        agentrt(db.path())
+            .args(["events", "done", "--after", &after.to_string()])
+            .assert()
+            .failure()
+            .stdout("")
+            .stderr(predicate::str::contains("9223372036854775807"));
+    }
+}

@@ -5,6 +5,7 @@
 mod support;
 
 mod console_browser;
+mod event_cursors;
 mod service;
 mod web_api;
 mod web_auth;

@@ -10,6 +10,7 @@ mod background_runs;
 mod bad_input;
 mod cancel;
 mod concurrency_limit;
+mod concurrent_starts;
 mod conversation;
 mod fork;
 mod golden_run;

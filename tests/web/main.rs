@@ -4,6 +4,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod concurrent_starts;
 mod console_browser;
 mod event_cursors;
 mod service;

@@ -168,11 +168,19 @@ impl Supervisor {
             return Box::pin(std::future::ready(Err(err)));
         }
         let held = self.executing.contains_key(&run_id) || self.admission.holds(&run_id);
-        if matches!(job, Job::Start { .. }) && held {
-            // A start of a run this supervisor executes or holds for its turn: the run exists,
-            // or its insert is being written. Told so at once, as the insert would tell it,
-            // never that it is leased, which tells the caller to retry.
-            return Box::pin(std::future::ready(Err(Error::RunExists(run_id))));
+        if matches!(job, Job::Start { .. }) {
+            // A start under an id no run may have is refused before anything executes (the
+            // insert would refuse it too). A start of a run this supervisor executes or holds
+            // for its turn: the run exists, or its insert is being written. Told so at once,
+            // as the insert would tell it, never that it is leased, which tells the caller to
+            // retry.
+            let refused = match run_id.check() {
+                Err(err) => Some(err),
+                Ok(()) => held.then(|| Error::RunExists(run_id.clone())),
+            };
+            if let Some(err) = refused {
+                return Box::pin(std::future::ready(Err(err)));
+            }
         }
         if held {
             // Executing it in another call, or about to: refuse, naming our own lease,

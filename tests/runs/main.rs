@@ -15,5 +15,6 @@ mod conversation;
 mod fork;
 mod golden_run;
 mod json_shape;
+mod run_ids;
 mod tool_schemas;
 mod write_ahead;

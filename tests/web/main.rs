@@ -7,6 +7,7 @@ mod support;
 mod concurrent_starts;
 mod console_browser;
 mod event_cursors;
+mod run_ids;
 mod service;
 mod web_api;
 mod web_auth;

@@ -6,7 +6,10 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior, config::DbConfig};
 use rusqlite_migration::{M, Migrations};
 
-use super::{error::db_error, options::Options};
+use super::{
+    error::db_error,
+    options::{Options, Synchronous},
+};
 use crate::error::{Error, Result};
 use crate::store::{SCHEMA_VERSION, SchemaStatus, schema::MIGRATIONS};
 
@@ -78,8 +81,13 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
         // inside whichever commit (a move, a renewal) takes the log past 1,000 pages.
         pragmas.push(("wal_autocheckpoint", "0"));
     }
-    if role != Role::Reader {
-        pragmas.push(("synchronous", options.synchronous.as_str()));
+    match role {
+        Role::Writer => pragmas.push(("synchronous", options.synchronous.as_str())),
+        // A renewal's commit is not synced (it is atomic all the same): a power loss that
+        // undoes it only ends the lease sooner, and every holder of a lease on this file dies
+        // with the machine. See `docs/lease.md`.
+        Role::Renewal => pragmas.push(("synchronous", Synchronous::Normal.as_str())),
+        Role::Reader => {}
     }
     if role == Role::Writer {
         // 64 MiB of page cache: the pages every move touches (the tails of the events and steps

@@ -203,6 +203,24 @@ pub enum Error {
         why: String,
     },
 
+    /// The database file could not be put in write-ahead-log mode, which a store that writes
+    /// needs: the switch (a commit of its own, on a new file) failed with an I/O error, or
+    /// SQLite left the file in another journal mode (a file system that gives it no shared
+    /// memory, say). The store was not opened: opened again, SQLite reads the file afresh and
+    /// tries the switch again.
+    #[error(
+        "{} could not be put in WAL mode ({why}); the store was not opened: check the disk, and \
+         that the file is on a local file system (WAL mode needs shared memory), then open it \
+         again",
+        path.display()
+    )]
+    WalModeFailed {
+        /// The database file.
+        path: PathBuf,
+        /// What SQLite reported, or the journal mode it left the file in.
+        why: String,
+    },
+
     /// The database has an older schema, and migrating was not asked for. It was not changed.
     #[error(
         "{} has schema version {found}, older than the {supported} this agentrt writes; it was \

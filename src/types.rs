@@ -9,6 +9,8 @@ use std::{fmt, str::FromStr, time::SystemTime};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::{Error, Result};
+
 /// The id of a run: chosen by the caller of `StartRun`, or a new time-ordered UUID.
 ///
 /// JSON: the id as a string, `"order-17"`.
@@ -29,6 +31,66 @@ impl RunId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The longest id a new run is given, in bytes: ids are keys, not documents.
+    pub const MAX_LEN: usize = 200;
+
+    /// Whether a new run may be given this id, which names it in the API's and the console's
+    /// paths and on the command line: 1 to [`RunId::MAX_LEN`] bytes, not `.` or `..`, with no
+    /// control character and no Unicode bidirectional control (U+061C, U+200E, U+200F,
+    /// U+202A to U+202E, U+2066 to U+2069, which make an id read otherwise than it is).
+    /// Starting or forking a run under any other id is refused with this error, writing
+    /// nothing; [`RunId::random`]'s ids always pass. Runs that exist are read and resumed
+    /// whatever their ids.
+    ///
+    /// ```
+    /// use agentrt::RunId;
+    ///
+    /// assert!(RunId::from("order-17").check().is_ok());
+    /// assert!(matches!(
+    ///     RunId::from("..").check(),
+    ///     Err(agentrt::Error::InvalidInput(_))
+    /// ));
+    /// ```
+    pub fn check(&self) -> Result<()> {
+        let id = self.as_str();
+        let refuse = |rule: &str| {
+            Err(Error::InvalidInput(format!(
+                "run id {id:?} is refused: a run id {rule}"
+            )))
+        };
+        if id.is_empty() {
+            return refuse("must not be empty");
+        }
+        if id.len() > RunId::MAX_LEN {
+            return Err(Error::InvalidInput(format!(
+                "a run id of {} bytes is refused: a run id is at most {} bytes",
+                id.len(),
+                RunId::MAX_LEN
+            )));
+        }
+        if id == "." || id == ".." {
+            return refuse("must not be \".\" or \"..\", which name a place in a path");
+        }
+        if id.chars().any(char::is_control) {
+            return refuse("must not hold control characters");
+        }
+        if id.chars().any(is_bidi_control) {
+            return refuse(
+                "must not hold Unicode bidirectional controls (U+061C, U+200E, U+200F, \
+                 U+202A to U+202E, U+2066 to U+2069), which make it read otherwise than it is",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The characters that change the direction text is shown in.
+fn is_bidi_control(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}'
+    )
 }
 
 impl fmt::Display for RunId {
@@ -874,5 +936,43 @@ impl StepState {
                 )));
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_run_id_is_refused_empty_as_a_path_step_too_long_or_holding_controls() {
+        let longest = "x".repeat(RunId::MAX_LEN);
+        for id in ["order-17", "ünïcode", "a b", "..a", "a.b", &longest] {
+            assert!(RunId::from(id).check().is_ok(), "{id:?}");
+        }
+        assert!(RunId::random().check().is_ok());
+        let too_long = "x".repeat(RunId::MAX_LEN + 1);
+        for id in [
+            "",
+            ".",
+            "..",
+            "a\nb",
+            "a\u{7f}",
+            "\u{0}",
+            "a\u{202E}b",
+            "\u{2066}x",
+            "x\u{061C}",
+            "\u{200F}",
+            &too_long,
+        ] {
+            let err = RunId::from(id).check().unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "{id:?}");
+            // The message shows the id escaped: it reads as what it is.
+            let text = err.to_string();
+            assert!(
+                !text.chars().any(|c| c.is_control() || is_bidi_control(c)),
+                "{text:?}"
+            );
+            assert!(text.contains("a run id"), "{text}");
+        }
     }
 }

@@ -167,7 +167,22 @@ impl Supervisor {
         if let Err(err) = self.refuse_if_draining() {
             return Box::pin(std::future::ready(Err(err)));
         }
-        if self.executing.contains_key(&run_id) || self.admission.holds(&run_id) {
+        let held = self.executing.contains_key(&run_id) || self.admission.holds(&run_id);
+        if matches!(job, Job::Start { .. }) {
+            // A start under an id no run may have is refused before anything executes (the
+            // insert would refuse it too). A start of a run this supervisor executes or holds
+            // for its turn: the run exists, or its insert is being written. Told so at once,
+            // as the insert would tell it, never that it is leased, which tells the caller to
+            // retry.
+            let refused = match run_id.check() {
+                Err(err) => Some(err),
+                Ok(()) => held.then(|| Error::RunExists(run_id.clone())),
+            };
+            if let Some(err) = refused {
+                return Box::pin(std::future::ready(Err(err)));
+            }
+        }
+        if held {
             // Executing it in another call, or about to: refuse, naming our own lease,
             // without a write.
             let (owner, ttl, id) = (
@@ -180,9 +195,11 @@ impl Supervisor {
                 .addr()
                 .send(ReadState::new(move |reads| moves::lease(reads, &id)));
             return Box::pin(async move {
-                let expires_at = match read.await?? {
-                    Some(lease) => lease.expires_at,
-                    None => SystemTime::now() + ttl,
+                let expires_at = match read.await? {
+                    Ok(Some(lease)) => lease.expires_at,
+                    // Not leased yet, or not even inserted: its start is being written.
+                    Ok(None) | Err(Error::RunNotFound(_)) => SystemTime::now() + ttl,
+                    Err(err) => return Err(err),
                 };
                 Err(Error::RunLeased {
                     run_id,
@@ -397,8 +414,8 @@ impl Handler<StartRun> for Supervisor {
 /// while the supervisor drives it; [`SubscribeRuns`] and the store tell how it ends.
 ///
 /// It answers with the same errors as [`StartRun`] when the run cannot be started: an unknown
-/// agent, an id that exists ([`Error::RunExists`]), or one this supervisor executes now
-/// ([`Error::RunLeased`]). An error of the store itself (`CommitUnknown`, `SyncFailed`) is
+/// agent, or an id that exists or that this supervisor executes now ([`Error::RunExists`]).
+/// An error of the store itself (`CommitUnknown`, `SyncFailed`) is
 /// ambiguous: the insert may have reached the database, and another process's recovery then
 /// executes it. Give runs ids of your own ([`SpawnRun::with_id`]) to find out, and to retry
 /// without starting a run twice. Once answered, the run's execution is the supervisor's, and

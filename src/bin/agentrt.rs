@@ -64,8 +64,8 @@ enum Command {
     /// Print a run's events.
     Events {
         run: String,
-        /// Only events after this sequence number.
-        #[arg(long, default_value_t = 0)]
+        /// Only events after this sequence number (at most 2^63 - 1, the largest there can be).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(..=i64::MAX as u64))]
         after: u64,
         /// Keep printing new events until the run has finished.
         #[arg(long)]
@@ -93,8 +93,9 @@ enum Command {
         /// A model step of the run, or the step after its last (to keep every step).
         #[arg(long)]
         at: u32,
-        /// The new run's id (a random one otherwise); an existing id is refused.
-        #[arg(long)]
+        /// The new run's id (a random one otherwise); an existing id is refused, and so is one
+        /// that is empty, `.` or `..`, longer than 200 bytes, or holds a control character.
+        #[arg(long, value_parser = new_run_id)]
         id: Option<String>,
     },
     /// Deny a tool call that waits for an approval.
@@ -154,6 +155,15 @@ enum Command {
         #[arg(value_parser = not_blank)]
         operator: String,
     },
+}
+
+/// Refuses an id no new run may have, before the file is opened.
+fn new_run_id(value: &str) -> Result<String, String> {
+    match RunId::from(value).check() {
+        Ok(()) => Ok(value.to_owned()),
+        Err(agentrt::Error::InvalidInput(why)) => Err(why),
+        Err(err) => Err(err.to_string()),
+    }
 }
 
 /// Refuses an empty or blank value: a decision or a cancel names who and why.

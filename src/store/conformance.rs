@@ -50,6 +50,7 @@ macro_rules! conformance_suite {
             conformance_suite!(@cases $fixture;
                 a_new_run_is_running_under_its_creators_lease,
                 an_existing_run_id_is_refused_and_nothing_changes,
+                a_run_id_that_names_no_run_is_refused_by_every_move_that_makes_one,
                 a_model_call_starts_only_under_an_unexpired_lease_of_its_own,
                 a_refused_move_writes_nothing,
                 a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
@@ -424,6 +425,40 @@ pub(crate) fn an_existing_run_id_is_refused_and_nothing_changes(f: &dyn Fixture)
     assert_eq!(store.run(&run("r")).unwrap().agent, "agent");
     assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
     assert_eq!(kinds(&store, &run("r")), [EventKind::RunStarted]);
+}
+
+pub(crate) fn a_run_id_that_names_no_run_is_refused_by_every_move_that_makes_one(f: &dyn Fixture) {
+    let store = f.store();
+    succeeded(&store, &run("r"));
+    let before = everything(&store, &run("r"));
+    let long = "x".repeat(RunId::MAX_LEN + 1);
+    for id in [
+        "",
+        ".",
+        "..",
+        "a\nb",
+        "a\u{202E}b",
+        "\u{2066}",
+        long.as_str(),
+    ] {
+        let id = RunId::from(id);
+        let invalid = |err: &Error| matches!(err, Error::InvalidInput(m) if m.contains("a run id"));
+        let err = on(&store, &id, |m| m.create_run("agent", &json!({}), &me())).unwrap_err();
+        assert!(invalid(&err), "CreateRun {id:?}: {err}");
+        let queue = moves::QueueRun {
+            run_id: id.clone(),
+            agent: "agent".into(),
+            input: json!({}),
+            trace: None,
+        };
+        let err = store.apply(&SystemClock, queue).unwrap_err();
+        assert!(invalid(&err), "QueueRun {id:?}: {err}");
+        let err = store.fork(&run("r"), 1, Some(id.clone())).unwrap_err();
+        assert!(invalid(&err), "ForkRun {id:?}: {err}");
+        assert!(matches!(store.run(&id), Err(Error::RunNotFound(_))));
+    }
+    assert_eq!(store.runs(None).unwrap().len(), 1);
+    assert_eq!(everything(&store, &run("r")), before);
 }
 
 pub(crate) fn a_model_call_starts_only_under_an_unexpired_lease_of_its_own(f: &dyn Fixture) {

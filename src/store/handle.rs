@@ -163,6 +163,7 @@ impl Store {
     }
 
     /// A run's events after sequence number `after`, in order: how a follower tails the log.
+    /// A seq is at most `i64::MAX`: a larger `after` is [`Error::InvalidInput`].
     pub fn events_after(&self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
         self.read(|reads| moves::events_after(reads, run_id, after))
     }

@@ -21,9 +21,6 @@ use crate::{
     Run, RunId, RunPage, RunQuery, RunState, RunUsage, SCHEMA_VERSION, SpawnRun, Store,
 };
 
-/// The longest run id taken: ids are keys, not documents.
-const MAX_RUN_ID: usize = 200;
-
 /// The routes of the scope, each with the methods it answers; any other method is a 405.
 pub(crate) fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(resource("/health").get(health))
@@ -77,20 +74,38 @@ async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
-/// A run id from a path: text of 1 to 200 characters, none of them a control character.
+/// A run id from a path: text of 1 to [`RunId::MAX_LEN`] bytes, none of them a control
+/// character. Lighter than [`new_run_id`]: a run made before that check reads as it is.
 fn run_id(text: &str) -> Result<RunId, ApiError> {
-    if text.is_empty() || text.len() > MAX_RUN_ID || text.chars().any(char::is_control) {
+    if text.is_empty() || text.len() > RunId::MAX_LEN || text.chars().any(char::is_control) {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_run_id",
             format!(
-                "a run id is 1 to {MAX_RUN_ID} bytes of text with no control characters; \
-                 this one is {} bytes",
+                "a run id is 1 to {} bytes of text with no control characters; this one is {} \
+                 bytes",
+                RunId::MAX_LEN,
                 text.len()
             ),
         ));
     }
     Ok(RunId::from(text))
+}
+
+/// The id of a run to make (a start's, a fork's): one [`RunId::check`] takes.
+fn new_run_id(text: &str) -> Result<RunId, ApiError> {
+    let id = RunId::from(text);
+    match id.check() {
+        Ok(()) => Ok(id),
+        Err(err) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_run_id",
+            match err {
+                crate::Error::InvalidInput(why) => why,
+                other => other.to_string(),
+            },
+        )),
+    }
 }
 
 async fn health() -> HttpResponse {
@@ -210,7 +225,7 @@ async fn start_run(
     let body = body.into_inner();
     let mut spawn = SpawnRun::new(body.agent, body.input);
     if let Some(id) = body.run_id {
-        spawn = spawn.with_id(run_id(&id)?);
+        spawn = spawn.with_id(new_run_id(&id)?);
     }
     let started = supervisor.send(spawn).await??;
     Ok(HttpResponse::Accepted().json(json!({ "run_id": started })))
@@ -254,13 +269,26 @@ struct AfterQuery {
     after: u64,
 }
 
+/// An event cursor (`?after=`, `Last-Event-ID`): past the largest seq an event can have it
+/// would match nothing, and is most likely a cursor gone wrong.
+fn seq_cursor(after: u64, name: &str) -> Result<u64, ApiError> {
+    if after > i64::MAX as u64 {
+        return Err(ApiError::invalid_query(format!(
+            "{name} is an event's seq, at most {} (2^63 - 1); {after} is past every seq",
+            i64::MAX
+        )));
+    }
+    Ok(after)
+}
+
 async fn events(
     shared: Data<Shared>,
     _reader: Reader,
     id: Path<String>,
     query: Query<AfterQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let (store, run_id, after) = (shared.store.clone(), run_id(&id)?, query.after);
+    let after = seq_cursor(query.after, "after")?;
+    let (store, run_id) = (shared.store.clone(), run_id(&id)?);
     let events = blocking(move || {
         // An unknown run is a 404, not an empty list.
         store.run(&run_id)?;
@@ -282,14 +310,15 @@ async fn event_stream(
     let run_id = run_id(&id)?;
     let reconnect = req.headers().get("last-event-id");
     let after = match reconnect {
-        None => query.after,
+        None => seq_cursor(query.after, "after")?,
         Some(value) => value
             .to_str()
             .ok()
             .and_then(|v| v.trim().parse::<u64>().ok())
             .ok_or_else(|| {
                 ApiError::invalid_query("Last-Event-ID must be an event's seq, a whole number")
-            })?,
+            })
+            .and_then(|after| seq_cursor(after, "Last-Event-ID"))?,
     };
     let (store, read_id) = (shared.store.clone(), run_id.clone());
     let (state, missed) = blocking(move || store.state_and_events_after(&read_id, after)).await?;
@@ -541,7 +570,7 @@ async fn fork(
 ) -> Result<HttpResponse, ApiError> {
     let origin = run_id(&id)?;
     let body = body.into_inner();
-    let new_id = body.new_id.as_deref().map(run_id).transpose()?;
+    let new_id = body.new_id.as_deref().map(new_run_id).transpose()?;
     let (store, from) = (shared.store.clone(), origin.clone());
     let forked = blocking(move || store.fork(&from, body.at, new_id)).await?;
     if let Some(supervisor) = &shared.supervisor {

@@ -661,3 +661,51 @@ fn runs_pages_with_a_cursor_and_filters_by_agent_and_age() {
             .stderr(predicate::str::contains(says));
     }
 }
+
+#[test]
+fn events_after_a_seq_past_the_largest_a_store_holds_are_refused_not_wrapped_round() {
+    let db = fixture();
+    agentrt(db.path())
+        .args(["events", "done", "--after", &i64::MAX.to_string()])
+        .assert()
+        .success()
+        .stdout("");
+    for after in [i64::MAX as u64 + 1, u64::MAX] {
+        agentrt(db.path())
+            .args(["events", "done", "--after", &after.to_string()])
+            .assert()
+            .failure()
+            .stdout("")
+            .stderr(predicate::str::contains("9223372036854775807"));
+    }
+}
+
+#[test]
+fn fork_refuses_a_new_id_that_names_no_run_and_writes_nothing() {
+    let db = fixture();
+    let before = std::fs::read(db.path()).unwrap();
+    let long = "x".repeat(RunId::MAX_LEN + 1);
+    for id in [
+        "",
+        ".",
+        "..",
+        "a\nb",
+        "\u{1b}[31mred",
+        "invoice\u{202E}fdp.exe",
+        "\u{2066}x\u{2069}",
+        long.as_str(),
+    ] {
+        agentrt(db.path())
+            .args(["fork", "done", "--at", "1", "--id", id])
+            .assert()
+            .failure()
+            .stdout("")
+            .stderr(predicate::str::contains("a run id"));
+    }
+    assert_eq!(
+        std::fs::read(db.path()).unwrap(),
+        before,
+        "nothing was written"
+    );
+    assert_eq!(db.open().runs(None).unwrap().len(), 3);
+}

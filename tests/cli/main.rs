@@ -6,4 +6,5 @@ mod support;
 mod cli;
 mod cli_read_only;
 mod cli_serve;
+mod cli_special_files;
 mod decisions_from_elsewhere;

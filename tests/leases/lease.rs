@@ -515,7 +515,8 @@ fn a_call_that_returns_with_an_error_releases_its_lease() {
 }
 
 #[test]
-fn a_second_start_or_resume_of_a_run_this_supervisor_executes_is_refused_naming_its_own_owner() {
+fn a_resume_of_a_run_this_supervisor_executes_is_refused_naming_its_own_owner_and_a_start_as_existing()
+ {
     let db = TempStore::new();
     let slow = RecordingTool::new("slow").behaviour(Behaviour::BlockIgnoringCancel);
     let agent = Agent::new(two_calls("slow", "slow")).tool(slow.clone());
@@ -538,14 +539,19 @@ fn a_second_start_or_resume_of_a_run_this_supervisor_executes_is_refused_naming_
         call.await.unwrap().unwrap();
         (resumed, started, lease, events_during, events_after)
     });
-    for refused in [resumed, started] {
-        let err = refused.unwrap_err();
-        assert!(err.is_run_state(), "{err}");
-        assert!(
-            matches!(&err, Error::RunLeased { owner, .. } if *owner == lease.owner),
-            "{err}"
-        );
-    }
+    let err = resumed.unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert!(
+        matches!(&err, Error::RunLeased { owner, .. } if *owner == lease.owner),
+        "{err}"
+    );
+    // A start is told the run exists: a retry cannot change that.
+    let err = started.unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert!(
+        matches!(&err, Error::RunExists(id) if id.as_str() == "r1"),
+        "{err}"
+    );
     assert_eq!(events_during, events_after, "nothing was written");
     assert_eq!(slow.executions().len(), 2);
 }

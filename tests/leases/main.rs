@@ -11,3 +11,4 @@ mod lease;
 mod lease_process;
 mod recovery;
 mod recovery_process;
+mod renewal_sync;

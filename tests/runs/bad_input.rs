@@ -412,3 +412,23 @@ fn a_database_reopened_by_the_same_version_keeps_its_runs() {
     assert!(store.runs(Some(RunState::Running)).unwrap().is_empty());
     assert_eq!(store.run(&reply.run_id).unwrap().state, RunState::Succeeded);
 }
+
+#[test]
+fn events_after_a_seq_past_the_largest_a_store_holds_are_refused_not_wrapped_round() {
+    let db = TempStore::new();
+    start(
+        db.open(),
+        Agent::new(lookup_then_answer()).tool(RecordingTool::new("lookup")),
+        StartRun::new("a", json!({})).with_id("r1"),
+    )
+    .unwrap();
+    let store = db.open();
+    let r1 = RunId::from("r1");
+    assert!(!store.events(&r1).unwrap().is_empty());
+    assert!(store.events_after(&r1, i64::MAX as u64).unwrap().is_empty());
+    for after in [i64::MAX as u64 + 1, u64::MAX] {
+        let err = store.events_after(&r1, after).unwrap_err();
+        assert!(matches!(err, Error::InvalidInput(_)), "{err:?}");
+        assert!(err.to_string().contains("9223372036854775807"), "{err}");
+    }
+}

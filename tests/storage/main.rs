@@ -5,6 +5,7 @@
 mod support;
 
 mod checkpoint;
+mod first_open;
 mod group_commit;
 mod io_errors_are_sticky;
 mod lease_migration;

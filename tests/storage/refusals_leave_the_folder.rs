@@ -2,7 +2,10 @@
 //! or damaged file, a file that is not a database) leaves its folder exactly as it was: the
 //! same files with the same bytes, and no `-wal` or `-shm` beside it.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use agentrt::{Error, SCHEMA_VERSION, Store, sqlite, testkit::TempStore};
 
@@ -161,4 +164,94 @@ fn a_newer_schema_still_in_the_log_is_found_through_a_symbolic_link() {
         assert!(matches!(err, Error::SchemaTooNew { .. }), "{err}");
     }
     drop(holder);
+}
+
+/// The entries of `dir`, by name, with their kind and length, found without opening any (a
+/// named pipe would hang a read).
+fn entries(dir: &Path) -> BTreeMap<String, (String, u64)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            let metadata = std::fs::symlink_metadata(entry.path()).unwrap();
+            let kind = format!("{:?}", metadata.file_type());
+            (
+                entry.file_name().to_string_lossy().into_owned(),
+                (kind, metadata.len()),
+            )
+        })
+        .collect()
+}
+
+/// The ways to open a database file that only read it.
+const READING: &[&str] = &["open_read_only", "schema_status", "quick_check"];
+/// The ways that would write it.
+const WRITING: &[&str] = &["open", "existing_only", "connect"];
+
+/// Opens the database at `path` the way `door` names.
+fn open_by(door: &str, path: PathBuf) -> agentrt::Result<()> {
+    match door {
+        "open_read_only" => Store::open_read_only(path).map(drop),
+        "schema_status" => sqlite::schema_status(path).map(drop),
+        "quick_check" => sqlite::quick_check(path).map(drop),
+        "open" => Store::open(path).map(drop),
+        "existing_only" => sqlite::Options::existing_only().open(path).map(drop),
+        "connect" => Store::connect(&path.display().to_string()).map(drop),
+        other => unreachable!("{other}"),
+    }
+}
+
+/// Opens `path` the way `door` names, on a thread of its own, and gives its error; fails the
+/// test if it opens, or is still waiting after far longer than a refusal takes: it hangs.
+fn refused_at_once(door: &'static str, path: &Path) -> Error {
+    let (answer, answered) = std::sync::mpsc::channel();
+    let path = path.to_path_buf();
+    std::thread::spawn(move || {
+        let _ = answer.send(open_by(door, path).err());
+    });
+    answered
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("{door}: the open hangs"))
+        .unwrap_or_else(|| panic!("{door}: opened"))
+}
+
+/// Every way to open a database file is refused on `path`, at once, naming what it is, with
+/// nothing opened or created beside it. `writing`: the ways that would write a database too.
+fn every_open_refuses(path: &Path, what: &str, writing: bool) {
+    let dir = path.parent().unwrap();
+    let before = entries(dir);
+    let doors = READING.iter().chain(if writing { WRITING } else { &[] });
+    for &door in doors {
+        let err = refused_at_once(door, path);
+        let text = err.to_string();
+        assert!(matches!(err, Error::InvalidInput(_)), "{door}: {text}");
+        assert!(
+            text.contains(&format!(
+                "{} is {what}, not a database file",
+                path.display()
+            )),
+            "{door}: {text}"
+        );
+        assert_eq!(entries(dir), before, "{door} on {what}");
+    }
+}
+
+#[test]
+fn a_named_pipe_a_socket_or_a_device_is_refused_unopened_whatever_the_way_to_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.db");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    every_open_refuses(&fifo, "a named pipe (FIFO)", true);
+
+    let socket = dir.path().join("socket.db");
+    let _listening = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    every_open_refuses(&socket, "a socket", true);
+
+    // Only the read-only ways: SQLite would write a device as a database, and its journal
+    // beside it.
+    every_open_refuses(Path::new("/dev/null"), "a character device", false);
 }

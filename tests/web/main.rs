@@ -4,7 +4,10 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod concurrent_starts;
 mod console_browser;
+mod event_cursors;
+mod run_ids;
 mod service;
 mod web_api;
 mod web_auth;

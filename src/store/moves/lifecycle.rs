@@ -16,7 +16,8 @@ use crate::{
 };
 
 /// Inserts a new RUNNING run and its `run.started`, with the lease stamped in the insert and
-/// the first fencing token. An existing id is refused unchanged. Returns the lease's expiry.
+/// the first fencing token. An existing id, or one [`RunId::check`] refuses, is refused
+/// unchanged. Returns the lease's expiry.
 pub(crate) struct CreateRun {
     pub by: Leased,
     pub agent: String,
@@ -38,6 +39,7 @@ impl Move for CreateRun {
     }
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<i64> {
+        cx.run_id.check()?;
         if cx.run_state()?.is_some() {
             return Err(Error::RunExists(cx.run_id.clone()));
         }
@@ -62,7 +64,7 @@ impl Move for CreateRun {
 /// Inserts a new RUNNING run that nobody holds yet, and its `run.started` (marked `queued`,
 /// fencing token 0): a run that waits for a free slot of its supervisor. Whoever executes it
 /// first takes it over, with the first fencing token; a crash leaves it to any recovering
-/// supervisor. An existing id is refused unchanged.
+/// supervisor. An existing id, or one [`RunId::check`] refuses, is refused unchanged.
 pub(crate) struct QueueRun {
     pub run_id: RunId,
     pub agent: String,
@@ -83,6 +85,7 @@ impl Move for QueueRun {
     }
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
+        cx.run_id.check()?;
         if cx.run_state()?.is_some() {
             return Err(Error::RunExists(cx.run_id.clone()));
         }
@@ -164,9 +167,10 @@ impl Move for CancelRun {
 /// the origin's events about those steps, in order, each saying which event it copies. The
 /// origin is only read. Returns the number of steps copied.
 ///
-/// Refused unchanged: `at` 0, past the step after the origin's last, or at a tool step
-/// (`InvalidInput`); an unknown origin; an existing id (`RunExists`); a step before `at` that
-/// has not finished (a state error of the origin, naming the step).
+/// Refused unchanged: an id [`RunId::check`] refuses, `at` 0, past the step after the
+/// origin's last, or at a tool step (`InvalidInput`); an unknown origin; an existing id
+/// (`RunExists`); a step before `at` that has not finished (a state error of the origin,
+/// naming the step).
 pub(crate) struct ForkRun {
     pub run_id: RunId,
     pub origin: RunId,
@@ -191,6 +195,7 @@ impl Move for ForkRun {
     }
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<u32> {
+        cx.run_id.check()?;
         let (origin, at) = (&self.origin, self.at);
         if let (Some(agents), Some(source)) = (&self.agents, cx.tx.run(origin)?)
             && !agents.contains(&source.agent)

@@ -55,12 +55,23 @@ pub(crate) fn run(reads: &mut dyn Reads, run_id: &RunId) -> Result<Run> {
         .ok_or_else(|| Error::RunNotFound(run_id.clone()))
 }
 
-/// A run's events after `after`; an unknown run is not found (every run has `run.started`).
+/// The largest seq an event can have: both backends keep it as a signed 64-bit integer.
+pub(crate) const MAX_SEQ: u64 = i64::MAX as u64;
+
+/// A run's events after `after`; an unknown run is not found (every run has `run.started`). An
+/// `after` past [`MAX_SEQ`] is refused: no event can follow it, and it is most likely a cursor
+/// gone wrong.
 pub(crate) fn events_after(
     reads: &mut dyn Reads,
     run_id: &RunId,
     after: u64,
 ) -> Result<Vec<Event>> {
+    if after > MAX_SEQ {
+        return Err(Error::InvalidInput(format!(
+            "seq {after} is past the largest an event can have, {MAX_SEQ} (2^63 - 1): ask for \
+             the events after a seq a previous read gave, or after 0 for all of them"
+        )));
+    }
     let events = reads.events_after(run_id, after)?;
     if events.is_empty() {
         run(reads, run_id)?;

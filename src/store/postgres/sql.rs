@@ -337,7 +337,8 @@ impl Reads for PgTx<'_> {
         let rows = self.rows(
             "SELECT seq, kind, at, step, payload FROM events
              WHERE run_id = $1 AND seq > $2 ORDER BY seq",
-            &[&run_id.as_str(), &(after as i64)],
+            // Past the largest seq (the moves refuse it): nothing, rather than a wrap round.
+            &[&run_id.as_str(), &i64::try_from(after).unwrap_or(i64::MAX)],
         )?;
         rows.iter().map(|row| event_from_row(run_id, row)).collect()
     }

@@ -145,6 +145,10 @@ impl Sqlite {
             flags |= OpenFlags::SQLITE_OPEN_CREATE;
         }
         let mut writer = open_writing(&path, flags, &options).map_err(|err| on_open(err, &path))?;
+        // Keyed by the name SQLite gives the files, so that its VFS finds this store's faults;
+        // before the first write, so that the open's own writes can be failed too.
+        #[cfg(any(test, feature = "testkit"))]
+        let faults = super::faults::Faults::of_database(writer.path().unwrap_or_default(), &path);
         if new {
             configure_new(&writer).map_err(|err| named(err, &path))?;
         }
@@ -168,9 +172,6 @@ impl Sqlite {
         let log = writer
             .path()
             .map(|db| LogFile::new(PathBuf::from(format!("{db}-wal"))));
-        // Keyed by the name SQLite gives the files, so that its VFS finds this store's faults.
-        #[cfg(any(test, feature = "testkit"))]
-        let faults = super::faults::Faults::of_database(writer.path().unwrap_or_default());
         Ok(Sqlite {
             path: Some(path),
             options,

@@ -4,9 +4,12 @@
 //! and truncations SQLite makes of a store's files through the log-gathering VFS, per store;
 //! and ([`vfs`]) it counts and fails that VFS's gathered log writes, per thread.
 
-use std::sync::{
-    Arc, Mutex, Weak,
-    atomic::{AtomicBool, AtomicUsize, Ordering},
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
 };
 
 /// A write, a sync or a truncation that SQLite makes of a store's files, for
@@ -69,7 +72,8 @@ pub struct Faults {
 #[derive(Debug, Default)]
 pub(crate) struct FileFaults {
     done: [AtomicUsize; FaultKind::ALL.len()],
-    armed: [AtomicBool; FaultKind::ALL.len()],
+    /// Per kind, the call to fail, counted from 1 (the next); 0 for none.
+    armed: [AtomicUsize; FaultKind::ALL.len()],
     injected: AtomicUsize,
 }
 
@@ -77,7 +81,10 @@ impl FileFaults {
     /// Counts one `kind` of call, and says whether to fail it.
     fn hit(&self, kind: FaultKind) -> bool {
         self.done[kind.index()].fetch_add(1, Ordering::SeqCst);
-        let fail = self.armed[kind.index()].swap(false, Ordering::SeqCst);
+        let armed = self.armed[kind.index()]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .unwrap_or_else(|n| n);
+        let fail = armed == 1;
         if fail {
             self.injected.fetch_add(1, Ordering::SeqCst);
         }
@@ -89,15 +96,44 @@ impl FileFaults {
 /// opened again at the same path replaces its entry.
 static STORES: Mutex<Vec<(String, Weak<FileFaults>)>> = Mutex::new(Vec::new());
 
+/// Faults armed for the next store opened at a path (as the open was given it): the kind, and
+/// how many calls of it pass first.
+static AT_OPEN: Mutex<Vec<(PathBuf, FaultKind, usize)>> = Mutex::new(Vec::new());
+
 impl Faults {
-    /// The faults of a store whose database file SQLite names `name` (its full path): the
-    /// VFS finds them by that name.
-    pub(crate) fn of_database(name: &str) -> Faults {
+    /// The faults of a store whose database file SQLite names `name` (its full path), opened
+    /// at `path`: the VFS finds them by that name. Takes the faults armed for `path` by
+    /// [`Faults::fail_next_at_open`].
+    pub(crate) fn of_database(name: &str, path: &Path) -> Faults {
         let faults = Faults::default();
+        AT_OPEN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(at, kind, passing)| {
+                let mine = at == path;
+                if mine {
+                    faults.files.armed[kind.index()].store(passing + 1, Ordering::SeqCst);
+                }
+                !mine
+            });
         let mut stores = STORES.lock().unwrap_or_else(|p| p.into_inner());
         stores.retain(|(held, files)| held != name && files.strong_count() > 0);
         stores.push((name.to_owned(), Arc::downgrade(&faults.files)));
         faults
+    }
+
+    /// Makes a call of `kind` that SQLite makes of the files of the next store opened at
+    /// `path` (as given to the open) fail: the first `passing` such calls pass, the next one
+    /// fails. Counted from the moment the store's writer has the database open, so the open's
+    /// own writes and syncs (a new file's settings, its switch to WAL mode, the migrations)
+    /// can be failed, which [`fail_next`](Self::fail_next) comes too late for. If the open
+    /// makes fewer calls, the fault stays armed on the store it opened.
+    pub fn fail_at_open(path: impl AsRef<Path>, kind: FaultKind, passing: usize) {
+        let path = path.as_ref().to_path_buf();
+        AT_OPEN
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((path, kind, passing));
     }
 
     /// The log syncs done outside SQLite's commits so far (a group's deferred sync, the sync
@@ -117,7 +153,7 @@ impl Faults {
     /// keeper's): the store then refuses every later write and durable read until it is
     /// reopened.
     pub fn fail_next(&self, kind: FaultKind) {
-        self.files.armed[kind.index()].store(true, Ordering::SeqCst);
+        self.files.armed[kind.index()].store(1, Ordering::SeqCst);
     }
 
     /// The calls of `kind` that SQLite made of this store's files so far.

@@ -6,7 +6,10 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior, config::DbConfig};
 use rusqlite_migration::{M, Migrations};
 
-use super::{error::db_error, options::Options};
+use super::{
+    error::db_error,
+    options::{Options, Synchronous},
+};
 use crate::error::{Error, Result};
 use crate::store::{SCHEMA_VERSION, SchemaStatus, schema::MIGRATIONS};
 
@@ -78,8 +81,13 @@ fn pragmas(options: &Options, file: bool, role: Role) -> Vec<(&'static str, &'st
         // inside whichever commit (a move, a renewal) takes the log past 1,000 pages.
         pragmas.push(("wal_autocheckpoint", "0"));
     }
-    if role != Role::Reader {
-        pragmas.push(("synchronous", options.synchronous.as_str()));
+    match role {
+        Role::Writer => pragmas.push(("synchronous", options.synchronous.as_str())),
+        // A renewal's commit is not synced (it is atomic all the same): a power loss that
+        // undoes it only ends the lease sooner, and every holder of a lease on this file dies
+        // with the machine. See `docs/lease.md`.
+        Role::Renewal => pragmas.push(("synchronous", Synchronous::Normal.as_str())),
+        Role::Reader => {}
     }
     if role == Role::Writer {
         // 64 MiB of page cache: the pages every move touches (the tails of the events and steps
@@ -140,17 +148,55 @@ pub(crate) fn configure(
         // SQL.
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)?;
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)?;
-        for (name, value) in pragmas(options, file, role) {
-            // journal_mode answers with a row; pragma_update_and_check reads it.
-            conn.pragma_update_and_check(None, name, value, |_| Ok(()))
-                .or_else(|err| match err {
-                    rusqlite::Error::QueryReturnedNoRows => Ok(()),
-                    err => Err(err),
-                })?;
-        }
         Ok(())
     })()
-    .map_err(db_error)
+    .map_err(db_error)?;
+    for (name, value) in pragmas(options, file, role) {
+        if (name, value) == ("journal_mode", "WAL") {
+            enable_wal(conn)?;
+            continue;
+        }
+        // Some answer with a row (the value set); pragma_update_and_check reads it.
+        conn.pragma_update_and_check(None, name, value, |_| Ok(()))
+            .or_else(|err| match err {
+                rusqlite::Error::QueryReturnedNoRows => Ok(()),
+                err => Err(err),
+            })
+            .map_err(db_error)?;
+    }
+    Ok(())
+}
+
+/// Puts the connection's database file in WAL mode, or fails with
+/// [`Error::WalModeFailed`]. The pragma answers with the journal mode in force after it: the
+/// old one when SQLite could not switch. On a file not yet in WAL mode the switch is a commit
+/// of its own, which writes the file's header in rollback-journal mode; that commit's failure
+/// (a failed write or sync) comes only as the statement ends, after the answer, so the
+/// statement is run to its end: otherwise the failure is dropped and the store writes on in
+/// rollback-journal mode.
+fn enable_wal(conn: &Connection) -> Result<()> {
+    let failed = |why: String| Error::WalModeFailed {
+        path: conn.path().unwrap_or_default().into(),
+        why,
+    };
+    let answered = (|| {
+        let mut stmt = conn.prepare("PRAGMA journal_mode = WAL")?;
+        let mut rows = stmt.query([])?;
+        let mode: Option<String> = match rows.next()? {
+            Some(row) => Some(row.get(0)?),
+            None => None,
+        };
+        while rows.next()?.is_some() {}
+        Ok(mode)
+    })()
+    .map_err(|err| failed(db_error(err).to_string()))?;
+    match answered {
+        Some(mode) if mode.eq_ignore_ascii_case("wal") => Ok(()),
+        Some(mode) => Err(failed(format!("SQLite left it in journal mode {mode}"))),
+        None => Err(failed(
+            "SQLite did not say which journal mode it is in".into(),
+        )),
+    }
 }
 
 /// The schema version a connection's database is at.
@@ -282,6 +328,48 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
     u32::from_be_bytes(bytes[at..at + 4].try_into().expect("four bytes"))
 }
 
+/// Refuses a path (`real`, its symbolic links resolved) that names something other than a
+/// regular file, found without opening it: opening a named pipe waits for a writer, which
+/// would hang the open; SQLite would take a device for an empty database, and a directory or
+/// a socket fails with an error that does not say what it is.
+fn refuse_other_than_a_file(path: &Path, real: &Path) -> Result<()> {
+    let kind = std::fs::metadata(real)
+        .map_err(|err| Error::DatabaseCorrupt {
+            path: path.to_path_buf(),
+            detail: format!("it cannot be read: {err}"),
+        })?
+        .file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    let path = path.display();
+    if kind.is_dir() {
+        return Err(Error::InvalidInput(format!(
+            "{path} is a directory, not a database file: name the file inside it"
+        )));
+    }
+    #[cfg(unix)]
+    let what = {
+        use std::os::unix::fs::FileTypeExt;
+        if kind.is_fifo() {
+            "a named pipe (FIFO)"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_char_device() {
+            "a character device"
+        } else if kind.is_block_device() {
+            "a block device"
+        } else {
+            "a special file"
+        }
+    };
+    #[cfg(not(unix))]
+    let what = "a special file";
+    Err(Error::InvalidInput(format!(
+        "{path} is {what}, not a database file; it was not opened: name an SQLite database file"
+    )))
+}
+
 /// The schema version of a database file, found without creating a `-wal` or `-shm` beside it
 /// (SQLite's read-only connections create both for a database in WAL mode).
 ///
@@ -291,7 +379,9 @@ fn be_u32(bytes: &[u8], at: usize) -> u32 {
 /// Otherwise no connection has the database open and the file is the whole database: its
 /// header says the version, and a connection that treats it as immutable (taking no lock and
 /// creating nothing) reads the schema's pages to find damage. Symbolic links are resolved
-/// first, as SQLite does, so that the log looked for is the one SQLite would use.
+/// first, as SQLite does, so that the log looked for is the one SQLite would use; a path that
+/// names anything but a regular file (a directory, a named pipe, a socket, a device) is
+/// refused before anything is opened.
 ///
 /// `read_log` reads the version of a database with a log beside it, given the resolved path:
 /// under SQLite's locks for a store about to write (which may create the `-shm`), or as a
@@ -315,17 +405,12 @@ pub(crate) fn read_schema_version(
         }
         Err(err) => return Err(corrupt(format!("it cannot be read: {err}"))),
     };
+    refuse_other_than_a_file(path, &real)?;
     let mut file =
         std::fs::File::open(&real).map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
     let metadata = file
         .metadata()
         .map_err(|err| corrupt(format!("it cannot be read: {err}")))?;
-    if metadata.is_dir() {
-        return Err(Error::InvalidInput(format!(
-            "{} is a directory, not a database file: name the file inside it",
-            path.display()
-        )));
-    }
     let len = metadata.len();
     if len == 0 {
         // SQLite's empty database: a file created and never written.

@@ -293,9 +293,11 @@ impl Reads for Sql<'_> {
                  WHERE run_id = ?1 AND seq > ?2 ORDER BY seq",
             )
             .db()?
-            .query_map(params![run_id.as_str(), after as i64], |row| {
-                event_from_row(run_id, row)
-            })
+            // Past the largest seq (the moves refuse it): nothing, rather than a wrap round.
+            .query_map(
+                params![run_id.as_str(), i64::try_from(after).unwrap_or(i64::MAX)],
+                |row| event_from_row(run_id, row),
+            )
             .db()?
             .collect::<rusqlite::Result<_>>()
             .db()

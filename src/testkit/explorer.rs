@@ -748,7 +748,8 @@ pub fn check_invariants(
         let Some(number) = event.step else { continue };
         let step = steps.entry(number).or_default();
         match event.kind {
-            EventKind::StepInterrupted => step.interrupted += 1,
+            // A timed-out call is interrupted by its own loop, and reconciled the same way.
+            EventKind::StepInterrupted | EventKind::ToolTimedOut => step.interrupted += 1,
             EventKind::StepReconciled => {
                 step.reconciled += 1;
                 if matches!(

@@ -25,7 +25,8 @@ use crate::support::{ask, call_then_answer, outcome_of, results_seen};
 const LIMIT: Duration = Duration::from_millis(200);
 const GRACE: Duration = Duration::from_millis(50);
 
-/// What attempt 1 of a [`Fetch`] does; later attempts return at once.
+/// What attempt 1 of a [`Fetch`] does; later attempts return at once, saying whether their
+/// signal had fired.
 #[derive(Clone, Copy)]
 enum First {
     /// Never returns, whatever its signal says.
@@ -90,7 +91,10 @@ impl Tool for Fetch {
     async fn call(&self, ctx: &ToolContext, _: &Value) -> Result<Value, ToolError> {
         self.attempts.lock().unwrap().push(ctx.attempt);
         if ctx.attempt > 1 {
-            return Ok(json!({"attempt": ctx.attempt}));
+            // Whether the signal fired already: the timeout of the attempt before fired its
+            // own, not the run's.
+            let signalled = ctx.cancellation.is_cancelled();
+            return Ok(json!({"attempt": ctx.attempt, "signalled": signalled}));
         }
         let started = Instant::now();
         match self.first {
@@ -215,7 +219,7 @@ fn a_hung_call_the_hook_says_was_not_applied_runs_again() {
     let finished = of_kind(&events, EventKind::ToolFinished);
     assert_eq!(
         finished[0].payload,
-        json!({"call_id": "c1", "attempt": 2, "output": {"attempt": 2}})
+        json!({"call_id": "c1", "attempt": 2, "output": {"attempt": 2, "signalled": false}})
     );
 }
 

@@ -807,3 +807,42 @@ impl fmt::Debug for Agent {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_counts_and_keeps_its_value_unless_null_or_too_large() {
+        let (heart, watch) = Heart::new();
+        heart.beat(json!({"done": 1}));
+        heart.beat(Value::Null);
+        let too_large = json!({ "log": "x".repeat(MAX_PROGRESS_BYTES) });
+        heart.beat(too_large);
+        let beat = watch.borrow().clone();
+        assert_eq!(beat.count, 3, "every beat is a sign of life");
+        assert_eq!(beat.progress, Some((1, json!({"done": 1}))));
+        // Exactly at the limit is kept.
+        let text = "y".repeat(MAX_PROGRESS_BYTES - r#"{"log":""}"#.len());
+        heart.beat(json!({ "log": text }));
+        assert_eq!(watch.borrow().progress.as_ref().unwrap().0, 4);
+    }
+
+    #[test]
+    fn a_zero_timeout_or_period_means_the_default() {
+        struct Silent;
+        #[async_trait(?Send)]
+        impl Model for Silent {
+            async fn complete(&self, _: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+                Err(ModelError::new("silent"))
+            }
+        }
+        let agent = Agent::new(Silent)
+            .tool_timeout(Duration::ZERO)
+            .progress_every(Duration::ZERO);
+        assert_eq!(agent.tool_timeout, DEFAULT_TOOL_TIMEOUT);
+        assert_eq!(agent.progress_every, DEFAULT_PROGRESS_EVERY);
+    }
+}

@@ -180,13 +180,7 @@ impl RunLoop {
                 // The writes come before the beats: a tool that beats without pause from a
                 // thread of its own still has its progress kept.
                 kept = progress.written(), if progress.writing.is_some() => {
-                    progress.writing = None;
-                    if let Err(err) = kept {
-                        // Refused (the lease is lost, the run cancelled): nothing more of this
-                        // attempt can be kept.
-                        tracing::debug!(%err, "a tool's progress was not kept; no more will be");
-                        progress.stopped = true;
-                    }
+                    progress.answered(kept);
                     None
                 }
                 () = sleep_until(write_at), if progress.next_write().is_some() => {
@@ -213,6 +207,10 @@ impl RunLoop {
             };
             if let Some((why, limit)) = fire {
                 tracing::warn!(
+                    step = step.step,
+                    tool = %call.name,
+                    call_id = %call.id,
+                    attempt = step.attempt,
                     why = why.as_str(),
                     limit_ms = limit.as_millis() as u64,
                     grace_ms = agent.tool_grace.as_millis() as u64,
@@ -355,6 +353,25 @@ impl Progress {
         match &mut self.writing {
             Some(writing) => writing.await,
             None => std::future::pending().await,
+        }
+    }
+
+    /// The write in flight was answered with `kept`.
+    fn answered(&mut self, kept: Result<()>) {
+        self.writing = None;
+        match kept {
+            Ok(()) => {}
+            // Refused (the lease is lost, the run cancelled): nothing more of this attempt can
+            // be kept.
+            Err(err) if err.is_run_state() || matches!(err, Error::LeaseLost { .. }) => {
+                tracing::debug!(%err, "a tool's progress was refused; no more is kept");
+                self.stopped = true;
+            }
+            // The store failed: the latest value is written again a period later.
+            Err(err) => {
+                tracing::warn!(%err, "a tool's progress could not be kept; trying again");
+                self.handed = 0;
+            }
         }
     }
 

@@ -186,7 +186,8 @@ impl From<String> for ToolError {
 /// Fires when an execution should stop: an operator cancelled the run, its lease was lost,
 /// or (for a tool call's, [`ToolContext::cancellation`]) the call ran past its timeout.
 ///
-/// A tool may watch it to stop early; whatever it returns is still recorded.
+/// A tool may watch it to stop early; whatever it returns is still recorded (after its
+/// timeout, if it returns within the grace: see [`Agent::tool_grace`]).
 #[derive(Debug, Clone, Default)]
 pub struct Cancellation(CancellationToken);
 

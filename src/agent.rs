@@ -1,9 +1,18 @@
 //! What an agent is made of: a [`Model`], [`Tool`]s and a [`Policy`].
 
-use std::{collections::BTreeMap, fmt, sync::Arc, time::Duration};
+use std::{
+    collections::BTreeMap,
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::model_policy::ModelPolicy;
@@ -11,6 +20,23 @@ use crate::types::{ChatMessage, FencingToken, ModelResponse, RunId, ToolCall, To
 
 /// The default for [`Agent::max_steps`].
 pub const DEFAULT_MAX_STEPS: u32 = 64;
+
+/// The default for [`Agent::tool_timeout`], 10 minutes: the longest a tool call may take
+/// unless its tool says otherwise ([`Tool::timeout`]). Long enough for a slow job, short enough
+/// that a call stuck on a connection nobody answers gives its run back.
+pub const DEFAULT_TOOL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The default for [`Agent::tool_grace`], 5 s: how long a call whose cancellation signal fired
+/// for its timeout has to return before it is recorded as timed out.
+pub const DEFAULT_TOOL_GRACE: Duration = Duration::from_secs(5);
+
+/// The default for [`Agent::progress_every`], 5 s: a call's heartbeats are kept at most once
+/// per period. A crash loses at most that much of what the heartbeats told.
+pub const DEFAULT_PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// The largest heartbeat value kept, serialized as JSON: 16 KiB. A larger one is refused
+/// (see [`ToolContext::heartbeat`]).
+pub const MAX_PROGRESS_BYTES: usize = 16 * 1024;
 
 /// What the model is asked.
 ///
@@ -157,15 +183,23 @@ impl From<String> for ToolError {
     }
 }
 
-/// Fires when the run's execution should stop: an operator cancelled the run.
+/// Fires when an execution should stop: an operator cancelled the run, its lease was lost,
+/// or (for a tool call's, [`ToolContext::cancellation`]) the call ran past its timeout.
 ///
-/// A tool may watch it to stop early; whatever it returns is still recorded.
+/// A tool may watch it to stop early; whatever it returns is still recorded (after its
+/// timeout, if it returns within the grace: see [`Agent::tool_grace`]).
 #[derive(Debug, Clone, Default)]
 pub struct Cancellation(CancellationToken);
 
 impl Cancellation {
     pub(crate) fn new() -> Self {
         Cancellation(CancellationToken::new())
+    }
+
+    /// A signal that fires with this one, and that can also be fired alone: one tool call's,
+    /// which its timeout fires without cancelling the run.
+    pub(crate) fn child(&self) -> Self {
+        Cancellation(self.0.child_token())
     }
 
     pub(crate) fn fire(&self) {
@@ -202,8 +236,117 @@ pub struct ToolContext {
     /// pass it, with the idempotency key, to systems that can refuse a stale owner's request.
     /// `step.tool_started` records it.
     pub fencing_token: FencingToken,
-    /// Fires when an operator cancels the run.
+    /// Fires when an operator cancels the run, when the run's lease is lost, and when this call
+    /// runs past its timeout ([`Tool::timeout`]) or its heartbeats stop
+    /// ([`Tool::heartbeat_timeout`]). A call that returns within [`Agent::tool_grace`] of its
+    /// timeout has its outcome recorded; one that does not is dropped where it stands and
+    /// recorded as timed out. A tool that hands work to threads or tasks of its own must stop
+    /// them when this fires: dropping the call does not.
     pub cancellation: Cancellation,
+    /// The progress an earlier attempt of this call reported ([`heartbeat`](Self::heartbeat))
+    /// and agentrt kept, as of its last kept heartbeat: where a long job resumes after a crash,
+    /// a takeover or a timeout. `None` when no attempt kept any (always for the first). The
+    /// reconcile hook is given it too. This attempt's own heartbeats do not change it.
+    pub progress: Option<Value>,
+    pub(crate) heart: Heart,
+}
+
+impl ToolContext {
+    /// Tells agentrt the call is alive, and how far it got: `progress`, a small JSON value
+    /// (`null` for none), is kept for the call's next attempt ([`progress`](Self::progress))
+    /// should this one be cut off. Cheap: call it as often as convenient; agentrt keeps the
+    /// latest value at most once per [`Agent::progress_every`], not at every beat.
+    ///
+    /// A beat resets the call's [`Tool::heartbeat_timeout`]. A value larger than
+    /// [`MAX_PROGRESS_BYTES`] serialized is refused (logged once per attempt, as a warning):
+    /// the beat still counts as a sign of life, and the value kept before stays. From any
+    /// thread; a no-op in the reconcile hook.
+    ///
+    /// ```
+    /// use agentrt::{async_trait, Tool, ToolContext, ToolError};
+    /// use serde_json::{json, Value};
+    ///
+    /// /// Copies rows, resuming after the last batch a cut-off attempt reported.
+    /// struct CopyRows;
+    ///
+    /// #[async_trait(?Send)]
+    /// impl Tool for CopyRows {
+    ///     fn name(&self) -> &str {
+    ///         "copy_rows"
+    ///     }
+    ///
+    ///     fn heartbeat_timeout(&self) -> Option<std::time::Duration> {
+    ///         Some(std::time::Duration::from_secs(30))
+    ///     }
+    ///
+    ///     async fn call(&self, ctx: &ToolContext, _: &Value) -> Result<Value, ToolError> {
+    ///         let start = ctx.progress.as_ref().and_then(|p| p["done"].as_u64()).unwrap_or(0);
+    ///         for batch in start..10 {
+    ///             // ... copy batch `batch` (an upsert: doing it twice is harmless) ...
+    ///             ctx.heartbeat(json!({ "done": batch + 1 }));
+    ///         }
+    ///         Ok(json!({ "batches": 10 }))
+    ///     }
+    /// }
+    /// ```
+    pub fn heartbeat(&self, progress: Value) {
+        self.heart.beat(progress);
+    }
+}
+
+/// The heartbeats of one attempt: beaten through its [`ToolContext`] (and its clones, on any
+/// thread), watched by the run's loop.
+#[derive(Debug, Clone)]
+pub(crate) struct Heart(Arc<HeartInner>);
+
+#[derive(Debug)]
+struct HeartInner {
+    beats: watch::Sender<Beat>,
+    /// Set once an oversized value was refused: the warning is logged once per attempt.
+    warned: AtomicBool,
+}
+
+/// The latest heartbeat of an attempt.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Beat {
+    /// Beats so far, of any size.
+    pub(crate) count: u64,
+    /// The latest value accepted, with the beat that carried it.
+    pub(crate) progress: Option<(u64, Value)>,
+}
+
+impl Heart {
+    /// A heart, and the loop's watch on it.
+    pub(crate) fn new() -> (Self, watch::Receiver<Beat>) {
+        let (beats, watch) = watch::channel(Beat::default());
+        let inner = HeartInner {
+            beats,
+            warned: AtomicBool::new(false),
+        };
+        (Heart(Arc::new(inner)), watch)
+    }
+
+    fn beat(&self, progress: Value) {
+        let size = match &progress {
+            Value::Null => 0,
+            value => serde_json::to_vec(value).map_or(usize::MAX, |bytes| bytes.len()),
+        };
+        let accepted = size <= MAX_PROGRESS_BYTES;
+        if !accepted && !self.0.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                size,
+                limit = MAX_PROGRESS_BYTES,
+                "a tool's heartbeat value is too large to keep: refused (the beat counts, the \
+                 value kept before stays); report less progress"
+            );
+        }
+        self.0.beats.send_modify(|beat| {
+            beat.count += 1;
+            if accepted && !progress.is_null() {
+                beat.progress = Some((beat.count, progress));
+            }
+        });
+    }
 }
 
 /// What a tool's reconcile hook found out about an interrupted attempt.
@@ -249,6 +392,25 @@ pub trait Tool: Send + Sync + 'static {
     /// `docs/reconciliation.md`.
     fn idempotent(&self) -> bool {
         false
+    }
+
+    /// The longest a call may take; `None`, the default, means the agent's
+    /// ([`Agent::tool_timeout`], [`DEFAULT_TOOL_TIMEOUT`] unless set), and so does zero.
+    ///
+    /// Past it the call's [`ToolContext::cancellation`] fires; a call that has not returned
+    /// [`Agent::tool_grace`] later is dropped and recorded as timed out
+    /// (`step.tool_timed_out`), and then reconciled as an interrupted call: the
+    /// [`reconcile`](Self::reconcile) hook, then [`idempotent`](Self::idempotent), then a
+    /// person. See `docs/reconciliation.md`.
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The longest a call may go without a [`ToolContext::heartbeat`] (counted from its start
+    /// for the first); `None`, the default, means no such limit. A call whose heartbeats stop
+    /// times out as one past its [`timeout`](Self::timeout) does, which still applies.
+    fn heartbeat_timeout(&self) -> Option<Duration> {
+        None
     }
 
     /// Executes the call. An error is a result the model sees, not a failure of the run.
@@ -484,6 +646,9 @@ pub struct Agent {
     pub(crate) instructions: Option<String>,
     pub(crate) map_input: Option<Arc<InputMapper>>,
     pub(crate) max_steps: u32,
+    pub(crate) tool_timeout: Duration,
+    pub(crate) tool_grace: Duration,
+    pub(crate) progress_every: Duration,
 }
 
 impl Agent {
@@ -499,6 +664,9 @@ impl Agent {
             instructions: None,
             map_input: None,
             max_steps: DEFAULT_MAX_STEPS,
+            tool_timeout: DEFAULT_TOOL_TIMEOUT,
+            tool_grace: DEFAULT_TOOL_GRACE,
+            progress_every: DEFAULT_PROGRESS_EVERY,
         }
     }
 
@@ -566,6 +734,47 @@ impl Agent {
         self
     }
 
+    /// The longest a tool call may take when its tool does not say ([`Tool::timeout`]).
+    /// Defaults to [`DEFAULT_TOOL_TIMEOUT`]; zero means the default, since a call that may
+    /// take no time at all could never run. There is no unlimited setting: a call that hangs
+    /// would hold its run (and its slot of the supervisor) for ever.
+    pub fn tool_timeout(mut self, limit: Duration) -> Self {
+        self.tool_timeout = if limit.is_zero() {
+            DEFAULT_TOOL_TIMEOUT
+        } else {
+            limit
+        };
+        self
+    }
+
+    /// How long a tool call whose cancellation signal fired for its timeout (or for its
+    /// stopped heartbeats) has to return before it is dropped and recorded as timed out.
+    /// Defaults to [`DEFAULT_TOOL_GRACE`]; zero drops it at once.
+    pub fn tool_grace(mut self, grace: Duration) -> Self {
+        self.tool_grace = grace;
+        self
+    }
+
+    /// How often, at most, a tool call's heartbeats are written to the store: the latest
+    /// value, once per period (see [`ToolContext::heartbeat`]). Defaults to
+    /// [`DEFAULT_PROGRESS_EVERY`]; zero means the default. A shorter period loses less of a
+    /// cut-off call's progress and writes more.
+    pub fn progress_every(mut self, period: Duration) -> Self {
+        self.progress_every = if period.is_zero() {
+            DEFAULT_PROGRESS_EVERY
+        } else {
+            period
+        };
+        self
+    }
+
+    /// The limit of a call of `tool`: its own timeout, or the agent's.
+    pub(crate) fn timeout_of(&self, tool: &dyn Tool) -> Duration {
+        tool.timeout()
+            .filter(|limit| !limit.is_zero())
+            .unwrap_or(self.tool_timeout)
+    }
+
     /// The messages that open a run's conversation: the instructions, then the input's turns.
     pub(crate) fn opening(&self, input: &Value) -> Vec<ChatMessage> {
         let system = self
@@ -593,6 +802,48 @@ impl fmt::Debug for Agent {
             .field("instructions", &self.instructions)
             .field("model_policy", &self.model_policy)
             .field("max_steps", &self.max_steps)
+            .field("tool_timeout", &self.tool_timeout)
+            .field("tool_grace", &self.tool_grace)
+            .field("progress_every", &self.progress_every)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_counts_and_keeps_its_value_unless_null_or_too_large() {
+        let (heart, watch) = Heart::new();
+        heart.beat(json!({"done": 1}));
+        heart.beat(Value::Null);
+        let too_large = json!({ "log": "x".repeat(MAX_PROGRESS_BYTES) });
+        heart.beat(too_large);
+        let beat = watch.borrow().clone();
+        assert_eq!(beat.count, 3, "every beat is a sign of life");
+        assert_eq!(beat.progress, Some((1, json!({"done": 1}))));
+        // Exactly at the limit is kept.
+        let text = "y".repeat(MAX_PROGRESS_BYTES - r#"{"log":""}"#.len());
+        heart.beat(json!({ "log": text }));
+        assert_eq!(watch.borrow().progress.as_ref().unwrap().0, 4);
+    }
+
+    #[test]
+    fn a_zero_timeout_or_period_means_the_default() {
+        struct Silent;
+        #[async_trait(?Send)]
+        impl Model for Silent {
+            async fn complete(&self, _: ModelRequest<'_>) -> Result<ModelResponse, ModelError> {
+                Err(ModelError::new("silent"))
+            }
+        }
+        let agent = Agent::new(Silent)
+            .tool_timeout(Duration::ZERO)
+            .progress_every(Duration::ZERO);
+        assert_eq!(agent.tool_timeout, DEFAULT_TOOL_TIMEOUT);
+        assert_eq!(agent.progress_every, DEFAULT_PROGRESS_EVERY);
     }
 }

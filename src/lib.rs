@@ -69,7 +69,8 @@ pub use actors::{
     },
 };
 pub use agent::{
-    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, Decision, InputMapper, Model, ModelError,
+    Agent, AllowAll, Cancellation, DEFAULT_MAX_STEPS, DEFAULT_PROGRESS_EVERY, DEFAULT_TOOL_GRACE,
+    DEFAULT_TOOL_TIMEOUT, Decision, InputMapper, MAX_PROGRESS_BYTES, Model, ModelError,
     ModelRequest, Policy, Reconciliation, RequireApprovalFor, Tool, ToolContext, ToolError,
     schema_for,
 };

@@ -22,8 +22,8 @@ pub(crate) const RUNS: &str = "agentrt_runs";
 pub(crate) const STEP_DURATION: &str = "agentrt_step_duration_seconds";
 /// Counter, label `direction` (`input`, `output`): the tokens the models reported using.
 pub(crate) const MODEL_TOKENS: &str = "agentrt_model_tokens_total";
-/// Counter: tool calls that ended in an error: the tool's own, a panic, or a tool the agent
-/// no longer has.
+/// Counter: tool calls that ended in an error: the tool's own, a panic, a timeout, or a tool
+/// the agent no longer has.
 pub(crate) const TOOL_ERRORS: &str = "agentrt_tool_errors_total";
 /// Counter: leases extended by a renewal, one per run per renewal.
 pub(crate) const LEASE_RENEWALS: &str = "agentrt_lease_renewals_total";
@@ -81,7 +81,7 @@ pub(crate) fn model_used(usage: Option<Usage>) {
     }
 }
 
-/// A tool call ended in an error or a panic.
+/// A tool call ended in an error, a panic or a timeout.
 pub(crate) fn tool_failed() {
     counter!(TOOL_ERRORS).increment(1);
 }
@@ -174,7 +174,7 @@ pub(crate) fn describe() {
     describe_counter!(
         TOOL_ERRORS,
         Unit::Count,
-        "Tool calls that ended in an error or a panic."
+        "Tool calls that ended in an error, a panic or a timeout."
     );
     describe_counter!(
         LEASE_RENEWALS,

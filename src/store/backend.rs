@@ -203,6 +203,15 @@ pub(crate) trait Tx: LeaseWrites {
     fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()>;
     /// Moves a step; false when it is no longer where its executor saw it.
     fn update_step(&mut self, run_id: &RunId, step: u32, update: &StepUpdate<'_>) -> Result<bool>;
+    /// Keeps `progress` as the step's, if it is in flight at attempt `attempt`; false
+    /// otherwise.
+    fn set_progress(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        progress: &Value,
+    ) -> Result<bool>;
     /// Marks every step in flight interrupted; returns each (step, kind, attempt).
     fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>>;
     /// The step and attempt count of the run's call `call_id` that waits for a decision.
@@ -294,6 +303,11 @@ pub enum MoveKind {
     ForkRun,
     /// A draining supervisor's release of a run for another replica (`run.released`).
     HandOver,
+    /// A tool call's latest heartbeat, kept for its next attempt (no event).
+    RecordProgress,
+    /// A tool call that did not return within the grace after its timeout, marked interrupted
+    /// (`step.tool_timed_out`).
+    TimeOutTool,
 }
 
 impl MoveKind {
@@ -317,6 +331,8 @@ impl MoveKind {
             MoveKind::CancelRun => "cancel_run",
             MoveKind::ForkRun => "fork_run",
             MoveKind::HandOver => "hand_over",
+            MoveKind::RecordProgress => "record_progress",
+            MoveKind::TimeOutTool => "time_out_tool",
         }
     }
 }

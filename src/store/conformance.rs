@@ -66,6 +66,8 @@ macro_rules! conformance_suite {
                 a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight,
                 a_takeover_of_a_released_run_names_no_previous_owner,
                 an_interrupted_step_is_reconciled_once,
+                a_tools_progress_is_kept_only_while_its_attempt_is_in_flight_under_the_lease,
+                a_timed_out_call_is_interrupted_with_its_last_progress_and_reconciled_once,
                 a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled,
                 a_renewal_extends_only_the_owners_unexpired_leases,
                 a_release_is_a_compare_and_set_on_the_owner,
@@ -255,6 +257,39 @@ impl Moves<'_> {
             reason,
             decision: decision.clone(),
             source,
+        })
+    }
+
+    pub(crate) fn record_progress(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        progress: &Value,
+    ) -> Result<()> {
+        self.apply(moves::RecordProgress {
+            by: self.by(grant),
+            step,
+            attempt,
+            progress: progress.clone(),
+        })
+    }
+
+    pub(crate) fn time_out_tool(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+        progress: Option<&Value>,
+    ) -> Result<()> {
+        self.apply(moves::TimeOutTool {
+            by: self.by(grant),
+            step,
+            attempt,
+            call_id: "c1".into(),
+            why: moves::TimedOut::Timeout,
+            limit: Duration::from_millis(200),
+            progress: progress.cloned(),
         })
     }
 
@@ -966,6 +1001,144 @@ pub(crate) fn an_interrupted_step_is_reconciled_once(f: &dyn Fixture) {
         reconciled,
         [json!({"attempt": 1, "outcome": "applied", "action": "record_output"})]
     );
+}
+
+/// Step `step` of `run_id`: its state, attempt and progress.
+fn step_progress(store: &Store, run_id: &RunId, step: u32) -> (StepState, u32, Option<Value>) {
+    let steps = store.read(|reads| reads.steps(run_id)).unwrap();
+    let row = &steps[step as usize - 1];
+    (row.state, row.attempt, row.progress.clone())
+}
+
+pub(crate) fn a_tools_progress_is_kept_only_while_its_attempt_is_in_flight_under_the_lease(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let gone = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &gone);
+    tool_in_flight(&store, &run("r"), &gone, vec![call("c1"), call("c2")]);
+    let events = kinds(&store, &run("r"));
+    let keep = |grant: &Grant, step: u32, attempt: u32, done: u32| {
+        on(&store, &run("r"), |m| {
+            m.record_progress(grant, step, attempt, &json!({ "done": done }))
+        })
+    };
+    keep(&gone, 2, 1, 1).unwrap();
+    keep(&gone, 2, 1, 2).unwrap();
+    let kept = Some(json!({"done": 2}));
+    assert_eq!(
+        step_progress(&store, &run("r"), 2),
+        (StepState::InFlight, 1, kept.clone())
+    );
+    assert_eq!(kinds(&store, &run("r")), events, "no event");
+
+    // Another attempt, a step not in flight: refused, nothing changes.
+    for (step, attempt) in [(2, 2), (3, 0)] {
+        let err = keep(&gone, step, attempt, 9).unwrap_err();
+        assert!(err.is_run_state(), "{err}");
+    }
+    assert_eq!(step_progress(&store, &run("r"), 2).2, kept);
+    assert_eq!(step_progress(&store, &run("r"), 3).2, None);
+    // In a supervisor's group: the refused one is rolled back alone.
+    let progress = |attempt: u32, done: u32| {
+        queued(moves::RecordProgress {
+            by: Leased::new(&run("r"), &gone),
+            step: 2,
+            attempt,
+            progress: json!({ "done": done }),
+        })
+    };
+    let committed = in_one_group(&store, vec![progress(1, 5), progress(2, 6)]);
+    assert_eq!(committed, [true, false]);
+    let kept = Some(json!({"done": 5}));
+    assert_eq!(step_progress(&store, &run("r"), 2).2, kept);
+
+    // Taken over: the old owner keeps nothing more; the new one finds the progress kept.
+    f.expire_lease(&store, &run("r"));
+    let mine = me();
+    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let err = keep(&gone, 2, 1, 3).unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+    assert_eq!(
+        step_progress(&store, &run("r"), 2),
+        (StepState::Interrupted, 1, kept.clone())
+    );
+    // Run again, the next attempt starts with it.
+    let again = Resolution::Retry {
+        outcome: "not_applied",
+    };
+    on(&store, &run("r"), |m| {
+        m.reconcile(&mine, 2, 1, Some(&call("c1")), &again)
+    })
+    .unwrap();
+    assert_eq!(
+        step_progress(&store, &run("r"), 2),
+        (StepState::InFlight, 2, kept)
+    );
+    keep(&mine, 2, 2, 4).unwrap();
+    assert_eq!(
+        step_progress(&store, &run("r"), 2).2,
+        Some(json!({"done": 4}))
+    );
+}
+
+pub(crate) fn a_timed_out_call_is_interrupted_with_its_last_progress_and_reconciled_once(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let mine = me();
+    create(&store, &run("r"), &mine);
+    tool_in_flight(&store, &run("r"), &mine, vec![call("c1")]);
+    let last = json!({"done": 7});
+    let time_out = |grant: &Grant, progress: Option<&Value>| {
+        on(&store, &run("r"), |m| {
+            m.time_out_tool(grant, 2, 1, progress)
+        })
+    };
+    time_out(&mine, Some(&last)).unwrap();
+    assert_eq!(
+        step_progress(&store, &run("r"), 2),
+        (StepState::Interrupted, 1, Some(last.clone()))
+    );
+    let events = store.events(&run("r")).unwrap();
+    let timed_out = events.last().unwrap();
+    assert_eq!(
+        (timed_out.kind, timed_out.step),
+        (EventKind::ToolTimedOut, Some(2))
+    );
+    assert_eq!(
+        timed_out.payload,
+        json!({"call_id": "c1", "attempt": 1, "why": "timeout", "limit_ms": 200})
+    );
+    // Once: the step is no longer in flight.
+    let err = time_out(&mine, None).unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert_eq!(store.events(&run("r")).unwrap().len(), events.len());
+    // Reconciled as a takeover's interrupted step is.
+    let again = Resolution::Retry { outcome: "no_hook" };
+    on(&store, &run("r"), |m| {
+        m.reconcile(&mine, 2, 1, Some(&call("c1")), &again)
+    })
+    .unwrap();
+    assert_eq!(
+        kinds(&store, &run("r"))[events.len()..],
+        [EventKind::StepReconciled, EventKind::ToolStarted]
+    );
+
+    // Under a lease taken over meanwhile: refused, nothing written.
+    let them = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("t"), &them);
+    tool_in_flight(&store, &run("t"), &them, vec![call("c1")]);
+    f.expire_lease(&store, &run("t"));
+    on(&store, &run("t"), |m| m.take_over(&me())).unwrap();
+    let before = everything(&store, &run("t"));
+    let err = on(&store, &run("t"), |m| {
+        m.time_out_tool(&them, 2, 1, Some(&last))
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+    let after = everything(&store, &run("t"));
+    assert_eq!((after.2, after.3), (before.2, before.3));
 }
 
 pub(crate) fn a_cancel_needs_no_lease_and_a_finished_run_cannot_be_cancelled(f: &dyn Fixture) {

@@ -32,6 +32,9 @@ pub(crate) struct StepRow {
     /// Model steps: the response; tool steps: a `ToolResult`.
     pub result: Option<Value>,
     pub waiting_for: Option<ApprovalReason>,
+    /// Tool steps: the last heartbeat kept of its call (`RecordProgress`), for its next
+    /// attempt.
+    pub progress: Option<Value>,
 }
 
 /// An operator's decision as the loop needs it.

@@ -756,7 +756,8 @@ pub fn check_invariants(
         match event.kind {
             // A failed model attempt that the model policy tries again.
             EventKind::ModelAttemptFailed => step.run_again += 1,
-            EventKind::StepInterrupted => step.interrupted += 1,
+            // A timed-out call is interrupted by its own loop, and reconciled the same way.
+            EventKind::StepInterrupted | EventKind::ToolTimedOut => step.interrupted += 1,
             EventKind::StepReconciled => {
                 step.reconciled += 1;
                 if matches!(

@@ -1,5 +1,6 @@
 //! Crashes: the crash-point explorer, the crash properties, a supervisor crashed mid-step and
-//! resumed, and the chaos run's accounting and hosts.
+//! resumed, a tool's progress kept across a killed process, and the chaos run's accounting and
+//! hosts.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -9,3 +10,4 @@ mod chaos_hosts;
 mod crash_explorer;
 mod crash_properties;
 mod crash_recovery;
+mod tool_progress;

@@ -1,6 +1,6 @@
 //! Runs and approvals: starting, spawning, cancelling and forking runs, policy decisions and
-//! approvals, bad input, the conversation a model sees, tool schemas, the concurrency limit and
-//! what is written before each side effect.
+//! approvals, bad input, the conversation a model sees, tool schemas, tool timeouts and
+//! heartbeats, the concurrency limit and what is written before each side effect.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -17,4 +17,5 @@ mod golden_run;
 mod json_shape;
 mod run_ids;
 mod tool_schemas;
+mod tool_timeouts;
 mod write_ahead;

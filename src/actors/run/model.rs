@@ -79,6 +79,7 @@ impl RunLoop {
                 call: Some(call.clone()),
                 result: None,
                 waiting_for: None,
+                progress: None,
             })
             .collect();
         let output = response.text.clone().unwrap_or_default();

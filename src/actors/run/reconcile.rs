@@ -11,7 +11,7 @@ use super::{
 };
 use crate::{
     actors::store::ReadState,
-    agent::Reconciliation,
+    agent::{Heart, Reconciliation},
     error::Result,
     store::{
         model::{Resolution, StepRow, ToolDecision, wall_millis},
@@ -31,7 +31,9 @@ impl RunLoop {
         let tool = self.agent().tools.get(&call.name).map(|t| t.tool.clone());
         let answer = match &tool {
             Some(tool) => {
-                let ctx = self.tool_context(number, &call, attempt);
+                // Given the progress the interrupted attempt kept; its heartbeats go nowhere.
+                let (heart, _) = Heart::new();
+                let ctx = self.tool_context(step, &call, self.cancellation().clone(), heart);
                 AssertUnwindSafe(tool.reconcile(&ctx, &call.args))
                     .catch_unwind()
                     .await

@@ -280,6 +280,12 @@ impl RunLoop {
         self.on_finished(index);
     }
 
+    /// Sets the progress a tool step keeps for its next attempt.
+    pub(super) fn set_progress(&mut self, step: u32, progress: Value) {
+        let index = self.index_of(step);
+        self.steps[index].progress = Some(progress);
+    }
+
     /// Who makes this loop's moves: the run, under its lease.
     pub(super) fn leased(&self) -> Leased {
         Leased::new(&self.run_id, &self.env.grant)
@@ -475,6 +481,7 @@ impl RunLoop {
                     call: None,
                     result: None,
                     waiting_for: None,
+                    progress: None,
                 });
                 Ok(Next::Continue)
             }

@@ -6,7 +6,8 @@
 //! The families, one file each:
 //! - [`lifecycle`]: a run's insert, its failure, an operator's cancel, a fork;
 //! - [`model`]: a model call's reservation, its attempts and its answer;
-//! - [`tool`]: the policy's decision on a tool call, its rejection, its outcome;
+//! - [`tool`]: the policy's decision on a tool call, its rejection, its progress, its timeout,
+//!   its outcome;
 //! - [`decision`]: an operator's decision, and the resume that acts on it;
 //! - [`recovery`]: the takeover of a run whose owner died, and the reconciliation of its
 //!   interrupted steps;
@@ -32,7 +33,7 @@ pub(crate) use lifecycle::{CancelRun, CreateRun, FailRun, ForkRun, QueueRun};
 pub(crate) use model::{BeginModelAttempt, BeginModelStep, FailModelAttempt, FinishModelStep};
 pub(crate) use reads::{events_after, lease, lease_report, load, pending_calls, run, usage};
 pub(crate) use recovery::{Reconcile, TakeOver};
-pub(crate) use tool::{DecideTool, FinishTool, RejectTool};
+pub(crate) use tool::{DecideTool, FinishTool, RecordProgress, RejectTool, TimeOutTool, TimedOut};
 
 use super::{backend::MoveKind, model::Grant};
 use crate::{error::Result, types::RunId};

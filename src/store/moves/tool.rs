@@ -1,5 +1,8 @@
 //! A tool call: the policy's decision on it and what that leads to (its start, its denial, or
-//! a pause for an approval), its rejection when it cannot run at all, and its outcome.
+//! a pause for an approval), its rejection when it cannot run at all, its progress, its
+//! timeout, and its outcome.
+
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -9,7 +12,10 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
-    store::{backend::MoveKind, model::ToolDecision},
+    store::{
+        backend::{MoveKind, StepUpdate},
+        model::ToolDecision,
+    },
     types::{ApprovalReason, EventKind, RunId, RunState, StepState, ToolCall, ToolResult},
 };
 
@@ -131,4 +137,113 @@ impl Move for FinishTool {
         cx.append(EventKind::ToolFinished, Some(step), &payload)?;
         Ok(late)
     }
+}
+
+/// Keeps a tool call's latest heartbeat as its step's progress, for the call's next attempt:
+/// only while the loop holds the lease and the step is in flight at this attempt. Writes no
+/// event: progress is a hint for the next attempt, not a fact of the run's history.
+pub(crate) struct RecordProgress {
+    pub by: Leased,
+    pub step: u32,
+    pub attempt: u32,
+    pub progress: Value,
+}
+
+impl Move for RecordProgress {
+    type Output = ();
+
+    fn kind(&self) -> MoveKind {
+        MoveKind::RecordProgress
+    }
+
+    fn run_id(&self) -> &RunId {
+        &self.by.run_id
+    }
+
+    fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
+        let what = "a tool's progress cannot be kept";
+        cx.touch_held(&self.by.grant, Need::Held, what)?;
+        keep_progress(cx, self.step, self.attempt, &self.progress)
+    }
+}
+
+/// Why a tool call timed out, as `step.tool_timed_out` says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TimedOut {
+    /// It ran past its timeout.
+    Timeout,
+    /// Its heartbeats stopped for longer than its heartbeat timeout.
+    Heartbeat,
+}
+
+impl TimedOut {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            TimedOut::Timeout => "timeout",
+            TimedOut::Heartbeat => "heartbeat",
+        }
+    }
+}
+
+/// Records that attempt `attempt` of tool step `step` did not return within the grace after
+/// its timeout: the step is marked interrupted (`step.tool_timed_out`), as a takeover marks a
+/// dead owner's, for the loop to reconcile it. The latest heartbeat not kept yet, if any, is
+/// kept with it.
+pub(crate) struct TimeOutTool {
+    pub by: Leased,
+    pub step: u32,
+    pub attempt: u32,
+    pub call_id: String,
+    pub why: TimedOut,
+    /// The limit that passed: the timeout, or the heartbeat timeout.
+    pub limit: Duration,
+    pub progress: Option<Value>,
+}
+
+impl Move for TimeOutTool {
+    type Output = ();
+
+    fn kind(&self) -> MoveKind {
+        MoveKind::TimeOutTool
+    }
+
+    fn run_id(&self) -> &RunId {
+        &self.by.run_id
+    }
+
+    fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
+        let (step, attempt) = (self.step, self.attempt);
+        let what = "a tool call cannot be timed out";
+        cx.touch_held(&self.by.grant, Need::Held, what)?;
+        if let Some(progress) = &self.progress {
+            keep_progress(cx, step, attempt, progress)?;
+        }
+        let update = StepUpdate {
+            from: StepState::InFlight,
+            attempt,
+            to: StepState::Interrupted,
+            starts: false,
+            result: None,
+            waiting_for: None,
+        };
+        cx.move_step(step, update)?;
+        let payload = json!({
+            "call_id": self.call_id,
+            "attempt": attempt,
+            "why": self.why.as_str(),
+            "limit_ms": u64::try_from(self.limit.as_millis()).unwrap_or(u64::MAX),
+        });
+        cx.append(EventKind::ToolTimedOut, Some(step), &payload)
+    }
+}
+
+/// Keeps `progress` as the progress of step `step`, in flight at attempt `attempt`; a step
+/// found elsewhere refuses the move.
+fn keep_progress(cx: &mut Cx<'_, '_>, step: u32, attempt: u32, progress: &Value) -> Result<()> {
+    if cx.tx.set_progress(cx.run_id, step, attempt, progress)? {
+        return Ok(());
+    }
+    Err(cx.state_error(format!(
+        "step {step} is no longer in flight at attempt {attempt}"
+    )))
 }

@@ -368,7 +368,8 @@ impl Reads for PgTx<'_> {
 
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
         let rows = self.rows(
-            "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
+            "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for,
+                    progress
              FROM steps WHERE run_id = $1 ORDER BY step",
             &[&run_id.as_str()],
         )?;
@@ -394,6 +395,7 @@ impl Reads for PgTx<'_> {
                         Some("reconcile") => Some(ApprovalReason::Reconcile),
                         _ => None,
                     },
+                    progress: get(row, 9)?,
                 })
             })
             .collect()
@@ -792,6 +794,27 @@ impl Tx for PgTx<'_> {
                 i32::from(m.starts),
                 m.result.cloned(),
                 m.waiting_for.map(ApprovalReason::as_str),
+            ],
+            Some(1),
+        )
+    }
+
+    fn set_progress(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        progress: &Value,
+    ) -> Result<bool> {
+        self.write(
+            Tables::STEPS,
+            "UPDATE steps SET progress = $4
+             WHERE run_id = $1 AND step = $2 AND state = 'in_flight' AND attempt = $3",
+            owned![
+                run_id.as_str().to_owned(),
+                step as i32,
+                attempt as i32,
+                progress.clone(),
             ],
             Some(1),
         )

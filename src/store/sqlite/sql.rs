@@ -337,11 +337,13 @@ impl Reads for Sql<'_> {
             Option<ToolCall>,
             Option<String>,
             Option<String>,
+            Option<String>,
         );
         let rows: Vec<Columns> = self
             .0
             .prepare_cached(
-                "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for
+                "SELECT step, kind, state, attempt, call_id, tool, args, result, waiting_for,
+                        progress
                  FROM steps WHERE run_id = ?1 ORDER BY step",
             )
             .db()?
@@ -366,30 +368,37 @@ impl Reads for Sql<'_> {
                     call,
                     row.get(7)?,
                     row.get(8)?,
+                    row.get(9)?,
                 ))
             })
             .db()?
             .collect::<rusqlite::Result<_>>()
             .db()?;
         rows.into_iter()
-            .map(|(step, kind, state, attempt, call, result, waiting_for)| {
-                Ok(StepRow {
-                    step,
-                    kind: StepKind::parse(&kind)?,
-                    state: StepState::parse(&state)?,
-                    attempt,
-                    call,
-                    result: result
-                        .map(|text| serde_json::from_str(&text))
-                        .transpose()
-                        .map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
-                    waiting_for: match waiting_for.as_deref() {
-                        Some("policy") => Some(ApprovalReason::Policy),
-                        Some("reconcile") => Some(ApprovalReason::Reconcile),
-                        _ => None,
-                    },
-                })
-            })
+            .map(
+                |(step, kind, state, attempt, call, result, waiting_for, progress)| {
+                    Ok(StepRow {
+                        step,
+                        kind: StepKind::parse(&kind)?,
+                        state: StepState::parse(&state)?,
+                        attempt,
+                        call,
+                        result: result
+                            .map(|text| serde_json::from_str(&text))
+                            .transpose()
+                            .map_err(|err| Error::Corrupt(format!("step result: {err}")))?,
+                        waiting_for: match waiting_for.as_deref() {
+                            Some("policy") => Some(ApprovalReason::Policy),
+                            Some("reconcile") => Some(ApprovalReason::Reconcile),
+                            _ => None,
+                        },
+                        progress: progress
+                            .map(|text| serde_json::from_str(&text))
+                            .transpose()
+                            .map_err(|err| Error::Corrupt(format!("step progress: {err}")))?,
+                    })
+                },
+            )
             .collect()
     }
 
@@ -715,6 +724,30 @@ impl Tx for Sql<'_> {
                 u32::from(m.starts),
                 m.result.map(Value::to_string),
                 m.waiting_for.map(ApprovalReason::as_str),
+            ])
+            .db()?;
+        Ok(changed == 1)
+    }
+
+    fn set_progress(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        progress: &Value,
+    ) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE steps SET progress = ?4
+                 WHERE run_id = ?1 AND step = ?2 AND state = 'in_flight' AND attempt = ?3",
+            )
+            .db()?
+            .execute(params![
+                run_id.as_str(),
+                step,
+                attempt,
+                progress.to_string()
             ])
             .db()?;
         Ok(changed == 1)

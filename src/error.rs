@@ -128,7 +128,7 @@ pub enum Error {
     /// released its lease (`run.released`): another replica continues it at once, with
     /// nothing to reconcile.
     #[error(
-        "run {run_id} was handed over: this supervisor is draining; another replica continues          it"
+        "run {run_id} was handed over: this supervisor is draining; another replica continues it"
     )]
     HandedOver {
         /// The run.

@@ -11,6 +11,7 @@ mod watch;
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 use config::lease_owner;
 pub use config::{Config, DEFAULT_LEASE_TTL};
+#[cfg(feature = "web")]
 pub(crate) use drain::wait_for_signal;
 pub use drain::{
     DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, Drain, DrainReport, drain_on_signal,

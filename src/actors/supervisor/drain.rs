@@ -31,7 +31,8 @@ pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(2);
 ///   writing nothing. Runs that waited for a slot stay in the database, unleased, for the
 ///   other replicas' recovery; their callers hear [`Error::HandedOver`].
 /// - A run between two steps stops at its next step boundary.
-/// - A tool call in flight runs to its end, and its outcome is recorded; then the run stops.
+/// - A tool call in flight runs to its end (or its timeout), and its outcome is recorded; then
+///   the run stops.
 /// - A model call in flight is abandoned at once: it has no side effect, so dropping it is
 ///   safe, and waiting for it would hold the drain for as long as the model takes. Its step
 ///   goes back to pending (the attempt counted), and the next owner dispatches it again.

@@ -314,6 +314,11 @@ fn fences_path(dir: &Path) -> PathBuf {
 }
 
 /// What the parent did to which worker and when (wall-clock ms), to read beside the events.
+/// Marks a deploy's worker whose SIGTERM handler is installed.
+fn ready_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("ready-{pid}"))
+}
+
 fn disturbances_path(dir: &Path) -> PathBuf {
     dir.join("disturbances.log")
 }
@@ -583,10 +588,12 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
             .start()
             .expect("starts");
         if mode == Mode::Deploy {
-            // As a service does: SIGTERM drains, then the process exits.
-            let sup = sup.clone();
+            // As a service does: SIGTERM drains, then the process exits. Until its handler is
+            // installed a SIGTERM ends the process as a crash, so the parent waits for the mark.
+            let drained = agentrt::drain_on_signal(sup.clone(), Drain::within(DEPLOY_DRAIN));
+            std::fs::write(ready_path(dir, std::process::id()), b"").expect("the ready mark");
             actix_rt::spawn(async move {
-                let report = agentrt::drain_on_signal(sup, Drain::within(DEPLOY_DRAIN)).await;
+                let report = drained.await;
                 println!(
                     "worker-{index} pid {} DRAINED handed_over={} settled={} left_running={} \
                      left_queued={}",
@@ -921,8 +928,12 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         if now >= next {
             next = now + gap();
             // A host cut off the network may still be killed: a host that dies in a partition.
+            // A deploy's worker is not sent SIGTERM before its handler is installed.
             let candidates: Vec<usize> = (0..workers.len())
                 .filter(|&i| workers[i].stopped_until.is_none())
+                .filter(|&i| {
+                    mode != Mode::Deploy || ready_path(dir, workers[i].child.id()).exists()
+                })
                 .collect();
             if !candidates.is_empty() {
                 let victim = candidates[rand::random_range(0..candidates.len())];
@@ -973,6 +984,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     // A deploy ends as it went: each worker drains and exits, and is not started again.
     if mode == Mode::Deploy {
         for (index, worker) in workers.iter_mut().enumerate() {
+            let limit = Instant::now() + Duration::from_secs(30);
+            while !ready_path(dir, worker.child.id()).exists() && Instant::now() < limit {
+                std::thread::sleep(Duration::from_millis(10));
+            }
             note("TERM", index, &worker.child);
             signal(&worker.child, "TERM");
             if drained(&mut worker.child) {

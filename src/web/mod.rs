@@ -289,16 +289,19 @@ pub async fn serve(api: Api, addr: impl ToSocketAddrs) -> std::io::Result<()> {
         tracing::info!(%addr, "agentrt API and console listening");
     }
     let server = server.run();
-    let handle = server.handle();
-    actix_rt::spawn(async move {
-        match supervisor {
-            Some(supervisor) => {
-                crate::drain_on_signal(supervisor, Drain::default()).await;
-            }
-            None => crate::actors::supervisor::wait_for_signal().await,
+    match supervisor {
+        Some(supervisor) => stop_on_signal(supervisor, Drain::default(), server.handle()),
+        None => {
+            let (signals, handle) = (
+                crate::actors::supervisor::Signals::install(),
+                server.handle(),
+            );
+            actix_rt::spawn(async move {
+                signals.wait().await;
+                handle.stop(true).await;
+            });
         }
-        handle.stop(true).await;
-    });
+    }
     server.await
 }
 
@@ -321,8 +324,9 @@ pub async fn serve(api: Api, addr: impl ToSocketAddrs) -> std::io::Result<()> {
 /// # }
 /// ```
 pub fn stop_on_signal(supervisor: Addr<Supervisor>, drain: Drain, server: ServerHandle) {
+    let drained = crate::drain_on_signal(supervisor, drain);
     actix_rt::spawn(async move {
-        crate::drain_on_signal(supervisor, drain).await;
+        drained.await;
         server.stop(true).await;
     });
 }

@@ -90,9 +90,9 @@ fn child_drains_on_sigterm() {
             .agent("provision", agent(Gated { gate, ignore }))
             .start()
             .unwrap();
-        let report = sup.clone();
+        let drained = agentrt::drain_on_signal(sup.clone(), drain);
         actix_rt::spawn(async move {
-            let report = agentrt::drain_on_signal(report, drain).await;
+            let report = drained.await;
             println!(
                 "DRAINED handed_over={} left_running={}",
                 report.handed_over.len(),

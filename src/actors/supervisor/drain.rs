@@ -241,8 +241,10 @@ impl Supervisor {
 }
 
 /// Waits for SIGTERM or SIGINT (Ctrl-C), then drains `supervisor` as `drain` says, and
-/// answers with its report. A second signal during the drain is ignored: the orchestrator's
-/// SIGKILL is what ends a drain early.
+/// answers with its report. The handlers are installed by the call itself, not when the
+/// future is first polled: a signal that comes right after is caught. Call it inside the
+/// running actix system, as early as the supervisor exists. A second signal during the drain
+/// is ignored: the orchestrator's SIGKILL is what ends a drain early.
 ///
 /// Spawn it beside the application's work, and stop the system once it answers; in an
 /// actix-web service, disable the server's own signal handling and stop the server after it:
@@ -257,10 +259,17 @@ impl Supervisor {
 /// });
 /// # }
 /// ```
-pub async fn drain_on_signal(supervisor: Addr<Supervisor>, drain: Drain) -> DrainReport {
-    wait_for_signal().await;
-    // A supervisor that stopped already has nothing left to drain.
-    supervisor.send(drain).await.unwrap_or_default()
+pub fn drain_on_signal(
+    supervisor: Addr<Supervisor>,
+    drain: Drain,
+) -> impl std::future::Future<Output = DrainReport> {
+    // Installed now, not at the first poll: a signal right after this call drains.
+    let signals = Signals::install();
+    async move {
+        signals.wait().await;
+        // A supervisor that stopped already has nothing left to drain.
+        supervisor.send(drain).await.unwrap_or_default()
+    }
 }
 
 /// The one line that makes SIGTERM a deploy instead of a crash, in an actix application: on
@@ -275,40 +284,67 @@ pub async fn drain_on_signal(supervisor: Addr<Supervisor>, drain: Drain) -> Drai
 /// ```
 pub fn stop_on_signal(supervisor: Addr<Supervisor>, drain: Drain) {
     let system = actix_rt::System::current();
+    let drained = drain_on_signal(supervisor, drain);
     actix_rt::spawn(async move {
-        drain_on_signal(supervisor, drain).await;
+        drained.await;
         system.stop();
     });
 }
 
-/// Completes at the first SIGTERM or SIGINT. Where the handler cannot be installed, only the
-/// other signal is waited for (and a failure to install both is logged: nothing then ends it).
-pub(crate) async fn wait_for_signal() {
+/// The handlers of SIGTERM and SIGINT, installed: from then on, either signal is caught
+/// rather than ending the process.
+pub(crate) struct Signals {
     #[cfg(unix)]
-    let term = actix_rt::signal::unix::signal(actix_rt::signal::unix::SignalKind::terminate());
-    #[cfg(not(unix))]
-    let term: std::io::Result<std::future::Pending<()>> = Ok(std::future::pending());
-    if let Err(err) = &term {
-        tracing::error!(%err, "could not listen for SIGTERM");
-    }
-    let terminate = async {
-        match term {
-            #[cfg(unix)]
-            Ok(mut term) => {
-                term.recv().await;
+    term: Option<actix_rt::signal::unix::Signal>,
+    #[cfg(unix)]
+    interrupt: Option<actix_rt::signal::unix::Signal>,
+}
+
+impl Signals {
+    /// Installs both handlers. One that cannot be installed is logged, and only the other is
+    /// waited for (a failure to install both is logged twice: nothing then ends the wait).
+    /// Must be called inside a running actix system.
+    pub(crate) fn install() -> Self {
+        #[cfg(unix)]
+        {
+            use actix_rt::signal::unix::{SignalKind, signal};
+            let install = |kind: SignalKind, name: &str| match signal(kind) {
+                Ok(signal) => Some(signal),
+                Err(err) => {
+                    tracing::error!(%err, "could not listen for {name}");
+                    None
+                }
+            };
+            Signals {
+                term: install(SignalKind::terminate(), "SIGTERM"),
+                interrupt: install(SignalKind::interrupt(), "SIGINT"),
             }
-            #[cfg(not(unix))]
-            Ok(never) => never.await,
-            Err(_) => std::future::pending().await,
         }
-    };
-    let interrupt = async {
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    /// Completes at the first of the signals.
+    pub(crate) async fn wait(self) {
+        #[cfg(unix)]
+        {
+            async fn first(signal: Option<actix_rt::signal::unix::Signal>) {
+                match signal {
+                    Some(mut signal) => {
+                        signal.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            }
+            let (term, interrupt) = (first(self.term), first(self.interrupt));
+            futures_util::pin_mut!(term, interrupt);
+            futures_util::future::select(term, interrupt).await;
+        }
+        #[cfg(not(unix))]
         if let Err(err) = actix_rt::signal::ctrl_c().await {
-            tracing::error!(%err, "could not listen for SIGINT");
+            tracing::error!(%err, "could not listen for Ctrl-C");
             std::future::pending::<()>().await;
         }
-    };
-    futures_util::pin_mut!(terminate, interrupt);
-    futures_util::future::select(terminate, interrupt).await;
-    tracing::info!("signal received: draining");
+        tracing::info!("signal received: draining");
+    }
 }

@@ -509,7 +509,8 @@ pub struct RunSettled {
     pub run_id: RunId,
     /// How the call ended: the run finished, paused for an approval or was cancelled
     /// (`Ok`), or its execution stopped with an error (`Err`, the error's message: a lost
-    /// lease, a store that failed), after which a resume takes it on.
+    /// lease, a store that failed, a handover to another replica by a drain), after which a
+    /// resume (or that replica) takes it on.
     pub result: std::result::Result<Outcome, String>,
 }
 

@@ -1198,7 +1198,8 @@ fn read_tokens(api: agentrt::web::Api, file: &Path) -> Result<agentrt::web::Api,
     Ok(api)
 }
 
-/// `agentrt serve`: the API and the console until Ctrl-C.
+/// `agentrt serve`: the API and the console until SIGTERM or SIGINT (it executes no runs: it
+/// stops gracefully).
 fn serve(path: &Path, listen: &str, tokens: Option<&Path>, reads_need_token: bool) -> Outcome {
     let store = open_for_writing(path)?;
     let mut api = agentrt::web::Api::new(store);

@@ -203,6 +203,15 @@ pub(crate) trait Tx: LeaseWrites {
     fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()>;
     /// Moves a step; false when it is no longer where its executor saw it.
     fn update_step(&mut self, run_id: &RunId, step: u32, update: &StepUpdate<'_>) -> Result<bool>;
+    /// Puts a model step in flight at attempt `attempt` back to pending at attempt `pending_at`
+    /// (a drain's handover); false when it is not in flight at that attempt.
+    fn reset_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        pending_at: u32,
+    ) -> Result<bool>;
     /// Keeps `progress` as the step's, if it is in flight at attempt `attempt`; false
     /// otherwise.
     fn set_progress(

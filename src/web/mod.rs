@@ -282,8 +282,10 @@ pub async fn serve(api: Api, addr: impl ToSocketAddrs) -> std::io::Result<()> {
     let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
     api.check_listen(&addrs).map_err(std::io::Error::other)?;
     let supervisor = api.shared.supervisor.clone();
+    // Open streams end at the stop; a request in flight has a few seconds to finish.
     let server = HttpServer::new(move || App::new().service(api.scope("")))
         .disable_signals()
+        .shutdown_timeout(5)
         .bind(&addrs[..])?;
     for addr in server.addrs() {
         tracing::info!(%addr, "agentrt API and console listening");

@@ -105,8 +105,17 @@ pub(crate) struct Execute {
     pub store: StoreHandle,
     pub keeper: Addr<LeaseKeeper>,
     pub holder: Holder,
-    /// The supervisor's drain signal.
-    pub draining: tokio_util::sync::CancellationToken,
+    /// The supervisor's drain signals.
+    pub draining: DrainSignal,
+}
+
+/// What a draining supervisor tells its runs: `started` when the drain begins (each run is
+/// handed over at its next step boundary), `cut` at its deadline (the tool calls still
+/// running get their cancellation signal).
+#[derive(Clone, Default)]
+pub(crate) struct DrainSignal {
+    pub started: tokio_util::sync::CancellationToken,
+    pub cut: tokio_util::sync::CancellationToken,
 }
 
 impl Handler<Execute> for RunActor {

@@ -177,7 +177,7 @@ impl RunLoop {
     pub(super) async fn back_off(&self, wait: Duration) -> Option<Result<Next>> {
         futures_util::select_biased! {
             _ = self.cancellation().cancelled().fuse() => Some(self.interrupted_by_signal().await),
-            () = self.drained().fuse() => Some(self.hand_over().await),
+            () = self.drained().fuse() => Some(self.hand_over_backing_off().await),
             () = actix_rt::time::sleep(wait).fuse() => None,
         }
     }

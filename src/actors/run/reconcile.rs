@@ -71,6 +71,11 @@ impl RunLoop {
         if matches!(resolution, Resolution::Retry { .. }) {
             self.wait_for_margin().await?;
         }
+        // A drain that began while the hook was asked: the step stays interrupted, for the
+        // next owner's one reconciliation, and no call starts here.
+        if self.draining() {
+            return self.hand_over().await;
+        }
         let reconciled = self
             .commit(Reconcile {
                 by: self.leased(),

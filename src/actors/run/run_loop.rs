@@ -6,11 +6,10 @@ use std::{cell::RefCell, collections::HashSet, panic::AssertUnwindSafe, rc::Rc, 
 
 use actix::{Addr, Recipient};
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
 use crate::{
     actors::{
-        lease_keeper::{Hold, LeaseKeeper, LeaseLost},
+        lease_keeper::{Hold, LeaseKeeper, LeaseLost, Release},
         store::StoreHandle,
     },
     agent::{Agent, Cancellation, Decision, ModelRequest},
@@ -45,7 +44,7 @@ pub(super) struct Env {
     pub(super) lease_lost: Rc<RefCell<Option<LeaseLostReason>>>,
     /// Fires when the supervisor drains: the loop hands the run over at its next step
     /// boundary. A tool running is not told (it runs to its end); a model call is abandoned.
-    pub(super) draining: CancellationToken,
+    pub(super) draining: super::DrainSignal,
 }
 
 /// The state of one run's loop, kept in step with what it has committed.
@@ -145,12 +144,17 @@ impl RunLoop {
 
     /// Whether the supervisor drains: the run is handed over at its next step boundary.
     pub(super) fn draining(&self) -> bool {
-        self.env.draining.is_cancelled()
+        self.env.draining.started.is_cancelled()
     }
 
     /// Completes when the supervisor starts to drain.
     pub(super) async fn drained(&self) {
-        self.env.draining.cancelled().await
+        self.env.draining.started.cancelled().await
+    }
+
+    /// Completes at the drain's deadline: the tool call running gets its signal.
+    pub(super) async fn drain_cut(&self) {
+        self.env.draining.cut.cancelled().await
     }
 
     /// Why the keeper reported the lease lost, if it did.
@@ -305,13 +309,20 @@ impl RunLoop {
             }
             let next = match self.plan() {
                 Err(err) => return Err(err),
-                // A drain hands the run over between two steps: nothing is in flight.
+                // A drain hands the run over between two steps: nothing is in flight. A model
+                // step about to be tried again keeps its failed attempt counted.
+                Ok(Some(Planned::BeginAttempt { .. })) if self.draining() => {
+                    return self.hand_over_backing_off().await;
+                }
                 Ok(Some(_)) if self.draining() => return self.hand_over().await,
                 Ok(Some(planned)) => {
                     if planned.starts() {
                         self.wait_for_margin().await?;
                         if self.draining() {
-                            return self.hand_over().await;
+                            return match planned {
+                                Planned::BeginAttempt { .. } => self.hand_over_backing_off().await,
+                                _ => self.hand_over().await,
+                            };
                         }
                     }
                     let mv = self.planned_move(&planned);
@@ -590,6 +601,13 @@ impl RunLoop {
         span.record("execution", execution);
         // Signed: an OpenTelemetry layer keeps unsigned integers as text.
         span.record("fencing_token", self.env.grant.token() as i64);
+    }
+
+    /// Asks the keeper to renew the lease no more.
+    pub(super) fn stop_holding(&self) {
+        self.env.keeper.do_send(Release {
+            run_id: self.run_id.clone(),
+        });
     }
 
     /// Asks the keeper to renew the lease just taken.

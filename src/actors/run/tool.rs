@@ -160,6 +160,8 @@ impl RunLoop {
         let mut last_beat = started;
         // Once the signal fired for a limit: why, which limit, and when the call is dropped.
         let mut fired: Option<(TimedOut, Duration, Instant)> = None;
+        // A drain's deadline passed: the signal fired, the call is awaited within its limits.
+        let mut cut = false;
         loop {
             let beat_deadline = beat_limit
                 .and_then(|limit| last_beat.checked_add(limit))
@@ -203,6 +205,17 @@ impl RunLoop {
                 }
                 () = sleep_until(beat_deadline), if fired.is_none() && beat_limit.is_some() => {
                     Some((TimedOut::Heartbeat, beat_limit.unwrap_or_default()))
+                }
+                () = self.drain_cut(), if !cut => {
+                    tracing::warn!(
+                        step = step.step,
+                        tool = %call.name,
+                        call_id = %call.id,
+                        "the drain's deadline passed with the tool call running: its cancellation signal fired"
+                    );
+                    cut = true;
+                    signal.fire();
+                    None
                 }
             };
             if let Some((why, limit)) = fire {

@@ -156,6 +156,7 @@ impl Handler<Queued> for Supervisor {
         // Inserted as a drain began: it waits in the database for another replica.
         if self.draining.is_on() {
             self.admission.ids.remove(&run_id);
+            self.drain_left_queued();
             return Err(Error::HandedOver { run_id });
         }
         tracing::debug!(%run_id, waiting = self.admission.len() + 1, "run queued");

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use actix::{Addr, AsyncContext, Context, Handler, Message, ResponseFuture};
 use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
 
 use super::Supervisor;
+use crate::actors::run::DrainSignal;
 use crate::{
     error::{Error, Result},
     types::{RunId, RunReply},
@@ -28,21 +28,24 @@ pub const DEFAULT_DRAIN_GRACE: Duration = Duration::from_secs(2);
 ///
 /// - From the moment it arrives, the supervisor admits nothing: a start, a resume, a fork, a
 ///   decision to resume, its recovery and its watch are refused with [`Error::Draining`],
-///   writing nothing. Runs that waited for a slot stay in the database, unleased, for the
-///   other replicas' recovery; their callers hear [`Error::HandedOver`].
+///   writing nothing (a fork or a decision that was committing as the drain began is kept, and
+///   its run left to the other replicas). Runs that waited for a slot stay in the database,
+///   unleased, for the other replicas' recovery; their callers hear [`Error::HandedOver`].
 /// - A run between two steps stops at its next step boundary.
 /// - A tool call in flight runs to its end (or its timeout), and its outcome is recorded; then
-///   the run stops.
+///   the run stops. So does a call whose start was committing as the drain began.
 /// - A model call in flight is abandoned at once: it has no side effect, so dropping it is
 ///   safe, and waiting for it would hold the drain for as long as the model takes. Its step
-///   goes back to pending (the attempt counted), and the next owner dispatches it again.
+///   goes back to pending, the attempt not counted against the model policy, and the next
+///   owner makes it again. A failed attempt whose backoff the drain cut short stays counted.
 /// - Then the run's lease is released with `run.released`: another replica with
 ///   [`Config::recovery`](crate::Config::recovery) or [`Config::watch`](crate::Config::watch)
 ///   hears of it through the change feed and takes it over at once, writing `run.handed_over`.
 ///   Nothing was in flight: no `step.interrupted`, no `step.reconciled`, no TTL to wait out.
 ///   The call that executed the run ends with [`Error::HandedOver`].
-/// - At the deadline, the calls still running get their cancellation signal. A tool that
-///   honours it returns; its outcome is recorded, and the run is handed over. What still runs
+/// - At the deadline, the tool calls still running get their cancellation signal (the call's
+///   own: the run is not cancelled). A tool that honours it returns; what it returns is
+///   recorded as its outcome, as after a timeout, and the run is handed over. What still runs
 ///   `grace` later is left: the drain answers, naming those runs in
 ///   [`DrainReport::left_running`]. If the process exits then, each of them is exactly a crash:
 ///   its lease expires after its TTL, and the next owner reconciles the call in flight.
@@ -114,9 +117,10 @@ impl DrainReport {
 }
 
 /// What a supervisor keeps of its drain.
+#[derive(Default)]
 pub(super) struct Draining {
-    /// Fired when the drain starts: every run's loop hears it.
-    pub(super) signal: CancellationToken,
+    /// Fired when the drain starts, and at its deadline: every run's loop hears them.
+    pub(super) signal: DrainSignal,
     report: DrainReport,
     /// The callers waiting for the report.
     waiters: Vec<oneshot::Sender<DrainReport>>,
@@ -124,21 +128,10 @@ pub(super) struct Draining {
     done: bool,
 }
 
-impl Default for Draining {
-    fn default() -> Self {
-        Draining {
-            signal: CancellationToken::new(),
-            report: DrainReport::default(),
-            waiters: Vec::new(),
-            done: false,
-        }
-    }
-}
-
 impl Draining {
     /// Whether the supervisor drains (or drained): it admits nothing.
     pub(super) fn is_on(&self) -> bool {
-        self.signal.is_cancelled()
+        self.signal.started.is_cancelled()
     }
 }
 
@@ -167,7 +160,7 @@ impl Supervisor {
             deadline = ?drain.deadline,
             "supervisor draining: its runs are handed over at their next step boundary"
         );
-        self.draining.signal.cancel();
+        self.draining.signal.started.cancel();
         // The runs waiting for a slot are in the database with no lease: another replica's
         // recovery takes them.
         for (run_id, reply) in self.admission.leave() {
@@ -183,9 +176,7 @@ impl Supervisor {
                 grace = ?drain.grace,
                 "drain deadline passed: the calls still running are cancelled"
             );
-            for (_, cancellation) in this.executing.values() {
-                cancellation.fire();
-            }
+            this.draining.signal.cut.cancel();
             ctx.run_later(drain.grace, |this, _| this.finish_drain());
         });
         self.finish_drain_if_idle();
@@ -199,9 +190,25 @@ impl Supervisor {
         let report = &mut self.draining.report;
         match result {
             Err(Error::HandedOver { .. }) => report.handed_over.push(run_id.clone()),
+            // Refused before it executed anything: nothing of it came to rest here.
+            Err(
+                Error::UnknownAgent(_)
+                | Error::RunExists(_)
+                | Error::RunLeased { .. }
+                | Error::RunState { .. }
+                | Error::RunNotFound(_)
+                | Error::Draining,
+            ) => {}
             _ => report.settled.push(run_id.clone()),
         }
         self.finish_drain_if_idle();
+    }
+
+    /// A run inserted to wait for a slot as the drain began: left in the database.
+    pub(super) fn drain_left_queued(&mut self) {
+        if !self.draining.done {
+            self.draining.report.left_queued += 1;
+        }
     }
 
     fn finish_drain_if_idle(&mut self) {
@@ -272,9 +279,11 @@ pub fn drain_on_signal(
     }
 }
 
-/// The one line that makes SIGTERM a deploy instead of a crash, in an actix application: on
-/// SIGTERM or SIGINT, drains `supervisor` (see [`drain_on_signal`]), then stops the current
-/// actix system. Call it inside the running system.
+/// On SIGTERM or SIGINT, drains `supervisor` (see [`drain_on_signal`]), then stops the
+/// current actix system: for an application that runs its system with `System::run()` (or an
+/// actix-web server's, which ends with it). Call it inside the running system, as early as the
+/// supervisor exists. Under `#[actix::main]`, whose `main` future the system's stop does not
+/// end, await [`drain_on_signal`] at the end of `main` instead.
 ///
 /// ```no_run
 /// # use agentrt::{Drain, Supervisor};

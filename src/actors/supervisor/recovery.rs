@@ -150,7 +150,7 @@ impl Supervisor {
         });
     }
 
-    fn recovery_pass(&mut self, ctx: &mut Context<Self>) {
+    pub(super) fn recovery_pass(&mut self, ctx: &mut Context<Self>) {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };

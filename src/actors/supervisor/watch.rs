@@ -150,6 +150,8 @@ impl Handler<Changed> for Supervisor {
     fn handle(&mut self, Changed(changes): Changed, ctx: &mut Context<Self>) {
         if changes.resync {
             self.fire_cancelled(ctx);
+            // Released runs whose changes the feed no longer holds: a pass finds them.
+            self.recovery_pass(ctx);
         }
         for Change {
             run_id,
@@ -263,7 +265,13 @@ impl Supervisor {
                 }
                 Err(err)
                     if err.is_run_state()
-                        || matches!(err, Error::RunNotFound(_) | Error::RunLeased { .. }) =>
+                        || matches!(
+                            err,
+                            Error::RunNotFound(_)
+                                | Error::RunLeased { .. }
+                                | Error::Draining
+                                | Error::HandedOver { .. }
+                        ) =>
                 {
                     tracing::debug!(%run_id, %err, "run decided elsewhere resumed by another");
                     false

@@ -9,18 +9,23 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
-    store::backend::{MoveKind, StepUpdate},
+    store::backend::MoveKind,
     types::{EventKind, RunId, StepKind, StepState},
 };
 
 /// Releases the run's lease for another replica to take up, writing `run.released`.
 ///
 /// Nothing may be in flight: a model call the drain abandoned (a model call has no side effect)
-/// goes back to pending, its attempt counted, for the next owner to dispatch again; a tool
+/// goes back to pending, for the next owner to dispatch again; a tool
 /// call in flight refuses the move, since only a takeover may decide what became of it. The
 /// next owner's takeover then finds nothing to interrupt, and writes `run.handed_over`.
 pub(crate) struct HandOver {
     pub by: Leased,
+    /// The loop waits out the backoff after a failed model attempt: that attempt stays
+    /// counted. Otherwise a model call in flight (dispatched, or only reserved) is not: the
+    /// next owner makes the same attempt again, so that a deploy spends none of the model
+    /// policy's attempts.
+    pub backing_off: bool,
 }
 
 /// What a handover released.
@@ -48,16 +53,22 @@ impl Move for HandOver {
         for step in cx.tx.steps(cx.run_id)? {
             match (step.kind, step.state) {
                 (StepKind::Model, StepState::InFlight) => {
-                    let update = StepUpdate {
-                        from: StepState::InFlight,
-                        attempt: step.attempt,
-                        to: StepState::Pending,
-                        starts: false,
-                        result: None,
-                        waiting_for: None,
+                    // Pending at attempt N means attempt N + 1 comes next.
+                    let next_from = if self.backing_off {
+                        step.attempt
+                    } else {
+                        abandoned = Some((step.step, step.attempt));
+                        step.attempt.saturating_sub(1)
                     };
-                    cx.move_step(step.step, update)?;
-                    abandoned = Some((step.step, step.attempt));
+                    if !cx
+                        .tx
+                        .reset_step(cx.run_id, step.step, step.attempt, next_from)?
+                    {
+                        return Err(cx.state_error(format!(
+                            "step {} is no longer in flight at attempt {}",
+                            step.step, step.attempt
+                        )));
+                    }
                 }
                 (StepKind::Tool, StepState::InFlight) => {
                     return Err(Error::Corrupt(format!(

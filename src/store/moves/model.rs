@@ -104,12 +104,12 @@ impl Move for BeginModelAttempt {
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
         cx.touch_held(&self.by.grant, Need::Margin, "a model call cannot start")?;
-        // In flight after a failed attempt; pending after a drain abandoned one (rarely).
-        if cx
-            .start_attempt(self.step, StepState::InFlight, self.attempt)
-            .is_err()
-        {
-            cx.start_attempt(self.step, StepState::Pending, self.attempt)?;
+        // In flight after a failed attempt; pending after a drain handed the run over (rarely).
+        match cx.start_attempt(self.step, StepState::InFlight, self.attempt) {
+            Err(err) if err.is_run_state() => {
+                cx.start_attempt(self.step, StepState::Pending, self.attempt)?
+            }
+            started => started?,
         }
         let payload = json!({ "attempt": self.attempt + 1 });
         cx.append(EventKind::ModelStarted, Some(self.step), &payload)

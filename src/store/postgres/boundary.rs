@@ -38,6 +38,7 @@ const TRIGGERS: &[&str] = &[
     "unfinished_runs_are_kept",
     "run_changes_decided",
     "run_changes_cancelled",
+    "run_changes_released",
 ];
 
 impl Backend for Postgres {

@@ -799,6 +799,27 @@ impl Tx for PgTx<'_> {
         )
     }
 
+    fn reset_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        pending_at: u32,
+    ) -> Result<bool> {
+        self.write(
+            Tables::STEPS,
+            "UPDATE steps SET state = 'pending', attempt = $4
+             WHERE run_id = $1 AND step = $2 AND state = 'in_flight' AND attempt = $3",
+            owned![
+                run_id.as_str().to_owned(),
+                step as i32,
+                attempt as i32,
+                pending_at as i32,
+            ],
+            Some(1),
+        )
+    }
+
     fn set_progress(
         &mut self,
         run_id: &RunId,

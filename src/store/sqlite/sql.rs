@@ -729,6 +729,25 @@ impl Tx for Sql<'_> {
         Ok(changed == 1)
     }
 
+    fn reset_step(
+        &mut self,
+        run_id: &RunId,
+        step: u32,
+        attempt: u32,
+        pending_at: u32,
+    ) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE steps SET state = 'pending', attempt = ?4
+                 WHERE run_id = ?1 AND step = ?2 AND state = 'in_flight' AND attempt = ?3",
+            )
+            .db()?
+            .execute(params![run_id.as_str(), step, attempt, pending_at])
+            .db()?;
+        Ok(changed == 1)
+    }
+
     fn set_progress(
         &mut self,
         run_id: &RunId,

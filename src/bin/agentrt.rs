@@ -1042,9 +1042,9 @@ fn migrate(path: &Path, apply: bool, json: bool) -> Outcome {
         }
     }
     let after = schema_status(path)?;
-    // A PostgreSQL schema goes to the current version in one migration.
+    // An empty PostgreSQL schema goes to the first version PostgreSQL had in one migration.
     let pending = match url(path) {
-        Some(_) => u32::from(before.pending() > 0),
+        Some(_) => agentrt::postgres::migrations_pending(before.found),
         None => before.pending(),
     };
     let text = match (pending, apply) {

@@ -147,14 +147,14 @@ fn migrate_by_url_reports_then_applies_in_one_migration() {
         .arg("migrate")
         .assert()
         .success()
-        .stdout(predicate::str::contains("1 migration(s) pending"));
+        .stdout(predicate::str::contains("2 migration(s) pending"));
     assert!(everything_is_absent(&schema));
     agentrt(&url)
         .args(["migrate", "--apply"])
         .assert()
         .success()
         .stdout(predicate::str::contains(
-            "applied 1 migration(s): schema version 0 -> 10",
+            "applied 2 migration(s): schema version 0 -> 11",
         ));
     agentrt(&url).arg("runs").assert().success();
 }

@@ -35,7 +35,7 @@ mod watcher;
 mod writer;
 
 pub use self::{
-    open::{SCHEMA_VERSION, schema_status},
+    open::{SCHEMA_VERSION, migrations_pending, schema_status},
     options::{DEFAULT_WRITERS, Options},
 };
 

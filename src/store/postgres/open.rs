@@ -27,6 +27,15 @@ const MIGRATIONS: &[(u32, &str)] = &[
     ),
 ];
 
+/// How many migrations opening a schema at version `found` applies: an empty schema (0) goes
+/// to the first version PostgreSQL was supported at in one, then one per version after it.
+pub fn migrations_pending(found: u32) -> u32 {
+    MIGRATIONS
+        .iter()
+        .filter(|(version, _)| *version > found)
+        .count() as u32
+}
+
 /// The longest schema name a store may live in: its change feed's channel is `agentrt_` and
 /// the name.
 const MAX_SCHEMA_NAME: usize = 55;

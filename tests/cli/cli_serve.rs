@@ -163,3 +163,25 @@ fn a_token_made_by_agentrt_token_lets_its_operator_decide_through_serve() {
     let events = store.events(&RunId::from("wait")).unwrap();
     assert!(events.iter().any(|e| e.payload["decided_by"] == "alice"));
 }
+
+#[test]
+fn serve_stops_gracefully_on_sigterm_and_exits_cleanly() {
+    let db = fixture();
+    let port = free_port();
+    let mut served = serve(&db.path(), port, &[]);
+    assert_eq!(request(port, "GET", "/health", None, "").0, 200);
+    // SAFETY: a plain kill(2) of our own child's pid.
+    let sent = unsafe { libc::kill(served.0.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(sent, 0);
+    // Waits on the exit itself; a server that ignored the signal fails the test in a minute.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = served.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "agentrt serve did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "agentrt serve exited with {status}");
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+}

@@ -179,7 +179,10 @@ fn serve_stops_gracefully_on_sigterm_and_exits_cleanly() {
         if let Some(status) = served.0.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "agentrt serve did not stop on SIGTERM");
+        assert!(
+            Instant::now() < deadline,
+            "agentrt serve did not stop on SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "agentrt serve exited with {status}");

@@ -11,12 +11,12 @@ mod watch;
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 use config::lease_owner;
 pub use config::{Config, DEFAULT_LEASE_TTL};
-#[cfg(feature = "web")]
-pub(crate) use drain::Signals;
 pub use drain::{
     DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, Drain, DrainReport, drain_on_signal,
     stop_on_signal,
 };
+#[cfg(feature = "web")]
+pub(crate) use drain::{IsDraining, Signals};
 pub use operator::{CancelRun, DecideAndResume, ForkRun, RecordApproval};
 pub use recovery::Recovery;
 pub use watch::Watch;

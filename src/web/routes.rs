@@ -491,6 +491,16 @@ async fn decide(
     Ok(HttpResponse::Ok().json(approval))
 }
 
+/// A draining supervisor starts nothing: a route that answers before the run executes asks
+/// first, and answers 503 `draining` rather than accept what would be dropped.
+async fn refuse_if_draining(supervisor: &actix::Addr<crate::Supervisor>) -> Result<(), ApiError> {
+    match supervisor.send(crate::actors::supervisor::IsDraining).await {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(crate::Error::Draining.into()),
+        Err(_) => Err(crate::Error::StoreUnavailable.into()),
+    }
+}
+
 async fn resume(
     shared: Data<Shared>,
     _writer: Writer,
@@ -513,6 +523,7 @@ async fn resume(
             ),
         ));
     }
+    refuse_if_draining(&supervisor).await?;
     supervisor.do_send(ResumeRun::new(run_id.clone()));
     Ok(HttpResponse::Accepted().json(json!({ "run_id": run_id })))
 }
@@ -571,6 +582,10 @@ async fn fork(
     let origin = run_id(&id)?;
     let body = body.into_inner();
     let new_id = body.new_id.as_deref().map(new_run_id).transpose()?;
+    // Nothing is written for a supervisor that would not execute the fork.
+    if let Some(supervisor) = &shared.supervisor {
+        refuse_if_draining(supervisor).await?;
+    }
     let (store, from) = (shared.store.clone(), origin.clone());
     let forked = blocking(move || store.fork(&from, body.at, new_id)).await?;
     if let Some(supervisor) = &shared.supervisor {

@@ -6,6 +6,7 @@ mod support;
 
 mod concurrent_starts;
 mod console_browser;
+mod draining;
 mod event_cursors;
 mod run_ids;
 mod service;

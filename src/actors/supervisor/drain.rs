@@ -247,6 +247,20 @@ impl Supervisor {
     }
 }
 
+/// Whether the supervisor drains (or drained): it admits nothing. For the API's routes that
+/// answer before the run executes.
+#[derive(Message)]
+#[rtype(result = "bool")]
+pub(crate) struct IsDraining;
+
+impl Handler<IsDraining> for Supervisor {
+    type Result = bool;
+
+    fn handle(&mut self, _: IsDraining, _: &mut Context<Self>) -> bool {
+        self.draining.is_on()
+    }
+}
+
 /// Waits for SIGTERM or SIGINT (Ctrl-C), then drains `supervisor` as `drain` says, and
 /// answers with its report. The handlers are installed by the call itself, not when the
 /// future is first polled: a signal that comes right after is caught. Call it inside the

@@ -38,6 +38,11 @@ use crate::{
 /// doubles from `every` with each failure in a row (an hour at most). The first pass runs at
 /// start, the next ones every `every`, give or take a fifth, for as long as the supervisor
 /// runs.
+///
+/// A supervisor that recovers also polls the store's change feed, as [`Watch`](crate::Watch)
+/// does (every 50 ms, unless a watch sets the period), for the runs a draining replica
+/// released ([`Drain`](crate::Drain)): it takes each over at once if it has a free slot,
+/// rather than at its next pass. It acts on decisions only with a watch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
     every: Duration,

@@ -44,6 +44,8 @@ use crate::{
 ///   too ([`DecideAndResume`](crate::DecideAndResume) resumes the run itself).
 /// - A **cancel** of a run the supervisor executes fires its tool's cancellation signal, as
 ///   [`CancelRun`](crate::CancelRun) sent to it does.
+/// - A **release** of a run by a draining replica ([`Drain`](crate::Drain)) makes the
+///   supervisor take the run over at once, if it has its agent and a free slot.
 ///
 /// The delay from the commit to the resume is up to `every` (half of it on average), plus the
 /// read and the resume's own commit: see `docs/runs.md`.

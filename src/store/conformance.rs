@@ -65,6 +65,8 @@ macro_rules! conformance_suite {
                 a_live_foreign_lease_refuses_a_takeover_without_a_write,
                 a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight,
                 a_takeover_of_a_released_run_names_no_previous_owner,
+                a_handover_releases_the_lease_and_its_taker_interrupts_nothing,
+                a_handover_is_refused_with_a_tool_in_flight_and_under_a_lost_lease,
                 an_interrupted_step_is_reconciled_once,
                 a_tools_progress_is_kept_only_while_its_attempt_is_in_flight_under_the_lease,
                 a_timed_out_call_is_interrupted_with_its_last_progress_and_reconciled_once,
@@ -290,6 +292,32 @@ impl Moves<'_> {
             why: moves::TimedOut::Timeout,
             limit: Duration::from_millis(200),
             progress: progress.cloned(),
+        })
+    }
+
+    /// A drain's release; what model attempt it abandoned.
+    pub(crate) fn hand_over(
+        &mut self,
+        grant: &Grant,
+        backing_off: bool,
+    ) -> Result<Option<(u32, u32)>> {
+        self.apply(moves::HandOver {
+            by: self.by(grant),
+            backing_off,
+        })
+        .map(|released| released.abandoned)
+    }
+
+    pub(crate) fn begin_model_attempt(
+        &mut self,
+        grant: &Grant,
+        step: u32,
+        attempt: u32,
+    ) -> Result<()> {
+        self.apply(moves::BeginModelAttempt {
+            by: self.by(grant),
+            step,
+            attempt,
         })
     }
 
@@ -925,6 +953,99 @@ pub(crate) fn a_takeover_of_an_expired_lease_interrupts_the_steps_in_flight(f: &
     // The old owner can start nothing more.
     let err = on(&store, &run("r"), |m| m.begin_model_step(&long, 2)).unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+}
+
+pub(crate) fn a_handover_releases_the_lease_and_its_taker_interrupts_nothing(f: &dyn Fixture) {
+    let store = f.store();
+    let old = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &old);
+    // A model call in flight when the drain came: abandoned, its attempt not counted.
+    on(&store, &run("r"), |m| m.begin_model_step(&old, 1)).unwrap();
+    let abandoned = on(&store, &run("r"), |m| m.hand_over(&old, false)).unwrap();
+    assert_eq!(abandoned, Some((1, 1)));
+    assert!(store.lease(&run("r")).unwrap().is_none(), "released");
+    let steps = store.read(|reads| reads.steps(&run("r"))).unwrap();
+    assert_eq!((steps[0].state, steps[0].attempt), (StepState::Pending, 0));
+    // The old owner writes nothing more.
+    let err = on(&store, &run("r"), |m| m.begin_model_attempt(&old, 1, 0)).unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
+
+    let mine = me();
+    let (interrupted, _, held) = on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    assert!(interrupted.is_empty());
+    assert!(!held);
+    let events = store.events(&run("r")).unwrap();
+    let released = &events[events.len() - 3];
+    assert_eq!(released.kind, EventKind::RunReleased);
+    assert_eq!(released.payload["owner"], OTHER);
+    assert_eq!(
+        released.payload["abandoned"],
+        json!({"step": 1, "attempt": 1})
+    );
+    let handed = events.last().unwrap();
+    assert_eq!(handed.kind, EventKind::RunHandedOver);
+    assert_eq!(handed.payload["previous_owner"], OTHER);
+    assert_eq!(handed.payload["new_owner"], OWNER);
+    assert_eq!(handed.payload["fencing_token"], FIRST_TOKEN + 1);
+    // The next owner makes the abandoned attempt again, from the pending step.
+    on(&store, &run("r"), |m| m.begin_model_attempt(&mine, 1, 0)).unwrap();
+    let last = store.events(&run("r")).unwrap().pop().unwrap();
+    assert_eq!(last.kind, EventKind::ModelStarted);
+    assert_eq!(last.payload["attempt"], 1);
+    let steps = store.read(|reads| reads.steps(&run("r"))).unwrap();
+    assert_eq!((steps[0].state, steps[0].attempt), (StepState::InFlight, 1));
+
+    // A run released with nothing in flight, and one whose failed attempt stays counted.
+    create(&store, &run("s"), &old);
+    on(&store, &run("s"), |m| m.begin_model_step(&old, 1)).unwrap();
+    assert_eq!(
+        on(&store, &run("s"), |m| m.hand_over(&old, true)).unwrap(),
+        None
+    );
+    let steps = store.read(|reads| reads.steps(&run("s"))).unwrap();
+    assert_eq!((steps[0].state, steps[0].attempt), (StepState::Pending, 1));
+    // A takeover whose run's last event is not a release writes no handover.
+    create(&store, &run("t"), &old);
+    assert!(
+        session(&store)
+            .writer
+            .release(&run("t"), OTHER, FIRST_TOKEN)
+            .unwrap()
+    );
+    on(&store, &run("t"), |m| m.take_over(&mine)).unwrap();
+    assert!(!kinds(&store, &run("t")).contains(&EventKind::RunHandedOver));
+}
+
+pub(crate) fn a_handover_is_refused_with_a_tool_in_flight_and_under_a_lost_lease(f: &dyn Fixture) {
+    let store = f.store();
+    let old = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &old);
+    on(&store, &run("r"), |m| m.begin_model_step(&old, 1)).unwrap();
+    let answer = ModelOutcome::Answered {
+        response: ModelResponse::calls(vec![call("c1")]),
+        recorded: serde_json::to_value(ModelResponse::calls(vec![call("c1")])).unwrap(),
+    };
+    on(&store, &run("r"), |m| {
+        m.finish_model_step(&old, 1, 1, &answer)
+    })
+    .unwrap();
+    on(&store, &run("r"), |m| {
+        m.decide_tool(&old, 2, &call("c1"), &allow())
+    })
+    .unwrap();
+    let before = store.events(&run("r")).unwrap();
+    let err = on(&store, &run("r"), |m| m.hand_over(&old, false)).unwrap_err();
+    assert!(matches!(err, Error::Corrupt(_)), "{err}");
+    assert_eq!(store.events(&run("r")).unwrap(), before, "nothing written");
+    assert!(store.lease(&run("r")).unwrap().is_some(), "still held");
+
+    // Under a lease taken over since, the old owner releases nothing.
+    f.expire_lease(&store, &run("r"));
+    let mine = me();
+    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let err = on(&store, &run("r"), |m| m.hand_over(&old, false)).unwrap_err();
+    assert!(matches!(err, Error::RunLeased { .. }), "{err}");
+    assert_eq!(store.lease(&run("r")).unwrap().unwrap().owner, OWNER);
 }
 
 pub(crate) fn a_takeover_of_a_released_run_names_no_previous_owner(f: &dyn Fixture) {

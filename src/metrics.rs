@@ -29,6 +29,9 @@ pub(crate) const TOOL_ERRORS: &str = "agentrt_tool_errors_total";
 pub(crate) const LEASE_RENEWALS: &str = "agentrt_lease_renewals_total";
 /// Counter: runs taken over from an owner whose lease had expired.
 pub(crate) const TAKEOVERS: &str = "agentrt_takeovers_total";
+/// Counter, label `side` (`released`, `taken`): runs a draining supervisor of this process
+/// handed over, and runs this process took up from a draining one.
+pub(crate) const HANDOVERS: &str = "agentrt_handovers_total";
 /// Counter, label `reason` (`taken_over`, `released_or_cancelled`, `expired`): leases a
 /// supervisor lost while executing their run.
 pub(crate) const LEASES_LOST: &str = "agentrt_leases_lost_total";
@@ -64,6 +67,11 @@ pub(crate) const MOVES_BUCKETS: &[f64] = &[
 /// The runs waiting for a slot across the process's supervisors. Kept here as well as in the
 /// gauge, so that the gauge is right even when the recorder was installed after runs queued.
 static QUEUED: AtomicU64 = AtomicU64::new(0);
+
+/// A run handed over by a drain (`released`), or taken up after one (`taken`).
+pub(crate) fn handed_over(side: &'static str) {
+    counter!(HANDOVERS, "side" => side).increment(1);
+}
 
 /// A model call (`StepKind::Model`) or a tool call answered after `took`.
 pub(crate) fn step_took(kind: StepKind, took: Duration) {
@@ -187,6 +195,11 @@ pub(crate) fn describe() {
         "Runs taken over from an owner whose lease had expired."
     );
     describe_counter!(
+        HANDOVERS,
+        Unit::Count,
+        "Runs handed over by a drain (released), or taken up after one (taken)."
+    );
+    describe_counter!(
         LEASES_LOST,
         Unit::Count,
         "Leases a supervisor lost while executing their run."
@@ -220,6 +233,9 @@ pub(crate) fn describe() {
     counter!(TOOL_ERRORS).increment(0);
     counter!(LEASE_RENEWALS).increment(0);
     counter!(TAKEOVERS).increment(0);
+    for side in ["released", "taken"] {
+        counter!(HANDOVERS, "side" => side).increment(0);
+    }
     for reason in ["taken_over", "released_or_cancelled", "expired"] {
         counter!(LEASES_LOST, "reason" => reason).increment(0);
     }

@@ -12,7 +12,8 @@ use std::{
 
 use crate::support::metrics::{self, one_at_a_time, serve};
 use agentrt::{
-    Agent, Config, ModelResponse, RunId, RunState, StartRun, ToolCall, Usage,
+    Agent, Config, Drain, ModelResponse, Recovery, RunId, RunState, StartRun, Supervisor, ToolCall,
+    Usage,
     testkit::{Behaviour, RecordingTool, ScriptedModel, TempStore, resume_when_free, with_system},
 };
 use serde_json::json;
@@ -209,4 +210,53 @@ fn a_takeover_and_its_finished_run_move_the_scraped_counters() {
         "a histogram, not a summary"
     );
     assert_eq!(value(&after, "agentrt_queued_runs"), 0.0);
+}
+
+#[test]
+fn a_drain_and_the_takeover_after_it_move_the_handover_counters_not_the_takeovers() {
+    let _turn = one_at_a_time();
+    let db = TempStore::new();
+    let address = serve(db.open());
+    let before = scrape(address);
+    // Both series are scraped from the start, at whatever earlier tests left them.
+    for side in ["released", "taken"] {
+        let series = format!(r#"agentrt_handovers_total{{side="{side}"}}"#);
+        assert!(before.contains_key(&series), "{series} is scraped");
+    }
+
+    let charge = RecordingTool::new("charge").behaviour(Behaviour::Block);
+    let agent = || {
+        Agent::new(script())
+            .tool(charge.clone())
+            .tool(RecordingTool::new("lookup"))
+    };
+    let (old_store, heir_store, probe) = (db.open(), db.open(), charge.clone());
+    let (old_agent, heir_agent) = (agent(), agent());
+    with_system(|| async move {
+        let heir = Supervisor::builder(heir_store)
+            .config(
+                Config::default().recovery(Recovery::default().every(Duration::from_secs(3600))),
+            )
+            .agent("billing", heir_agent)
+            .start()
+            .unwrap();
+        let (_inbox, mut rx) = crate::support::settled::subscribed(&heir).await;
+        let old = supervise(old_store, Config::default(), "billing", old_agent);
+        old.send(agentrt::SpawnRun::new("billing", json!({})).with_id("run-1"))
+            .await
+            .unwrap()
+            .unwrap();
+        probe.wait_executions(1).await;
+        // The blocked charge is told at the deadline, returns, and the run is handed over.
+        let drain = Drain::within(Duration::from_millis(50)).grace(PATIENCE);
+        assert!(old.send(drain).await.unwrap().is_clean());
+        crate::support::settled::heard(&mut rx, 1).await;
+    });
+
+    let after = scrape(address);
+    let released = r#"agentrt_handovers_total{side="released"}"#;
+    let taken = r#"agentrt_handovers_total{side="taken"}"#;
+    assert_eq!(delta(&before, &after, released), 1.0);
+    assert_eq!(delta(&before, &after, taken), 1.0);
+    assert_eq!(delta(&before, &after, "agentrt_takeovers_total"), 0.0);
 }

@@ -4,6 +4,7 @@
 use super::run_loop::RunLoop;
 use crate::{
     error::{Error, Result},
+    metrics,
     store::moves::HandOver,
 };
 
@@ -31,6 +32,7 @@ impl RunLoop {
                 backing_off,
             })
             .await?;
+        metrics::handed_over("released");
         let run_id = self.run_id().clone();
         match released.abandoned {
             Some((step, attempt)) => tracing::info!(

@@ -103,6 +103,9 @@ impl RunLoop {
                         if held {
                             metrics::taken_over();
                         }
+                        if taken.handed_over {
+                            metrics::handed_over("taken");
+                        }
                         let run = RunLoop::from_snapshot(&snapshot, agent, env);
                         run.hold();
                         run.taken("takeover");

@@ -38,8 +38,11 @@ pub(crate) struct TakenOver {
     /// The new lease's expiry.
     #[cfg_attr(not(test), allow(dead_code))]
     pub expires_at: i64,
-    /// Whose lease it was: none for a run nobody held (one that waited for a slot, a fork).
+    /// Whose lease it was: none for a run nobody held (one that waited for a slot, a fork, a
+    /// run a drain released).
     pub previous_owner: Option<String>,
+    /// A drain released it (`run.handed_over` was written).
+    pub handed_over: bool,
     /// The run as the takeover leaves it, read in its transaction: an owner whose lease lapsed
     /// may have written an outcome since any earlier read, and that step must not run again.
     pub snapshot: RunSnapshot,
@@ -106,7 +109,7 @@ impl Move for TakeOver {
                 "new_expires_at": expires_at,
             });
             cx.append(EventKind::LeaseTakenOver, None, &payload)?;
-        } else if let Some(released) = released {
+        } else if let Some(released) = &released {
             // A drain released it at a step boundary: nothing is in flight, nothing waited.
             let payload = json!({
                 "previous_owner": released.payload["owner"],
@@ -127,6 +130,7 @@ impl Move for TakeOver {
             interrupted: steps,
             expires_at,
             previous_owner: row.owner,
+            handed_over: released.is_some(),
             snapshot: reads::load(cx.tx, run_id)?,
         })
     }

@@ -32,7 +32,10 @@ await main(async ({ page, url, screenshot }) => {
   await refused(page, () => call.getByTestId("deny").click());
   assert.match(await page.getByRole("alert").innerText(), /not one of this API's/);
 
-  // Given through the token box, a wrong token is refused for reads as well.
+  // Given through the token box, a wrong token is refused for reads as well. The stale token
+  // is dropped first: the page's own reads with it would raise the alert again in the
+  // background, and the refusal looked for is the token box's.
+  await page.evaluate(() => sessionStorage.removeItem("agentrt.token"));
   await refused(page, () => useToken(page, "still-not-the-token"));
   await untilText(page, "operator", "Token refused: read only");
   await page.getByTestId("token-forget").click();

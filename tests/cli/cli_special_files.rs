@@ -3,13 +3,12 @@
 //! opening one waits for a writer, which would hang the command.
 
 use std::{
-    collections::BTreeMap,
     os::unix::{fs::FileTypeExt, net::UnixListener},
     path::Path,
     time::Duration,
 };
 
-use crate::support::cli::agentrt;
+use crate::support::{cli::agentrt, entries};
 
 /// Every command that takes a database, with arguments it accepts.
 const COMMANDS: &[&[&str]] = &[
@@ -33,22 +32,6 @@ const COMMANDS: &[&[&str]] = &[
 
 /// Far longer than a refusal takes on any machine: a command still running then hangs.
 const HANG: Duration = Duration::from_secs(20);
-
-/// The entries of `dir`, by name, with their kind and length, found without opening any.
-fn entries(dir: &Path) -> BTreeMap<String, (String, u64)> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let metadata = std::fs::symlink_metadata(entry.path()).unwrap();
-            let kind = format!("{:?}", metadata.file_type());
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                (kind, metadata.len()),
-            )
-        })
-        .collect()
-}
 
 /// Runs every command on `db`: each must fail at once, saying `what` it is, and leave the
 /// folder as it was.

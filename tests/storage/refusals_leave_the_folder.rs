@@ -9,6 +9,8 @@ use std::{
 
 use agentrt::{Error, SCHEMA_VERSION, Store, sqlite, testkit::TempStore};
 
+use crate::support::entries;
+
 /// Every file of `dir` with its length and a digest of its bytes.
 fn folder(dir: &Path) -> BTreeMap<String, (usize, u64)> {
     std::fs::read_dir(dir)
@@ -164,23 +166,6 @@ fn a_newer_schema_still_in_the_log_is_found_through_a_symbolic_link() {
         assert!(matches!(err, Error::SchemaTooNew { .. }), "{err}");
     }
     drop(holder);
-}
-
-/// The entries of `dir`, by name, with their kind and length, found without opening any (a
-/// named pipe would hang a read).
-fn entries(dir: &Path) -> BTreeMap<String, (String, u64)> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|entry| {
-            let entry = entry.unwrap();
-            let metadata = std::fs::symlink_metadata(entry.path()).unwrap();
-            let kind = format!("{:?}", metadata.file_type());
-            (
-                entry.file_name().to_string_lossy().into_owned(),
-                (kind, metadata.len()),
-            )
-        })
-        .collect()
 }
 
 /// The ways to open a database file that only read it.

@@ -290,3 +290,20 @@ pub fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
         })
         .collect()
 }
+
+/// The entries of `dir`, by name, with their kind and length, found without opening any (a
+/// named pipe would hang a read).
+pub fn entries(dir: &Path) -> BTreeMap<String, (String, u64)> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            let metadata = std::fs::symlink_metadata(entry.path()).unwrap();
+            let kind = format!("{:?}", metadata.file_type());
+            (
+                entry.file_name().to_string_lossy().into_owned(),
+                (kind, metadata.len()),
+            )
+        })
+        .collect()
+}

@@ -7,7 +7,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use async_trait::async_trait;
@@ -249,6 +249,8 @@ pub struct ToolContext {
     /// reconcile hook is given it too. This attempt's own heartbeats do not change it.
     pub progress: Option<Value>,
     pub(crate) heart: Heart,
+    /// A time this call asked to be made again at ([`call_again_at`](Self::call_again_at)).
+    pub(crate) again: Arc<std::sync::Mutex<Option<(SystemTime, String)>>>,
 }
 
 impl ToolContext {
@@ -291,6 +293,41 @@ impl ToolContext {
     /// ```
     pub fn heartbeat(&self, progress: Value) {
         self.heart.beat(progress);
+    }
+
+    /// Asks to be called again at `at` (by `Config::clock`), with `reason`: "not ready, check
+    /// again tomorrow". Return the error it gives. The run then waits for the time (state
+    /// `WAITING_FOR_TIMER`, holding no lease and no slot), and the call is made again then as
+    /// its next attempt, with the same idempotency key; nothing of this attempt is shown to
+    /// the model.
+    ///
+    /// ```
+    /// use std::time::{Duration, SystemTime};
+    /// use agentrt::{async_trait, Tool, ToolContext, ToolError};
+    /// use serde_json::{json, Value};
+    ///
+    /// struct ReportReady;
+    ///
+    /// #[async_trait(?Send)]
+    /// impl Tool for ReportReady {
+    ///     fn name(&self) -> &str {
+    ///         "report_ready"
+    ///     }
+    ///
+    ///     async fn call(&self, ctx: &ToolContext, _: &Value) -> Result<Value, ToolError> {
+    ///         let ready = ctx.attempt > 1; // ... ask the report service ...
+    ///         if !ready {
+    ///             let later = SystemTime::now() + Duration::from_secs(3600);
+    ///             return Err(ctx.call_again_at(later, "the report is not ready"));
+    ///         }
+    ///         Ok(json!({ "ready": true }))
+    ///     }
+    /// }
+    /// ```
+    pub fn call_again_at(&self, at: SystemTime, reason: impl Into<String>) -> ToolError {
+        let reason = reason.into();
+        *self.again.lock().unwrap_or_else(|e| e.into_inner()) = Some((at, reason.clone()));
+        ToolError::new(format!("called again later: {reason}"))
     }
 }
 
@@ -552,6 +589,8 @@ pub type InputMapper = dyn Fn(&Value) -> Vec<ChatMessage> + Send + Sync;
 /// schema's validator.
 pub(crate) struct RegisteredTool {
     pub(crate) tool: Arc<dyn Tool>,
+    /// What a built-in tool waits for: its calls wait instead of being made.
+    pub(crate) wait: Option<crate::builtin::WaitTool>,
     /// Why the schema cannot check arguments, if it cannot: every call of the tool is then
     /// refused with it.
     validator: std::result::Result<jsonschema::Validator, String>,
@@ -571,7 +610,14 @@ impl RegisteredTool {
             tracing::error!(tool = %spec.name, %err, "the tool's argument schema is invalid: every call of it is refused");
             format!("the tool's argument schema is invalid: {err}")
         });
-        (RegisteredTool { tool, validator }, spec)
+        (
+            RegisteredTool {
+                tool,
+                wait: None,
+                validator,
+            },
+            spec,
+        )
     }
 
     /// Why `args` cannot be passed to the tool, if they cannot.
@@ -649,6 +695,7 @@ pub struct Agent {
     pub(crate) tool_timeout: Duration,
     pub(crate) tool_grace: Duration,
     pub(crate) progress_every: Duration,
+    pub(crate) max_depth: u32,
 }
 
 impl Agent {
@@ -667,6 +714,7 @@ impl Agent {
             tool_timeout: DEFAULT_TOOL_TIMEOUT,
             tool_grace: DEFAULT_TOOL_GRACE,
             progress_every: DEFAULT_PROGRESS_EVERY,
+            max_depth: crate::builtin::DEFAULT_MAX_DEPTH,
         }
     }
 
@@ -679,8 +727,67 @@ impl Agent {
     }
 
     /// Adds a shared tool.
-    pub fn shared_tool(mut self, tool: Arc<dyn Tool>) -> Self {
-        let (registered, spec) = RegisteredTool::new(tool);
+    pub fn shared_tool(self, tool: Arc<dyn Tool>) -> Self {
+        self.register(tool, None)
+    }
+
+    /// Adds `ask_person`: the model asks a person a question, with an optional JSON Schema
+    /// for the answer, and the run waits (state `WAITING_FOR_ANSWER`, holding no lease and no
+    /// slot) until it is answered through [`Store::answer`](crate::Store::answer), the API,
+    /// the CLI or the console. The answer is the call's result. See `docs/waits.md`.
+    pub fn ask_person(self) -> Self {
+        let tool = Arc::new(crate::builtin::ask_person());
+        self.register(tool, Some(crate::builtin::WaitTool::Answer))
+    }
+
+    /// Adds `sleep_until`: the model pauses the run until a time or for a number of seconds
+    /// (state `WAITING_FOR_TIMER`). See `docs/waits.md`.
+    pub fn sleep_until(self) -> Self {
+        let tool = Arc::new(crate::builtin::sleep_until());
+        self.register(tool, Some(crate::builtin::WaitTool::Timer))
+    }
+
+    /// Adds `wait_for_event`: the model waits for an event of a name delivered to the run
+    /// ([`Store::deliver_event`](crate::Store::deliver_event)), whose payload is the call's
+    /// result (state `WAITING_FOR_EVENT`). An event delivered before the wait is kept for it.
+    pub fn wait_for_event(self) -> Self {
+        let tool = Arc::new(crate::builtin::wait_for_event());
+        self.register(tool, Some(crate::builtin::WaitTool::Event))
+    }
+
+    /// Adds a tool named `name` that hands its `task` to a child run of the agent registered
+    /// as `agent`: the run waits (state `WAITING_FOR_CHILD`) until the child finishes, whose
+    /// final answer is the call's result and whose failure or cancel its error. The child's
+    /// id is the call's idempotency key (`RUN/STEP`), inserted in the same transaction as the
+    /// wait: no crash starts two. Cancelling the run cancels the child. Child runs nest at
+    /// most [`DEFAULT_MAX_DEPTH`](crate::DEFAULT_MAX_DEPTH) deep unless
+    /// [`delegate_depth`](Self::delegate_depth) says otherwise.
+    pub fn delegate(
+        self,
+        name: impl Into<String>,
+        agent: impl Into<String>,
+        description: impl Into<String>,
+    ) -> Self {
+        let (name, description) = (name.into(), description.into());
+        let tool = Arc::new(crate::builtin::delegate(&name, &description));
+        let wait = crate::builtin::WaitTool::Child {
+            agent: agent.into(),
+            max_depth: self.max_depth,
+        };
+        self.register(tool, Some(wait))
+    }
+
+    /// How deep the child runs of this agent's delegating tools added after it may nest
+    /// below their root (at least 1): a call that would start a child deeper gets an error
+    /// as its result. Defaults to [`DEFAULT_MAX_DEPTH`](crate::DEFAULT_MAX_DEPTH).
+    pub fn delegate_depth(mut self, depth: u32) -> Self {
+        self.max_depth = depth.max(1);
+        self
+    }
+
+    fn register(mut self, tool: Arc<dyn Tool>, wait: Option<crate::builtin::WaitTool>) -> Self {
+        let (mut registered, spec) = RegisteredTool::new(tool);
+        registered.wait = wait;
         // A schema that cannot be checked is not offered either: a server that checks the
         // schemas it is sent would refuse every request.
         let offered = registered.validator.is_ok();

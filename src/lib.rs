@@ -9,6 +9,7 @@ compile_error!(
 
 mod actors;
 mod agent;
+mod builtin;
 mod clock;
 mod error;
 mod metrics;
@@ -62,10 +63,11 @@ pub use actix;
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        CancelRun, Config, DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, DEFAULT_LEASE_TTL,
-        DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume, Drain, DrainReport, ForkRun, RecordApproval,
-        Recovery, RegisterAgent, ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns,
-        Supervisor, SupervisorBuilder, Watch, drain_on_signal, stop_on_signal,
+        AnswerQuestion, CancelRun, Config, DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE,
+        DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume, DeliverEvent, Drain,
+        DrainReport, ForkRun, RecordApproval, Recovery, RegisterAgent, ResumeRun, RunSettled,
+        SpawnRun, StartRun, SubscribeRuns, Supervisor, SupervisorBuilder, Watch, drain_on_signal,
+        stop_on_signal,
     },
 };
 pub use agent::{
@@ -75,6 +77,7 @@ pub use agent::{
     schema_for,
 };
 pub use async_trait::async_trait;
+pub use builtin::DEFAULT_MAX_DEPTH;
 pub use clock::{Clock, SystemClock};
 pub use error::{DatabaseError, Error, Result};
 pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
@@ -93,9 +96,9 @@ pub use store::{
     backend::{MoveInfo, MoveKind, MoveObserver},
 };
 pub use types::{
-    Approval, ApprovalReason, ChatMessage, Event, EventKind, FencingToken, Lease, LeaseLostReason,
-    ModelResponse, Outcome, PendingCall, Run, RunId, RunReply, RunState, RunUsage, ToolCall,
-    ToolResult, ToolSpec, Usage,
+    Answer, Approval, ApprovalReason, ChatMessage, Delivered, Delivery, Event, EventKind,
+    FencingToken, Lease, LeaseLostReason, ModelResponse, Outcome, PendingCall, Run, RunId,
+    RunReply, RunState, RunUsage, ToolCall, ToolResult, ToolSpec, Usage, Wait, WaitKind,
 };
 
 /// What an application that defines and runs agents uses: `use agentrt::prelude::*;`.

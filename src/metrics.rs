@@ -160,7 +160,7 @@ pub(crate) fn run_returned(outcome: &Outcome) {
         Outcome::Succeeded { .. } => counter!(RUNS_FINISHED, "state" => "SUCCEEDED"),
         Outcome::Failed { .. } => counter!(RUNS_FINISHED, "state" => "FAILED"),
         Outcome::Cancelled { .. } => counter!(RUNS_FINISHED, "state" => "CANCELLED"),
-        Outcome::WaitingForApproval { .. } => return,
+        Outcome::WaitingForApproval { .. } | Outcome::Waiting { .. } => return,
     }
     .increment(1);
 }

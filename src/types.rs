@@ -114,7 +114,8 @@ impl From<String> for RunId {
 /// Where a run is in its life. See `docs/runs.md` for the moves between states.
 ///
 /// JSON: the name it is stored under, [`RunState::as_str`]: `"RUNNING"`,
-/// `"WAITING_FOR_APPROVAL"`, `"SUCCEEDED"`, `"FAILED"` or `"CANCELLED"`.
+/// `"WAITING_FOR_APPROVAL"`, `"WAITING_FOR_ANSWER"`, `"WAITING_FOR_EVENT"`,
+/// `"WAITING_FOR_TIMER"`, `"WAITING_FOR_CHILD"`, `"SUCCEEDED"`, `"FAILED"` or `"CANCELLED"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum RunState {
@@ -122,6 +123,14 @@ pub enum RunState {
     Running,
     /// Paused until an operator decides a tool call; resumed with `ResumeRun`.
     WaitingForApproval,
+    /// Paused until a person answers its question (`ask_person`). See `docs/waits.md`.
+    WaitingForAnswer,
+    /// Paused until an event of a name is delivered to it (`wait_for_event`).
+    WaitingForEvent,
+    /// Paused until a time (`sleep_until`, or a tool that asked to be called again later).
+    WaitingForTimer,
+    /// Paused until the child run it delegated a task to finishes.
+    WaitingForChild,
     /// Finished with a final answer.
     Succeeded,
     /// Finished with an error (the model failed, or the step limit was reached).
@@ -132,9 +141,13 @@ pub enum RunState {
 
 impl RunState {
     /// Every state, in the order of a run's life.
-    pub const ALL: [RunState; 5] = [
+    pub const ALL: [RunState; 9] = [
         RunState::Running,
         RunState::WaitingForApproval,
+        RunState::WaitingForAnswer,
+        RunState::WaitingForEvent,
+        RunState::WaitingForTimer,
+        RunState::WaitingForChild,
         RunState::Succeeded,
         RunState::Failed,
         RunState::Cancelled,
@@ -145,9 +158,30 @@ impl RunState {
         match self {
             RunState::Running => "RUNNING",
             RunState::WaitingForApproval => "WAITING_FOR_APPROVAL",
+            RunState::WaitingForAnswer => "WAITING_FOR_ANSWER",
+            RunState::WaitingForEvent => "WAITING_FOR_EVENT",
+            RunState::WaitingForTimer => "WAITING_FOR_TIMER",
+            RunState::WaitingForChild => "WAITING_FOR_CHILD",
             RunState::Succeeded => "SUCCEEDED",
             RunState::Failed => "FAILED",
             RunState::Cancelled => "CANCELLED",
+        }
+    }
+
+    /// True for the states of a paused run, which holds no lease: waiting for an approval, an
+    /// answer, an event, a timer or a child run.
+    pub fn is_waiting(self) -> bool {
+        self.waits_for().is_some() || self == RunState::WaitingForApproval
+    }
+
+    /// What a run in this state waits for, other than an approval.
+    pub fn waits_for(self) -> Option<WaitKind> {
+        match self {
+            RunState::WaitingForAnswer => Some(WaitKind::Answer),
+            RunState::WaitingForEvent => Some(WaitKind::Event),
+            RunState::WaitingForTimer => Some(WaitKind::Timer),
+            RunState::WaitingForChild => Some(WaitKind::Child),
+            _ => None,
         }
     }
 
@@ -173,6 +207,10 @@ impl FromStr for RunState {
         Ok(match s {
             "RUNNING" => RunState::Running,
             "WAITING_FOR_APPROVAL" => RunState::WaitingForApproval,
+            "WAITING_FOR_ANSWER" => RunState::WaitingForAnswer,
+            "WAITING_FOR_EVENT" => RunState::WaitingForEvent,
+            "WAITING_FOR_TIMER" => RunState::WaitingForTimer,
+            "WAITING_FOR_CHILD" => RunState::WaitingForChild,
             "SUCCEEDED" => RunState::Succeeded,
             "FAILED" => RunState::Failed,
             "CANCELLED" => RunState::Cancelled,
@@ -265,13 +303,18 @@ pub enum EventKind {
     /// `run.handed_over`: another owner took up a released run, with no wait and nothing to
     /// reconcile.
     RunHandedOver,
+    /// `event.received`: an event delivered to the run, taken by its wait or kept for one.
+    EventReceived,
+    /// `wait.woken`: what a waiting run waited for came (an answer, an event, its child's
+    /// end); the run goes on at its resume.
+    WaitWoken,
     /// `run.finished`
     RunFinished,
 }
 
 impl EventKind {
     /// Every kind, in the order of `docs/events.md`.
-    pub const ALL: [EventKind; 18] = [
+    pub const ALL: [EventKind; 20] = [
         EventKind::RunStarted,
         EventKind::RunForked,
         EventKind::ModelStarted,
@@ -289,6 +332,8 @@ impl EventKind {
         EventKind::LeaseTakenOver,
         EventKind::RunReleased,
         EventKind::RunHandedOver,
+        EventKind::EventReceived,
+        EventKind::WaitWoken,
         EventKind::RunFinished,
     ];
 
@@ -312,6 +357,8 @@ impl EventKind {
             EventKind::LeaseTakenOver => "lease.taken_over",
             EventKind::RunReleased => "run.released",
             EventKind::RunHandedOver => "run.handed_over",
+            EventKind::EventReceived => "event.received",
+            EventKind::WaitWoken => "wait.woken",
             EventKind::RunFinished => "run.finished",
         }
     }
@@ -609,13 +656,14 @@ pub struct PendingCall {
 
 /// How a call to `StartRun` or `ResumeRun` ended.
 ///
-/// JSON: tagged by `status` (`"succeeded"`, `"failed"`, `"waiting_for_approval"` or
-/// `"cancelled"`), beside the variant's field:
+/// JSON: tagged by `status` (`"succeeded"`, `"failed"`, `"waiting_for_approval"`,
+/// `"waiting"` or `"cancelled"`), beside the variant's field:
 ///
 /// ```json
 /// {"status": "succeeded", "output": "done"}
 /// {"status": "failed", "error": "the step limit was reached"}
 /// {"status": "waiting_for_approval", "pending": {"step": 2, "call_id": "pay-1", "tool": "pay", "args": {}, "reason": "policy"}}
+/// {"status": "waiting", "wait": {"run_id": "order-17", "step": 4, "call_id": "c2", "kind": "timer", "key": "recheck", "detail": {"reason": "recheck"}, "since": 1700000000000, "due_at": 1700003600000}}
 /// {"status": "cancelled", "reason": "duplicate order"}
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -636,11 +684,147 @@ pub enum Outcome {
         /// The call that waits.
         pending: PendingCall,
     },
+    /// The run is paused until what it waits for comes: an answer, an event, a time, or its
+    /// child run's end.
+    Waiting {
+        /// What it waits for.
+        wait: Wait,
+    },
     /// An operator cancelled the run.
     Cancelled {
         /// The operator's reason.
         reason: String,
     },
+}
+
+/// What a waiting run waits for, other than an approval. See `docs/waits.md`.
+///
+/// JSON: `"answer"`, `"event"`, `"timer"` or `"child"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitKind {
+    /// A person's answer to a question (`ask_person`).
+    Answer,
+    /// An event delivered by name (`wait_for_event`).
+    Event,
+    /// A time (`sleep_until`, or a tool that asked to be called again later).
+    Timer,
+    /// The end of a child run.
+    Child,
+}
+
+impl WaitKind {
+    /// The name stored and shown: `answer`, `event`, `timer` or `child`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitKind::Answer => "answer",
+            WaitKind::Event => "event",
+            WaitKind::Timer => "timer",
+            WaitKind::Child => "child",
+        }
+    }
+
+    /// The run state of a run that waits for this.
+    pub fn state(self) -> RunState {
+        match self {
+            WaitKind::Answer => RunState::WaitingForAnswer,
+            WaitKind::Event => RunState::WaitingForEvent,
+            WaitKind::Timer => RunState::WaitingForTimer,
+            WaitKind::Child => RunState::WaitingForChild,
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> crate::error::Result<Self> {
+        match s {
+            "answer" => Ok(WaitKind::Answer),
+            "event" => Ok(WaitKind::Event),
+            "timer" => Ok(WaitKind::Timer),
+            "child" => Ok(WaitKind::Child),
+            other => Err(Error::Corrupt(format!("unknown wait kind {other:?}"))),
+        }
+    }
+}
+
+impl fmt::Display for WaitKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+/// A run's wait, as stored: what its waiting tool call waits for, and since when.
+///
+/// `key` is the question's call id (an answer), the event's name (an event), the timer's
+/// reason (a timer), or the child run's id (a child). `detail` holds what a person or an
+/// operator is shown: `{"question": ..., "schema": ...}` for an answer, `{"name": ...}` for an
+/// event, `{"reason": ..., "retry": bool}` for a timer, `{"agent": ..., "task": ...}` for a child.
+///
+/// JSON: `{"run_id": "r1", "step": 4, "call_id": "c2", "kind": "answer", "key": "c2",
+/// "detail": {"question": "Which account?"}, "since": 1700000000000, "due_at": null}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Wait {
+    /// The run that waits.
+    pub run_id: RunId,
+    /// Its waiting step.
+    pub step: u32,
+    /// The id of the tool call that waits.
+    pub call_id: String,
+    /// What it waits for.
+    pub kind: WaitKind,
+    /// The call id, the event's name, the timer's reason or the child's id.
+    pub key: String,
+    /// What the wait shows.
+    pub detail: Value,
+    /// Since when it waits, by `Config::clock`.
+    #[serde(with = "millis")]
+    pub since: SystemTime,
+    /// A timer's due time, by `Config::clock`.
+    #[serde(default, with = "opt_millis")]
+    pub due_at: Option<SystemTime>,
+}
+
+/// An event delivered to a run ([`Store::deliver_event`](crate::Store::deliver_event)).
+///
+/// JSON: `{"run_id": "order-17", "name": "payment", "event_id": "evt_42", "payload": {...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Delivery {
+    /// The run it is for.
+    pub run_id: RunId,
+    /// The event's name, which a wait names.
+    pub name: String,
+    /// The sender's id for it: a second delivery with the same id is kept once.
+    pub event_id: String,
+    /// What it carries; becomes the waiting call's result.
+    #[serde(default)]
+    pub payload: Value,
+}
+
+/// What came of a delivery.
+///
+/// JSON: `"woke"`, `"kept"` or `"duplicate"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivered {
+    /// The run waited for it: it goes on.
+    Woke,
+    /// The run does not wait for it yet: it is kept for the run's first wait on its name.
+    Kept,
+    /// An event of the same id was delivered before: nothing was written.
+    Duplicate,
+}
+
+/// A person's answer to a run's question.
+///
+/// JSON: `{"run_id": "r1", "call_id": "c2", "answer": {"account": "savings"}, "by": "alice"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Answer {
+    /// The run.
+    pub run_id: RunId,
+    /// The question's call id ([`Wait::call_id`]).
+    pub call_id: String,
+    /// The answer: checked against the question's schema, then the call's result.
+    pub answer: Value,
+    /// Who answered.
+    pub by: String,
 }
 
 /// The reply to `StartRun` and `ResumeRun`: the run, and how this call ended.
@@ -841,7 +1025,7 @@ pub(crate) mod millis {
         serializer.serialize_i64(millis)
     }
 
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
         deserializer: D,
     ) -> Result<SystemTime, D::Error> {
         deserializer.deserialize_i64(Millis)
@@ -871,6 +1055,31 @@ pub(crate) mod millis {
                 .map_err(|_| E::custom(format!("time {millis} ms is out of range")))?;
             self.visit_i64(millis)
         }
+    }
+}
+
+/// An optional time as [`millis`] writes one, or `null`.
+pub(crate) mod opt_millis {
+    use std::time::SystemTime;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(crate) fn serialize<S: Serializer>(
+        time: &Option<SystemTime>,
+        serializer: S,
+    ) -> Result<S::Ok, S::Error> {
+        match time {
+            Some(time) => super::millis::serialize(time, serializer),
+            None => serializer.serialize_none(),
+        }
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<SystemTime>, D::Error> {
+        #[derive(Deserialize)]
+        struct Wrapped(#[serde(with = "super::millis")] SystemTime);
+        Ok(Option::<Wrapped>::deserialize(deserializer)?.map(|Wrapped(time)| time))
     }
 }
 

@@ -6,6 +6,7 @@ mod config;
 mod drain;
 mod operator;
 mod recovery;
+mod waits;
 mod watch;
 
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
@@ -19,6 +20,7 @@ pub use drain::{
 pub(crate) use drain::{IsDraining, Signals};
 pub use operator::{CancelRun, DecideAndResume, ForkRun, RecordApproval};
 pub use recovery::Recovery;
+pub use waits::{AnswerQuestion, DeliverEvent};
 pub use watch::Watch;
 
 use std::{
@@ -70,6 +72,9 @@ pub struct Supervisor {
     admission: admission::Admission,
     watching: watch::Watching,
     draining: drain::Draining,
+    /// The clock of `Config::clock`: timers fall due by it.
+    clock: Arc<dyn crate::clock::Clock>,
+    waking: waits::Waking,
 }
 
 /// Assembles a [`Supervisor`].
@@ -143,6 +148,8 @@ impl SupervisorBuilder {
             admission: Default::default(),
             watching: watch::Watching::new(watcher, decisions),
             draining: Default::default(),
+            clock: self.config.clock.clone(),
+            waking: Default::default(),
         }
         .start())
     }
@@ -229,6 +236,7 @@ impl Supervisor {
             keeper: self.keeper.clone(),
             holder: self.holder.clone(),
             draining: self.draining.signal.clone(),
+            clock: self.clock.clone(),
         };
         let (reply, ended) = oneshot::channel();
         let supervisor = ctx.address();
@@ -280,6 +288,7 @@ impl Handler<Ended> for Supervisor {
         self.tell_settled(&run_id, &result);
         self.drained_execution_ended(&run_id, &result);
         self.watched_execution_ended(&run_id, &result, ctx);
+        self.waiting_execution_ended(&result, ctx);
         self.admit_waiting(ctx);
         self.slot_freed(ctx);
         let _ = reply.send(result);
@@ -346,6 +355,7 @@ impl Actor for Supervisor {
         tracing::debug!(store = ?self.store, "supervisor started");
         self.start_recovery(ctx);
         self.start_watch(ctx);
+        self.wake_pass(ctx);
     }
 }
 

@@ -20,14 +20,14 @@ use serde_json::Value;
 use super::{
     health::Space,
     listing::ListQuery,
-    model::{ApprovalRow, LeaseRow, Now, Renewal, StepRow},
+    model::{ApprovalRow, LeaseRow, Now, Renewal, StepRow, WaitRow},
 };
 use crate::{
     clock::Clock,
     error::{Error, Result},
     types::{
-        Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, StepKind, StepState,
-        ToolCall,
+        Approval, ApprovalReason, Delivery, Event, EventKind, Run, RunId, RunState, StepKind,
+        StepState, ToolCall, WaitKind,
     },
 };
 
@@ -87,6 +87,28 @@ pub(crate) trait Reads {
     /// What purging `ids` would delete: those of them that have finished, in the order given,
     /// and their rows.
     fn purge_counts(&mut self, ids: &[RunId]) -> Result<Purged>;
+    /// The run's wait (answer, event, timer, child), with its call's id; `None` when it has
+    /// none.
+    fn wait(&mut self, run_id: &RunId) -> Result<Option<WaitRow>>;
+    /// The first `limit` runs of `agents` whose wait is ready by `until` (a due timer, or a
+    /// wait woken), by when they became ready: each with its agent. Read through the index of
+    /// ready waits, whatever the number of runs that wait for later.
+    fn ready_waits(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<(RunId, String)>>;
+    /// The earliest time after `after` at which a wait of `agents` becomes ready (a timer).
+    fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>>;
+    /// At most `limit` waits (of `kind` when given) after (`since`, run id), by (since, run
+    /// id): what the inbox and `agentrt waits` list.
+    fn list_waits(
+        &mut self,
+        kind: Option<WaitKind>,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, WaitRow)>>;
 }
 
 /// The rows a purge deleted (or would delete).
@@ -244,6 +266,28 @@ pub(crate) trait Tx: LeaseWrites {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()>;
+    /// Inserts the wait of the run's waiting step `wait.step` (the run's agent is read from
+    /// its row).
+    fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()>;
+    /// Records what the run's wait at `step` waited for (`result`, a `ToolResult`), ready at
+    /// `at`; false when it is not there or already woken.
+    fn wake_wait(&mut self, run_id: &RunId, step: u32, result: &Value, at: i64) -> Result<bool>;
+    /// Deletes the run's wait at `step`; whether there was one.
+    fn delete_wait(&mut self, run_id: &RunId, step: u32) -> Result<bool>;
+    /// The run and step that wait, not yet woken, for child run `child` to finish.
+    fn parent_wait(&mut self, child: &RunId) -> Result<Option<(RunId, u32)>>;
+    /// Keeps an event delivered to a run; false when one of the same id was kept before.
+    fn insert_inbox(&mut self, delivery: &Delivery, at: i64) -> Result<bool>;
+    /// Gives the run's oldest kept event named `name` to its wait at `step`: its id and
+    /// payload; `None` when none is kept.
+    fn take_inbox(
+        &mut self,
+        run_id: &RunId,
+        name: &str,
+        step: u32,
+    ) -> Result<Option<(String, Value)>>;
+    /// Marks the run's event `event_id` taken by its wait at `step`.
+    fn mark_inbox(&mut self, run_id: &RunId, event_id: &str, step: u32) -> Result<()>;
     /// Deletes those of `ids` that have finished, with their steps, events and approvals; the
     /// state is checked in each delete's statement. What it deleted.
     fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged>;
@@ -317,6 +361,15 @@ pub enum MoveKind {
     /// A tool call that did not return within the grace after its timeout, marked interrupted
     /// (`step.tool_timed_out`).
     TimeOutTool,
+    /// A waiting call's wait begins: for an answer, an event, a timer or a child run, which
+    /// it inserts (`run.waiting`).
+    BeginWait,
+    /// A waiting run resumed with what its wait brought (`run.resumed`).
+    ResumeWait,
+    /// A person's answer to a run's question (`wait.woken`).
+    AnswerQuestion,
+    /// An event delivered to a run (`event.received`).
+    DeliverEvent,
 }
 
 impl MoveKind {
@@ -342,6 +395,10 @@ impl MoveKind {
             MoveKind::HandOver => "hand_over",
             MoveKind::RecordProgress => "record_progress",
             MoveKind::TimeOutTool => "time_out_tool",
+            MoveKind::BeginWait => "begin_wait",
+            MoveKind::ResumeWait => "resume_wait",
+            MoveKind::AnswerQuestion => "answer_question",
+            MoveKind::DeliverEvent => "deliver_event",
         }
     }
 }
@@ -544,6 +601,9 @@ pub(crate) enum ChangeKind {
     /// A draining supervisor released the run's lease with nothing in flight: a replica with
     /// recovery or a watch takes it over at once.
     Released,
+    /// What the run's wait waited for came (an answer, an event, its child's end): a replica
+    /// with recovery or a watch resumes it.
+    Woken,
 }
 
 /// One change of the feed: a run of an agent, and what happened to it.

@@ -1448,6 +1448,10 @@ pub(crate) fn runs_are_counted_by_state_every_state_named(f: &dyn Fixture) {
         [
             (RunState::Running, 2),
             (RunState::WaitingForApproval, 1),
+            (RunState::WaitingForAnswer, 0),
+            (RunState::WaitingForEvent, 0),
+            (RunState::WaitingForTimer, 0),
+            (RunState::WaitingForChild, 0),
             (RunState::Succeeded, 1),
             (RunState::Failed, 0),
             (RunState::Cancelled, 1),

@@ -6,13 +6,16 @@ use super::{
     backend::{Backend, MoveObserver, Reads, Session, Tx, Watcher},
     health::Health,
     model::Now,
-    moves::{self, CancelRun, Cx, ForkRun, Move, RecordApproval},
+    moves::{self, AnswerQuestion, CancelRun, Cx, DeliverEvent, ForkRun, Move, RecordApproval},
     pulse::{Bell, Pulse},
 };
 use crate::{
     clock::{Clock, SystemClock},
     error::{Error, Result},
-    types::{Approval, Event, Lease, PendingCall, Run, RunId, RunState},
+    types::{
+        Answer, Approval, Delivered, Delivery, Event, Lease, PendingCall, Run, RunId, RunState,
+        Wait, WaitKind,
+    },
 };
 
 /// A handle on an agentrt database: cheap to clone, shared by a supervisor and its readers.
@@ -263,6 +266,62 @@ impl Store {
         };
         self.apply(&SystemClock, fork)?;
         Ok(run_id)
+    }
+
+    /// Answers a run's question (its `ask_person` call), from outside a supervisor, stamped by
+    /// the system clock. The answer is checked against the question's schema, if it has one:
+    /// one that does not match is [`Error::InvalidInput`] saying what is wrong, and nothing
+    /// is written. A call that does not wait for an answer, or is answered already, is a state
+    /// error; an unknown call [`Error::CallNotFound`]. A supervisor with the run's agent and
+    /// [`Config::watch`](crate::Config::watch) or [`Config::recovery`](crate::Config::recovery)
+    /// resumes the run. See `docs/waits.md`.
+    pub fn answer(&self, answer: &Answer) -> Result<()> {
+        let answer = answer.clone();
+        self.apply(&SystemClock, AnswerQuestion { answer })
+    }
+
+    /// Delivers an event to a run, from outside a supervisor, stamped by the system clock. A
+    /// run that waits for an event of its name is woken with its payload as the waiting call's
+    /// result ([`Delivered::Woke`]); any other run that has not finished keeps it for its first
+    /// wait on that name ([`Delivered::Kept`]). An event id delivered to the run before is
+    /// [`Delivered::Duplicate`], and nothing is written: a sender may retry. An unknown run is
+    /// [`Error::RunNotFound`], a finished one a state error.
+    pub fn deliver_event(&self, delivery: &Delivery) -> Result<Delivered> {
+        let delivery = delivery.clone();
+        self.apply(&SystemClock, DeliverEvent { delivery })
+    }
+
+    /// What a run waits for, if it waits for an answer, an event, a time or a child run
+    /// (an approval's wait is [`pending_calls`](Self::pending_calls)).
+    pub fn wait(&self, run_id: &RunId) -> Result<Option<Wait>> {
+        self.read(|reads| {
+            let run = moves::run(reads, run_id)?;
+            if run.state.waits_for().is_none() {
+                return Ok(None);
+            }
+            Ok(reads.wait(run_id)?.map(|row| row.public(run_id)))
+        })
+    }
+
+    /// At most `limit` (up to [`MAX_PAGE_LIMIT`](crate::MAX_PAGE_LIMIT)) waits of runs, of
+    /// `kind` when given, oldest first, after `after` (the last of the previous page): what
+    /// the inbox and `agentrt waits` list.
+    pub fn waits(
+        &self,
+        kind: Option<WaitKind>,
+        after: Option<&Wait>,
+        limit: usize,
+    ) -> Result<Vec<Wait>> {
+        let limit = limit.clamp(1, crate::MAX_PAGE_LIMIT);
+        let after = after.map(|wait| (crate::clock::to_millis(wait.since), wait.run_id.clone()));
+        self.read(|reads| {
+            let after = after.as_ref().map(|(since, id)| (*since, id));
+            Ok(reads
+                .list_waits(kind, after, limit)?
+                .into_iter()
+                .map(|(run_id, row)| row.public(&run_id))
+                .collect())
+        })
     }
 
     /// A health report: schema version, the backend's settings, its integrity check, and the

@@ -17,6 +17,7 @@ use crate::{
     clock::Clock,
     types::{
         ApprovalReason, Lease, ModelResponse, Run, RunId, RunState, StepKind, StepState, ToolCall,
+        Wait, WaitKind,
     },
 };
 
@@ -52,6 +53,47 @@ pub(crate) struct RunSnapshot {
     pub run: Run,
     pub steps: Vec<StepRow>,
     pub approval: Option<ApprovalRow>,
+    /// The run's wait, when it waits for an answer, an event, a timer or a child.
+    pub wait: Option<WaitRow>,
+}
+
+/// A run's wait as stored: what its waiting tool step waits for.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct WaitRow {
+    pub step: u32,
+    /// The waiting call's id.
+    pub call_id: String,
+    pub kind: WaitKind,
+    pub key: String,
+    pub detail: Value,
+    /// Milliseconds by `Config::clock`, as the three below.
+    pub since: i64,
+    pub due_at: Option<i64>,
+    /// From when the run can go on: a timer's due time, or when what it waited for came.
+    pub ready_at: Option<i64>,
+    /// The `ToolResult` (as JSON) the run resumes with; `None` for a timer.
+    pub result: Option<Value>,
+}
+
+impl WaitRow {
+    /// Whether the run can go on at `now`.
+    pub(crate) fn ready(&self, now: i64) -> bool {
+        self.result.is_some() || self.ready_at.is_some_and(|at| at <= now)
+    }
+
+    /// As the public type shows it.
+    pub(crate) fn public(&self, run_id: &RunId) -> Wait {
+        Wait {
+            run_id: run_id.clone(),
+            step: self.step,
+            call_id: self.call_id.clone(),
+            kind: self.kind,
+            key: self.key.clone(),
+            detail: self.detail.clone(),
+            since: from_millis(self.since),
+            due_at: self.due_at.map(from_millis),
+        }
+    }
 }
 
 /// The idempotency key of a tool call: stable across attempts, unique across calls.

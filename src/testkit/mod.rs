@@ -222,6 +222,32 @@ impl Clock for FixedClock {
     }
 }
 
+/// A clock that runs with the system's, moved ahead by the test: how a timer's due time or a
+/// schedule's next occurrence is reached without waiting for it. Clones share the offset.
+#[derive(Debug, Clone, Default)]
+pub struct ManualClock {
+    ahead_ms: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    /// The system's time, until moved.
+    pub fn new() -> Self {
+        ManualClock::default()
+    }
+
+    /// Moves the clock (and its clones) `by` ahead.
+    pub fn advance(&self, by: Duration) {
+        self.ahead_ms
+            .fetch_add(by.as_millis() as u64, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> SystemTime {
+        SystemTime::now() + Duration::from_millis(self.ahead_ms.load(Ordering::SeqCst))
+    }
+}
+
 /// A clock that counts its readings, each one millisecond after the last. Clones share the
 /// count.
 #[derive(Debug, Clone)]

@@ -18,4 +18,5 @@ mod json_shape;
 mod run_ids;
 mod tool_schemas;
 mod tool_timeouts;
+mod waits;
 mod write_ahead;

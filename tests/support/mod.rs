@@ -307,3 +307,20 @@ pub fn entries(dir: &Path) -> BTreeMap<String, (String, u64)> {
         })
         .collect()
 }
+
+/// Waits, polling the store, until run `run_id` is in `state`; panics after a minute (a
+/// bound for a loaded machine, not a guess at how long it takes).
+pub async fn until_state(store: &Store, run_id: &RunId, state: agentrt::RunState) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let now = store.run(run_id).unwrap().state;
+        if now == state {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "run {run_id} stayed {now}, never {state}"
+        );
+        actix_rt::time::sleep(Duration::from_millis(10)).await;
+    }
+}

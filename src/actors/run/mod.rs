@@ -17,6 +17,7 @@ mod reconcile;
 mod run_loop;
 mod start;
 mod tool;
+mod wait;
 
 use std::{
     any::Any, cell::RefCell, collections::BTreeMap, panic::AssertUnwindSafe, rc::Rc, sync::Arc,
@@ -107,6 +108,8 @@ pub(crate) struct Execute {
     pub holder: Holder,
     /// The supervisor's drain signals.
     pub draining: DrainSignal,
+    /// `Config::clock`: a timer's time is reckoned by it.
+    pub clock: Arc<dyn crate::clock::Clock>,
 }
 
 /// What a draining supervisor tells its runs: `started` when the drain begins (each run is
@@ -152,6 +155,7 @@ impl Handler<Execute> for RunActor {
             cancellation: self.cancellation.clone(),
             lease_lost: self.lease_lost.clone(),
             draining: msg.draining,
+            clock: msg.clock,
         };
         let work = async move {
             let (run_id, store, keeper, grant) = (

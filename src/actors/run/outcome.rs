@@ -29,6 +29,14 @@ impl RunLoop {
                 reason = %pending.reason.as_str(),
                 "run waiting for approval"
             ),
+            Ok(Outcome::Waiting { wait }) => tracing::info!(
+                %run_id,
+                step = wait.step,
+                call_id = %wait.call_id,
+                waits_for = %wait.kind,
+                key = %wait.key,
+                "run waiting"
+            ),
             Ok(Outcome::Succeeded { .. }) => {
                 tracing::info!(%run_id, state = %RunState::Succeeded, steps, "run finished")
             }

@@ -45,6 +45,8 @@ pub(super) struct Env {
     /// Fires when the supervisor drains: the loop hands the run over at its next step
     /// boundary. A tool running is not told (it runs to its end); a model call is abandoned.
     pub(super) draining: super::DrainSignal,
+    /// `Config::clock`: a timer's time is reckoned by it.
+    pub(super) clock: Arc<dyn crate::clock::Clock>,
 }
 
 /// The state of one run's loop, kept in step with what it has committed.
@@ -155,6 +157,11 @@ impl RunLoop {
     /// Completes at the drain's deadline: the tool call running gets its signal.
     pub(super) async fn drain_cut(&self) {
         self.env.draining.cut.cancelled().await
+    }
+
+    /// The time by `Config::clock`, in milliseconds.
+    pub(super) fn now_millis(&self) -> i64 {
+        crate::clock::to_millis(self.env.clock.now())
     }
 
     /// Why the keeper reported the lease lost, if it did.

@@ -87,6 +87,15 @@ impl RunLoop {
                         }
                         run
                     }
+                    state if state.waits_for().is_some() => {
+                        let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
+                        if let Some(outcome) = run.resume_wait(&snapshot).await? {
+                            // Not over: it waits as it did.
+                            run.ended(&Ok(outcome.clone()));
+                            return Ok(outcome);
+                        }
+                        run
+                    }
                     RunState::Running => {
                         let take = TakeOver {
                             by: Leased::new(&run_id, &env.grant),

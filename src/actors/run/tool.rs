@@ -22,15 +22,18 @@ use crate::{
     store::{
         backend::Durability,
         model::{StepRow, idempotency_key},
-        moves::{FinishTool, RecordProgress, TimeOutTool, TimedOut},
+        moves::{FinishTool, RecordProgress, TimeOutTool, TimedOut, WaitRequest},
     },
     types::{FencingToken, LeaseLostReason, StepKind, StepState, ToolCall, ToolResult},
 };
 
 /// How a call of a tool ended.
 enum Ran {
-    /// It returned (or panicked).
-    Returned(std::thread::Result<Result<Value, ToolError>>),
+    /// It returned (or panicked), with the time it asked to be called again at, if any.
+    Returned(
+        std::thread::Result<Result<Value, ToolError>>,
+        Option<(std::time::SystemTime, String)>,
+    ),
     /// Its signal fired for its timeout, and it did not return within the grace: it was dropped.
     TimedOut {
         why: TimedOut,
@@ -69,7 +72,17 @@ impl RunLoop {
         );
         #[cfg(feature = "otel")]
         span.record("otel.name", format!("execute_tool {}", call.name));
-        let result = match self.agent().tools.get(&call.name).map(|t| t.tool.clone()) {
+        let registered = self.agent().tools.get(&call.name).cloned();
+        let wait = registered.as_ref().and_then(|t| t.wait.clone());
+        let result = match registered.map(|t| t.tool.clone()) {
+            // A built-in tool's call waits; arguments that cannot make a wait are its error.
+            Some(_) if wait.is_some() => {
+                let wait = wait.expect("a built-in tool");
+                match wait.request(&call.args, self.now_millis()) {
+                    Ok(request) => return self.begin_wait(step, &call, request).await,
+                    Err(error) => ToolResult::Error(error),
+                }
+            }
             // The agent was registered again without this tool since the call started.
             None => {
                 metrics::tool_failed();
@@ -80,7 +93,16 @@ impl RunLoop {
                 let ran = self.run_tool(&*tool, step, &call, span).await;
                 metrics::step_took(StepKind::Tool, started.elapsed());
                 let outcome = match ran {
-                    Ran::Returned(outcome) => outcome,
+                    // The tool asked to be called again at a time: the run waits for it.
+                    Ran::Returned(Ok(Err(_)), Some((at, reason))) => {
+                        let request = WaitRequest::Timer {
+                            at: crate::clock::to_millis(at),
+                            reason,
+                            retry: true,
+                        };
+                        return self.begin_wait(step, &call, request).await;
+                    }
+                    Ran::Returned(outcome, _) => outcome,
                     Ran::TimedOut {
                         why,
                         limit,
@@ -170,7 +192,10 @@ impl RunLoop {
             let write_at = progress.next_write().unwrap_or(never);
             let fire = tokio::select! {
                 biased;
-                outcome = &mut returned => return Ran::Returned(outcome),
+                outcome = &mut returned => {
+                    let again = ctx.again.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    return Ran::Returned(outcome, again);
+                }
                 () = sleep_until(drop_at), if fired.is_some() => {
                     let (why, limit, _) = fired.expect("fired");
                     let (unkept, latest) = progress.left();
@@ -296,6 +321,7 @@ impl RunLoop {
             cancellation,
             progress: step.progress.clone(),
             heart,
+            again: Default::default(),
         }
     }
 }

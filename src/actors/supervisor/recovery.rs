@@ -159,6 +159,8 @@ impl Supervisor {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };
+        // Due timers are read at each pass too, through their own index.
+        self.wake_pass(ctx);
         let slots = self.free_slots();
         if self.recovering.reading || slots == 0 || self.draining.is_on() {
             return;

@@ -95,12 +95,19 @@ pub(super) struct Watching {
     /// Runs decided while this supervisor executed or claimed them: the execution may have
     /// paused for the very call just decided, so its end is looked at.
     deferred: HashSet<RunId>,
-    /// Whether decisions are acted on (a configured watch), or only released runs (a
-    /// supervisor that recovers).
+    /// Whether decisions are acted on (a configured watch), or only released runs and woken
+    /// waits (a supervisor that recovers).
     decisions: bool,
+    /// The polling thread was started.
+    started: bool,
 }
 
 impl Watching {
+    /// Whether a thread polls the change feed.
+    pub(super) fn polls(&self) -> bool {
+        self.watcher.is_some() || self.started
+    }
+
     pub(super) fn new(watcher: Option<(Watch, Box<dyn Watcher>)>, decisions: bool) -> Self {
         Watching {
             watcher,
@@ -109,6 +116,7 @@ impl Watching {
             claimed: HashMap::new(),
             deferred: HashSet::new(),
             decisions,
+            started: false,
         }
     }
 }
@@ -182,6 +190,7 @@ impl Handler<Changed> for Supervisor {
                     self.released(run_id, ctx)
                 }
                 ChangeKind::Released => {}
+                ChangeKind::Woken => self.woken(run_id, &agent, ctx),
             }
         }
     }
@@ -193,6 +202,7 @@ impl Supervisor {
         let Some((watch, watcher)) = self.watching.watcher.take() else {
             return;
         };
+        self.watching.started = true;
         let supervisor = ctx.address().downgrade();
         let stop = self.watching.stop.clone();
         let spawned = std::thread::Builder::new()
@@ -203,8 +213,8 @@ impl Supervisor {
         }
     }
 
-    /// A decision on a run of one of this supervisor's agents.
-    fn decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
+    /// A decision on a run of one of this supervisor's agents (or its wait woken).
+    pub(super) fn decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
         // A resume of it waits for a free slot here: it acts on the decision in its turn.
         if self.admission.holds(&run_id) {
             return;
@@ -222,10 +232,14 @@ impl Supervisor {
     /// on (its own `DecideAndResume`'s), and resuming a run that pauses again for another call
     /// would only settle it twice.
     fn resume_if_decided(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
-        let id = run_id.clone();
+        let (id, clock) = (run_id.clone(), self.clock.clone());
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let snapshot = moves::load(reads, &id)?;
-            Ok(snapshot.run.state == RunState::WaitingForApproval && snapshot.approval.is_some())
+            let now = crate::clock::to_millis(clock.now());
+            Ok(match snapshot.run.state {
+                RunState::WaitingForApproval => snapshot.approval.is_some(),
+                _ => snapshot.wait.is_some_and(|wait| wait.ready(now)),
+            })
         }));
         ctx.spawn(
             actix::fut::wrap_future::<_, Self>(read).map(move |read, this, ctx| match read {

@@ -321,7 +321,8 @@ impl<'a, 'c> Cx<'a, 'c> {
         if let Some(attempts) = model_attempts {
             payload["model_attempts"] = json!(attempts);
         }
-        self.append(EventKind::RunFinished, None, &payload)
+        self.append(EventKind::RunFinished, None, &payload)?;
+        self.wake_parent(state, output, error)
     }
 
     /// Moves the run to WAITING_FOR_APPROVAL, releasing `grant`'s lease.

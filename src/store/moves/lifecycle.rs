@@ -130,8 +130,9 @@ impl Move for FailRun {
 }
 
 /// An operator's cancel, whichever door it comes through (the store, a supervisor, the API,
-/// the command line): no lease needed; the run moves to CANCELLED from RUNNING or
-/// WAITING_FOR_APPROVAL, and its lease is released with the move.
+/// the command line): no lease needed; the run moves to CANCELLED from RUNNING or any waiting
+/// state, and its lease is released with the move. The child run it waits for, if any, is
+/// cancelled with it.
 pub(crate) struct CancelRun {
     pub run_id: RunId,
     pub reason: String,
@@ -149,15 +150,36 @@ impl Move for CancelRun {
     }
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
-        let from = [RunState::Running, RunState::WaitingForApproval];
-        let what = "a finished run cannot be cancelled";
-        cx.move_run(RunMove {
-            error: Some(&self.reason),
-            ..RunMove::new(&from, RunState::Cancelled, what)
-        })?;
-        let payload = json!({ "state": "CANCELLED", "reason": self.reason });
-        cx.append(EventKind::RunFinished, None, &payload)
+        cancel(cx, &self.reason)
     }
+}
+
+/// Cancels the run of `cx` from any state but a finished one: its wait is dropped, the child
+/// it waits for is cancelled with it, and the parent that waits for it is woken.
+pub(super) fn cancel(cx: &mut Cx<'_, '_>, reason: &str) -> Result<()> {
+    let from = [
+        RunState::Running,
+        RunState::WaitingForApproval,
+        RunState::WaitingForAnswer,
+        RunState::WaitingForEvent,
+        RunState::WaitingForTimer,
+        RunState::WaitingForChild,
+    ];
+    let what = "a finished run cannot be cancelled";
+    // The guard compares with at most two states: the one the run is in, read under the
+    // transaction's lock, is the one it must still be in.
+    let from = match cx.run_state()? {
+        Some(state) if from.contains(&state) => vec![state],
+        _ => from[..2].to_vec(),
+    };
+    cx.move_run(RunMove {
+        error: Some(reason),
+        ..RunMove::new(&from, RunState::Cancelled, what)
+    })?;
+    let payload = json!({ "state": "CANCELLED", "reason": reason });
+    cx.append(EventKind::RunFinished, None, &payload)?;
+    cx.cancel_below(reason)?;
+    cx.wake_parent(RunState::Cancelled, None, Some(reason))
 }
 
 /// Forks a new run (`run_id`) from `origin` at step `at`: a RUNNING run of the same agent and

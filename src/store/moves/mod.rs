@@ -11,7 +11,9 @@
 //! - [`decision`]: an operator's decision, and the resume that acts on it;
 //! - [`recovery`]: the takeover of a run whose owner died, and the reconciliation of its
 //!   interrupted steps;
-//! - [`handover`]: a draining supervisor's release of a run, for another replica to take up.
+//! - [`handover`]: a draining supervisor's release of a run, for another replica to take up;
+//! - [`wait`]: a call that waits for an answer, an event, a time or a child run, what wakes
+//!   it, and the resume that goes on with what came.
 //!
 //! Also the reads ([`reads`]) and the lease's writes outside any move ([`lease`]).
 
@@ -24,6 +26,7 @@ mod model;
 mod reads;
 mod recovery;
 mod tool;
+mod wait;
 
 pub(crate) use decision::{RecordApproval, ResumeWaiting};
 pub(crate) use guard::{Cx, FIRST_TOKEN, model_failure};
@@ -34,6 +37,9 @@ pub(crate) use model::{BeginModelAttempt, BeginModelStep, FailModelAttempt, Fini
 pub(crate) use reads::{events_after, lease, lease_report, load, pending_calls, run, usage};
 pub(crate) use recovery::{Reconcile, TakeOver};
 pub(crate) use tool::{DecideTool, FinishTool, RecordProgress, RejectTool, TimeOutTool, TimedOut};
+pub(crate) use wait::{
+    AnswerQuestion, Began, BeginWait, DeliverEvent, ResumeWait, Resumed, WaitRequest,
+};
 
 use super::{backend::MoveKind, model::Grant};
 use crate::{error::Result, types::RunId};

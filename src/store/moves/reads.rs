@@ -95,10 +95,16 @@ pub(crate) fn load(reads: &mut dyn Reads, run_id: &RunId) -> Result<RunSnapshot>
         Some(waiting) => reads.approval(run_id, waiting.step, waiting.attempt + 1)?,
         None => None,
     };
+    let wait = if run.state.waits_for().is_some() {
+        reads.wait(run_id)?
+    } else {
+        None
+    };
     Ok(RunSnapshot {
         run,
         steps,
         approval,
+        wait,
     })
 }
 

@@ -25,6 +25,10 @@ const MIGRATIONS: &[(u32, &str)] = &[
         11,
         include_str!("../../../migrations/postgres/0011_handover.sql"),
     ),
+    (
+        12,
+        include_str!("../../../migrations/postgres/0012_waits.sql"),
+    ),
 ];
 
 /// How many migrations opening a schema at version `found` applies: an empty schema (0) goes

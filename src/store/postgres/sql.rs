@@ -15,12 +15,12 @@ use crate::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, StepRow, from_millis},
+        model::{ApprovalRow, LeaseRow, StepRow, WaitRow, from_millis},
         moves::FIRST_TOKEN,
     },
     types::{
-        Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, StepKind, StepState,
-        ToolCall,
+        Approval, ApprovalReason, Delivery, Event, EventKind, Run, RunId, RunState, StepKind,
+        StepState, ToolCall, WaitKind,
     },
 };
 
@@ -507,6 +507,86 @@ impl Reads for PgTx<'_> {
             approvals: self.count("approvals", &names)?,
         })
     }
+
+    fn wait(&mut self, run_id: &RunId) -> Result<Option<WaitRow>> {
+        let rows = self.rows(
+            &format!("SELECT {WAIT_COLUMNS} {WAIT_FROM} WHERE waits.run_id = $1"),
+            &[&run_id.as_str()],
+        )?;
+        rows.first().map(|row| wait_from_row(row, 0)).transpose()
+    }
+
+    fn ready_waits(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<(RunId, String)>> {
+        let agents: Vec<&str> = agents.to_vec();
+        let rows = self.rows(
+            "SELECT run_id, agent FROM waits
+             WHERE ready_at IS NOT NULL AND ready_at <= $1 AND agent = ANY($2::text[])
+             ORDER BY ready_at LIMIT $3",
+            &[&until, &agents, &(limit as i64)],
+        )?;
+        rows.iter()
+            .map(|row| Ok((RunId::from(get::<String>(row, 0)?), get(row, 1)?)))
+            .collect()
+    }
+
+    fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        let agents: Vec<&str> = agents.to_vec();
+        let rows = self.rows(
+            "SELECT ready_at FROM waits
+             WHERE ready_at IS NOT NULL AND ready_at > $1 AND agent = ANY($2::text[])
+             ORDER BY ready_at LIMIT 1",
+            &[&after, &agents],
+        )?;
+        rows.first().map(|row| get(row, 0)).transpose()
+    }
+
+    fn list_waits(
+        &mut self,
+        kind: Option<WaitKind>,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, WaitRow)>> {
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
+        let rows = self.rows(
+            &format!(
+                "SELECT {WAIT_COLUMNS}, waits.run_id {WAIT_FROM}
+                 WHERE (waits.since, waits.run_id) > ($1::int8, $2::text)
+                   AND ($3::text IS NULL OR waits.kind = $3)
+                 ORDER BY waits.since, waits.run_id LIMIT $4"
+            ),
+            &[&since, &id, &kind.map(WaitKind::as_str), &(limit as i64)],
+        )?;
+        rows.iter()
+            .map(|row| Ok((RunId::from(get::<String>(row, 9)?), wait_from_row(row, 0)?)))
+            .collect()
+    }
+}
+
+/// A wait's columns, with its call's id, as [`wait_from_row`] reads them.
+const WAIT_COLUMNS: &str = "waits.step, steps.call_id, waits.kind, waits.key, waits.detail,
+     waits.since, waits.due_at, waits.ready_at, waits.result";
+
+const WAIT_FROM: &str = "FROM waits
+     JOIN steps ON steps.run_id = waits.run_id AND steps.step = waits.step";
+
+/// A wait from [`WAIT_COLUMNS`], starting at column `at`.
+fn wait_from_row(row: &Row, at: usize) -> Result<WaitRow> {
+    Ok(WaitRow {
+        step: get::<i32>(row, at)? as u32,
+        call_id: get::<Option<String>>(row, at + 1)?.unwrap_or_default(),
+        kind: WaitKind::parse(&get::<String>(row, at + 2)?)?,
+        key: get(row, at + 3)?,
+        detail: get(row, at + 4)?,
+        since: get(row, at + 5)?,
+        due_at: get(row, at + 6)?,
+        ready_at: get(row, at + 7)?,
+        result: get(row, at + 8)?,
+    })
 }
 
 impl Tx for PgTx<'_> {
@@ -938,9 +1018,103 @@ impl Tx for PgTx<'_> {
         Ok(())
     }
 
+    fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()> {
+        self.execute(
+            "INSERT INTO waits (run_id, step, agent, kind, key, detail, since, due_at, ready_at,
+                                result)
+             SELECT $1, $2, agent, $3, $4, $5, $6, $7, $8, $9 FROM runs WHERE id = $1",
+            &[
+                &run_id.as_str(),
+                &(wait.step as i32),
+                &wait.kind.as_str(),
+                &wait.key,
+                &wait.detail,
+                &wait.since,
+                &wait.due_at,
+                &wait.ready_at,
+                &wait.result,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn wake_wait(&mut self, run_id: &RunId, step: u32, result: &Value, at: i64) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE waits SET result = $3, ready_at = $4
+             WHERE run_id = $1 AND step = $2 AND result IS NULL",
+            &[&run_id.as_str(), &(step as i32), result, &at],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn delete_wait(&mut self, run_id: &RunId, step: u32) -> Result<bool> {
+        let changed = self.execute(
+            "DELETE FROM waits WHERE run_id = $1 AND step = $2",
+            &[&run_id.as_str(), &(step as i32)],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn parent_wait(&mut self, child: &RunId) -> Result<Option<(RunId, u32)>> {
+        let row = self.row(
+            "SELECT run_id, step FROM waits WHERE key = $1 AND kind = 'child' AND result IS NULL",
+            &[&child.as_str()],
+        )?;
+        row.map(|row| {
+            Ok((
+                RunId::from(get::<String>(&row, 0)?),
+                get::<i32>(&row, 1)? as u32,
+            ))
+        })
+        .transpose()
+    }
+
+    fn insert_inbox(&mut self, delivery: &Delivery, at: i64) -> Result<bool> {
+        let inserted = self.execute(
+            "INSERT INTO inbox (run_id, event_id, name, payload, at)
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+            &[
+                &delivery.run_id.as_str(),
+                &delivery.event_id,
+                &delivery.name,
+                &delivery.payload,
+                &at,
+            ],
+        )?;
+        Ok(inserted == 1)
+    }
+
+    fn take_inbox(
+        &mut self,
+        run_id: &RunId,
+        name: &str,
+        step: u32,
+    ) -> Result<Option<(String, Value)>> {
+        let row = self.row(
+            "UPDATE inbox SET step = $3
+             WHERE (run_id, event_id) = (SELECT run_id, event_id FROM inbox
+                                         WHERE run_id = $1 AND name = $2 AND step IS NULL
+                                         ORDER BY at, event_id LIMIT 1)
+             RETURNING event_id, payload",
+            &[&run_id.as_str(), &name, &(step as i32)],
+        )?;
+        row.map(|row| Ok((get(&row, 0)?, get(&row, 1)?)))
+            .transpose()
+    }
+
+    fn mark_inbox(&mut self, run_id: &RunId, event_id: &str, step: u32) -> Result<()> {
+        self.execute(
+            "UPDATE inbox SET step = $3 WHERE run_id = $1 AND event_id = $2",
+            &[&run_id.as_str(), &event_id, &(step as i32)],
+        )?;
+        Ok(())
+    }
+
     fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged> {
         let names = ids_of(ids);
-        // Children first: approvals refer to steps, steps and events to runs.
+        // Children first: approvals and waits refer to steps, steps and events to runs.
+        self.delete("waits", &names)?;
+        self.delete("inbox", &names)?;
         let approvals = self.delete("approvals", &names)?;
         let steps = self.delete("steps", &names)?;
         let events = self.delete("events", &names)?;
@@ -1037,6 +1211,7 @@ impl crate::store::feed::Feed for PgTx<'_> {
                     "decided" => ChangeKind::Decided,
                     "cancelled" => ChangeKind::Cancelled,
                     "released" => ChangeKind::Released,
+                    "woken" => ChangeKind::Woken,
                     other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
                 };
                 Ok((
@@ -1058,7 +1233,8 @@ impl crate::store::feed::Feed for PgTx<'_> {
             ),
             &[],
         )?;
-        rows.iter()
+        let mut changes = rows
+            .iter()
             .map(|row| {
                 Ok(Change {
                     run_id: RunId::from(get::<String>(row, 0)?),
@@ -1066,7 +1242,20 @@ impl crate::store::feed::Feed for PgTx<'_> {
                     kind: ChangeKind::Decided,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>>>()?;
+        // The waits woken while nobody watched (their answer, event or child's end came).
+        let rows = self.rows(
+            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
+            &[],
+        )?;
+        for row in &rows {
+            changes.push(Change {
+                run_id: RunId::from(get::<String>(row, 0)?),
+                agent: get(row, 1)?,
+                kind: ChangeKind::Woken,
+            });
+        }
+        Ok(changes)
     }
 
     fn waits_decided(&mut self, run_id: &RunId) -> Result<bool> {

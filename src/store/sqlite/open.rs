@@ -38,6 +38,7 @@ pub(crate) fn migrations() -> Migrations<'static> {
 const REBUILDS: &[(&str, &[&str])] = &[
     ("0006_steps_state_check.sql", &["steps", "approvals"]),
     ("0007_steps_waiting_call_index.sql", &["steps", "approvals"]),
+    ("0012_waits.sql", &["steps"]),
 ];
 
 /// Fails the migration if a row of `tables` refers to nothing.

@@ -12,12 +12,12 @@ use crate::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, StepRow, from_millis},
+        model::{ApprovalRow, LeaseRow, StepRow, WaitRow, from_millis},
         moves::FIRST_TOKEN,
     },
     types::{
-        Approval, ApprovalReason, Event, EventKind, Run, RunId, RunState, StepKind, StepState,
-        ToolCall,
+        Approval, ApprovalReason, Delivery, Event, EventKind, Run, RunId, RunState, StepKind,
+        StepState, ToolCall, WaitKind,
     },
 };
 
@@ -128,6 +128,39 @@ fn run_from_row(row: &Row<'_>) -> rusqlite::Result<Run> {
     })
 }
 
+/// A wait's columns, with its call's id, as [`wait_from_row`] reads them.
+const WAIT_COLUMNS: &str = "waits.step, steps.call_id, waits.kind, waits.key, waits.detail,
+     waits.since, waits.due_at, waits.ready_at, waits.result";
+
+const WAIT_SELECT: &str = "SELECT waits.step, steps.call_id, waits.kind, waits.key, waits.detail,
+     waits.since, waits.due_at, waits.ready_at, waits.result FROM waits
+     JOIN steps ON steps.run_id = waits.run_id AND steps.step = waits.step";
+
+/// A wait from [`WAIT_COLUMNS`], starting at column `at`.
+fn wait_from_row(row: &Row<'_>, at: usize) -> rusqlite::Result<WaitRow> {
+    let kind: String = row.get(at + 2)?;
+    Ok(WaitRow {
+        step: row.get(at)?,
+        call_id: row.get::<_, Option<String>>(at + 1)?.unwrap_or_default(),
+        kind: WaitKind::parse(&kind).map_err(|err| {
+            rusqlite::Error::FromSqlConversionFailure(
+                at + 2,
+                rusqlite::types::Type::Text,
+                err.to_string().into(),
+            )
+        })?,
+        key: row.get(at + 3)?,
+        detail: parse_json(row.get(at + 4)?, "wait detail")?,
+        since: row.get(at + 5)?,
+        due_at: row.get(at + 6)?,
+        ready_at: row.get(at + 7)?,
+        result: row
+            .get::<_, Option<String>>(at + 8)?
+            .map(|text| parse_json(text, "wait result"))
+            .transpose()?,
+    })
+}
+
 fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
     let kind: String = row.get(1)?;
     Ok(Event {
@@ -205,6 +238,83 @@ impl Reads for Sql<'_> {
             events: self.count("events", &json)?,
             approvals: self.count("approvals", &json)?,
         })
+    }
+
+    fn wait(&mut self, run_id: &RunId) -> Result<Option<WaitRow>> {
+        self.0
+            .prepare_cached(&format!("{WAIT_SELECT} WHERE waits.run_id = ?1"))
+            .db()?
+            .query_row([run_id.as_str()], |row| wait_from_row(row, 0))
+            .optional()
+            .db()
+    }
+
+    fn ready_waits(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<(RunId, String)>> {
+        let agents = serde_json::to_string(agents).expect("names serialize");
+        // A range of waits_ready up to `until`: the waits not due cost nothing.
+        self.0
+            .prepare_cached(
+                "SELECT run_id, agent FROM waits
+                 WHERE ready_at IS NOT NULL AND ready_at <= ?1
+                   AND agent IN (SELECT value FROM json_each(?2))
+                 ORDER BY ready_at LIMIT ?3",
+            )
+            .db()?
+            .query_map(params![until, agents, limit as i64], |row| {
+                Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))
+            })
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        let agents = serde_json::to_string(agents).expect("names serialize");
+        self.0
+            .prepare_cached(
+                "SELECT ready_at FROM waits
+                 WHERE ready_at IS NOT NULL AND ready_at > ?1
+                   AND agent IN (SELECT value FROM json_each(?2))
+                 ORDER BY ready_at LIMIT 1",
+            )
+            .db()?
+            .query_row(params![after, agents], |row| row.get(0))
+            .optional()
+            .db()
+    }
+
+    fn list_waits(
+        &mut self,
+        kind: Option<WaitKind>,
+        after: Option<(i64, &RunId)>,
+        limit: usize,
+    ) -> Result<Vec<(RunId, WaitRow)>> {
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
+        self.0
+            .prepare_cached(&format!(
+                "SELECT waits.run_id, {WAIT_COLUMNS} FROM waits
+                 JOIN steps ON steps.run_id = waits.run_id AND steps.step = waits.step
+                 WHERE (waits.since, waits.run_id) > (?1, ?2) AND (?3 IS NULL OR waits.kind = ?3)
+                 ORDER BY waits.since, waits.run_id LIMIT ?4"
+            ))
+            .db()?
+            .query_map(
+                params![since, id, kind.map(WaitKind::as_str), limit as i64],
+                |row| {
+                    Ok((
+                        RunId::from(row.get::<_, String>(0)?),
+                        wait_from_row(row, 1)?,
+                    ))
+                },
+            )
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
     }
 
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
@@ -499,9 +609,126 @@ impl Sql<'_> {
 }
 
 impl Tx for Sql<'_> {
+    fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()> {
+        self.0
+            .prepare_cached(
+                "INSERT INTO waits (run_id, step, agent, kind, key, detail, since, due_at,
+                                    ready_at, result)
+                 SELECT ?1, ?2, agent, ?3, ?4, ?5, ?6, ?7, ?8, ?9 FROM runs WHERE id = ?1",
+            )
+            .db()?
+            .execute(params![
+                run_id.as_str(),
+                wait.step,
+                wait.kind.as_str(),
+                wait.key,
+                wait.detail.to_string(),
+                wait.since,
+                wait.due_at,
+                wait.ready_at,
+                wait.result.as_ref().map(Value::to_string),
+            ])
+            .db()?;
+        Ok(())
+    }
+
+    fn wake_wait(&mut self, run_id: &RunId, step: u32, result: &Value, at: i64) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE waits SET result = ?3, ready_at = ?4
+                 WHERE run_id = ?1 AND step = ?2 AND result IS NULL",
+            )
+            .db()?
+            .execute(params![run_id.as_str(), step, result.to_string(), at])
+            .db()?;
+        Ok(changed == 1)
+    }
+
+    fn delete_wait(&mut self, run_id: &RunId, step: u32) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached("DELETE FROM waits WHERE run_id = ?1 AND step = ?2")
+            .db()?
+            .execute(params![run_id.as_str(), step])
+            .db()?;
+        Ok(changed == 1)
+    }
+
+    fn parent_wait(&mut self, child: &RunId) -> Result<Option<(RunId, u32)>> {
+        self.0
+            .prepare_cached(
+                "SELECT run_id, step FROM waits
+                 WHERE key = ?1 AND kind = 'child' AND result IS NULL",
+            )
+            .db()?
+            .query_row([child.as_str()], |row| {
+                Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))
+            })
+            .optional()
+            .db()
+    }
+
+    fn insert_inbox(&mut self, delivery: &Delivery, at: i64) -> Result<bool> {
+        let inserted = self
+            .0
+            .prepare_cached(
+                "INSERT INTO inbox (run_id, event_id, name, payload, at)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT DO NOTHING",
+            )
+            .db()?
+            .execute(params![
+                delivery.run_id.as_str(),
+                delivery.event_id,
+                delivery.name,
+                delivery.payload.to_string(),
+                at
+            ])
+            .db()?;
+        Ok(inserted == 1)
+    }
+
+    fn take_inbox(
+        &mut self,
+        run_id: &RunId,
+        name: &str,
+        step: u32,
+    ) -> Result<Option<(String, Value)>> {
+        let kept = self
+            .0
+            .prepare_cached(
+                "SELECT event_id, payload FROM inbox
+                 WHERE run_id = ?1 AND name = ?2 AND step IS NULL ORDER BY at, event_id LIMIT 1",
+            )
+            .db()?
+            .query_row(params![run_id.as_str(), name], |row| {
+                Ok((
+                    row.get::<_, String>(0)?,
+                    parse_json(row.get(1)?, "event payload")?,
+                ))
+            })
+            .optional()
+            .db()?;
+        if let Some((event_id, _)) = &kept {
+            self.mark_inbox(run_id, event_id, step)?;
+        }
+        Ok(kept)
+    }
+
+    fn mark_inbox(&mut self, run_id: &RunId, event_id: &str, step: u32) -> Result<()> {
+        self.0
+            .prepare_cached("UPDATE inbox SET step = ?3 WHERE run_id = ?1 AND event_id = ?2")
+            .db()?
+            .execute(params![run_id.as_str(), event_id, step])
+            .db()?;
+        Ok(())
+    }
+
     fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged> {
         let json = json_ids(ids);
-        // Children first: approvals refer to steps, steps and events to runs.
+        // Children first: approvals and waits refer to steps, steps and events to runs.
+        self.delete("waits", &json)?;
+        self.delete("inbox", &json)?;
         let approvals = self.delete("approvals", &json)?;
         let steps = self.delete("steps", &json)?;
         let events = self.delete("events", &json)?;
@@ -981,6 +1208,7 @@ fn changes_after(conn: &Connection, cursor: i64) -> Result<Vec<(i64, Change)>> {
                 "decided" => ChangeKind::Decided,
                 "cancelled" => ChangeKind::Cancelled,
                 "released" => ChangeKind::Released,
+                "woken" => ChangeKind::Woken,
                 other => return Err(Error::Corrupt(format!("a change of kind {other:?}"))),
             };
             let run_id = RunId::from(run_id);
@@ -1008,20 +1236,39 @@ const DECIDED_WAITING: &str = "FROM runs
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
 
 fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
-    conn.prepare_cached(&format!(
-        "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
-    ))
-    .db()?
-    .query_map([], |row| {
-        Ok(Change {
-            run_id: RunId::from(row.get::<_, String>(0)?),
-            agent: row.get(1)?,
-            kind: ChangeKind::Decided,
+    let mut changes: Vec<Change> = conn
+        .prepare_cached(&format!(
+            "SELECT runs.id, runs.agent {DECIDED_WAITING} ORDER BY runs.created_at, runs.id"
+        ))
+        .db()?
+        .query_map([], |row| {
+            Ok(Change {
+                run_id: RunId::from(row.get::<_, String>(0)?),
+                agent: row.get(1)?,
+                kind: ChangeKind::Decided,
+            })
         })
-    })
-    .db()?
-    .collect::<rusqlite::Result<_>>()
-    .db()
+        .db()?
+        .collect::<rusqlite::Result<_>>()
+        .db()?;
+    // The waits woken while nobody watched (their answer, event or child's end came).
+    let woken = conn
+        .prepare_cached(
+            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
+        )
+        .db()?
+        .query_map([], |row| {
+            Ok(Change {
+                run_id: RunId::from(row.get::<_, String>(0)?),
+                agent: row.get(1)?,
+                kind: ChangeKind::Woken,
+            })
+        })
+        .db()?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .db()?;
+    changes.extend(woken);
+    Ok(changes)
 }
 
 fn waits_decided(conn: &Connection, run_id: &RunId) -> Result<bool> {

@@ -1,0 +1,205 @@
+//! Waking waiting runs: due timers read once per pass through the index of ready waits (and
+//! at the time of the next one this supervisor knows of), woken waits heard on the change
+//! feed, and the child run a parent just started waiting for, executed at once.
+
+use std::time::Duration;
+
+use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message, SpawnHandle};
+
+use super::Supervisor;
+use crate::{
+    actors::{run::Job, store::ReadState},
+    clock::to_millis,
+    error::Result,
+    types::{Answer, Delivered, Delivery, Outcome, RunId, RunReply, WaitKind},
+};
+
+/// The most ready waits one pass resumes: a full page makes another pass soon after.
+const PASS_LIMIT: usize = 256;
+
+/// The longest a supervisor that knows of a timer goes without a pass: a timer set by
+/// another replica, or by a test clock that runs faster than time, is found by then.
+const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
+
+/// What a supervisor keeps of the waits it wakes.
+#[derive(Default)]
+pub(super) struct Waking {
+    /// A pass is reading.
+    reading: bool,
+    /// The next pass this supervisor set, and the time (by `Config::clock`) it is for.
+    next: Option<(i64, SpawnHandle)>,
+}
+
+impl Supervisor {
+    /// Whether this supervisor hears of woken waits and due timers: it watches the change
+    /// feed (a configured watch, or recovery).
+    fn wakes(&self) -> bool {
+        self.recovery.is_some() || self.watching.polls()
+    }
+
+    /// Resumes the runs of this supervisor's agents whose waits are ready (timers due, waits
+    /// woken while nobody heard), through the index of ready waits, and sets a pass for the
+    /// next timer it finds.
+    pub(super) fn wake_pass(&mut self, ctx: &mut Context<Self>) {
+        if self.waking.reading || self.draining.is_on() || !self.wakes() {
+            return;
+        }
+        self.waking.reading = true;
+        let agents: Vec<String> = self.agents.keys().cloned().collect();
+        let now = to_millis(self.clock.now());
+        let read = self.store_actor.addr().send(ReadState::new(move |reads| {
+            let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
+            let ready = reads.ready_waits(now, &agents, PASS_LIMIT)?;
+            let next = reads.next_ready_at(now, &agents)?;
+            Ok((ready, next))
+        }));
+        let pass = actix::fut::wrap_future::<_, Self>(read).map(move |read, this, ctx| {
+            this.waking.reading = false;
+            let (ready, next) = match read {
+                Ok(Ok(found)) => found,
+                Ok(Err(err)) => {
+                    tracing::warn!(%err, "could not read the waits that are due");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let full = ready.len() >= PASS_LIMIT;
+            for (run_id, _) in ready {
+                this.wake(run_id, ctx);
+            }
+            if full {
+                this.wake_at(now, ctx);
+            } else if let Some(next) = next {
+                this.wake_at(next, ctx);
+            }
+        });
+        ctx.spawn(pass);
+    }
+
+    /// Sets a pass for time `at` (by `Config::clock`), unless one is set before it; in any
+    /// case within [`MAX_TIMER_SLEEP`].
+    fn wake_at(&mut self, at: i64, ctx: &mut Context<Self>) {
+        if self
+            .waking
+            .next
+            .as_ref()
+            .is_some_and(|(next, _)| *next <= at)
+        {
+            return;
+        }
+        if let Some((_, handle)) = self.waking.next.take() {
+            ctx.cancel_future(handle);
+        }
+        let now = to_millis(self.clock.now());
+        let delay = Duration::from_millis((at - now).max(0) as u64).min(MAX_TIMER_SLEEP);
+        let handle = ctx.run_later(delay, |this, ctx| {
+            this.waking.next = None;
+            this.wake_pass(ctx);
+        });
+        self.waking.next = Some((at, handle));
+    }
+
+    /// A run of one of this supervisor's agents has a wait that is ready: resumed, unless an
+    /// execution of it is under way here (the watch's rules for a decision apply).
+    fn wake(&mut self, run_id: RunId, ctx: &mut Context<Self>) {
+        self.decided(run_id, ctx);
+    }
+
+    /// A wait woken elsewhere (an answer, an event, a child's end), heard on the change feed.
+    pub(super) fn woken(&mut self, run_id: RunId, agent: &str, ctx: &mut Context<Self>) {
+        if self.agents.contains_key(agent) && !self.draining.is_on() {
+            self.wake(run_id, ctx);
+        }
+    }
+
+    /// An execution returned with its run waiting: a timer sets a pass for its time, and a
+    /// child run of an agent of this supervisor is executed now (any supervisor with its
+    /// agent and recovery would take it up otherwise).
+    pub(super) fn waiting_execution_ended(
+        &mut self,
+        result: &Result<RunReply>,
+        ctx: &mut Context<Self>,
+    ) {
+        let Ok(RunReply {
+            outcome: Outcome::Waiting { wait },
+            ..
+        }) = result
+        else {
+            return;
+        };
+        match wait.kind {
+            WaitKind::Timer if self.wakes() => {
+                if let Some(due) = wait.due_at {
+                    self.wake_at(to_millis(due), ctx);
+                }
+            }
+            WaitKind::Child => {
+                let agent = wait.detail["agent"].as_str().unwrap_or_default();
+                if self.agents.contains_key(agent) && !self.draining.is_on() {
+                    let child = RunId::from(wait.key.as_str());
+                    self.start_child(child, ctx);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Executes a child run just inserted by its parent's wait. A failure is left to
+    /// recovery, here or elsewhere: the child is a RUNNING run nobody holds.
+    fn start_child(&mut self, child: RunId, ctx: &mut Context<Self>) {
+        let execution = self.execute(child.clone(), Job::Resume, ctx);
+        actix_rt::spawn(async move {
+            match execution.await {
+                Ok(reply) => {
+                    tracing::debug!(run_id = %child, outcome = ?reply.outcome, "child run returned")
+                }
+                Err(err) => {
+                    tracing::debug!(run_id = %child, %err, "child run stopped; recovery takes it up")
+                }
+            }
+        });
+    }
+}
+
+/// Answers a run's question (its `ask_person` call), as [`Store::answer`] does, stamped by
+/// this supervisor's clock. A supervisor with the run's agent that watches the change feed
+/// resumes the run.
+///
+/// [`Store::answer`]: crate::Store::answer
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<()>")]
+pub struct AnswerQuestion(pub Answer);
+
+impl Handler<AnswerQuestion> for Supervisor {
+    type Result = actix::ResponseActFuture<Self, Result<()>>;
+
+    fn handle(&mut self, msg: AnswerQuestion, _: &mut Context<Self>) -> Self::Result {
+        use actix::WrapFuture;
+        let answer = crate::store::moves::AnswerQuestion { answer: msg.0 };
+        let apply = self
+            .store_actor
+            .apply(answer, crate::store::backend::Durability::Durable);
+        Box::pin(apply.into_actor(self))
+    }
+}
+
+/// Delivers an event to a run, as [`Store::deliver_event`] does, stamped by this supervisor's
+/// clock.
+///
+/// [`Store::deliver_event`]: crate::Store::deliver_event
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<Delivered>")]
+pub struct DeliverEvent(pub Delivery);
+
+impl Handler<DeliverEvent> for Supervisor {
+    type Result = actix::ResponseActFuture<Self, Result<Delivered>>;
+
+    fn handle(&mut self, msg: DeliverEvent, _: &mut Context<Self>) -> Self::Result {
+        use actix::WrapFuture;
+        let delivery = crate::store::moves::DeliverEvent { delivery: msg.0 };
+        let apply = self
+            .store_actor
+            .apply(delivery, crate::store::backend::Durability::Durable);
+        Box::pin(apply.into_actor(self))
+    }
+}

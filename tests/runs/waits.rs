@@ -1,0 +1,448 @@
+//! Runs that wait for a person's answer, an event, a time or a child run: each holds no lease
+//! while it waits, survives a restart, and goes on with what came.
+
+use std::time::Duration;
+
+use agentrt::{
+    Agent, Answer, Config, Delivered, Delivery, Error, EventKind, ModelResponse, Outcome, Recovery,
+    ResumeRun, RunId, RunState, SpawnRun, StartRun, ToolCall, ToolResult, WaitKind, Watch,
+    testkit::{ManualClock, RecordingTool, ScriptedModel, TempStore, with_system},
+};
+use serde_json::json;
+
+use crate::support::{ask, kinds_of, last_tool_result, supervise, until_state};
+
+/// A supervisor that hears of woken waits and due timers quickly.
+fn waking() -> Config {
+    Config::default()
+        .watch(Watch::default().every(Duration::from_millis(10)))
+        .recovery(Recovery::default().every(Duration::from_millis(50)))
+        .lease_ttl(Duration::from_millis(500))
+}
+
+fn one_call(tool: &str, args: serde_json::Value, answer: &str) -> ScriptedModel {
+    ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("c1", tool, args)]),
+        ModelResponse::answer(answer),
+    ])
+}
+
+/// Starts run `id` of `agent` (as `a`); answers how the call ended.
+fn start(db: &TempStore, agent: Agent, id: &str) -> Outcome {
+    let start = StartRun::new("a", json!("go")).with_id(id);
+    ask(db.open(), Config::default(), "a", agent, start)
+        .unwrap()
+        .outcome
+}
+
+fn waiting(outcome: Outcome, kind: WaitKind) -> agentrt::Wait {
+    match outcome {
+        Outcome::Waiting { wait } if wait.kind == kind => wait,
+        other => panic!("expected a wait for {kind}, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_question_waits_with_no_lease_refuses_an_answer_off_its_schema_and_resumes_with_the_answer_after_a_restart()
+ {
+    let db = TempStore::new();
+    let schema = json!({
+        "type": "object",
+        "properties": {"account": {"type": "string"}},
+        "required": ["account"]
+    });
+    let model = one_call(
+        "ask_person",
+        json!({"question": "Which account?", "schema": schema}),
+        "done",
+    );
+    let agent = || Agent::new(model.clone()).ask_person();
+    let wait = waiting(start(&db, agent(), "q1"), WaitKind::Answer);
+    assert_eq!(wait.call_id, "c1");
+    assert_eq!(wait.detail["question"], json!("Which account?"));
+
+    let store = db.open();
+    let run_id = RunId::from("q1");
+    assert_eq!(
+        store.run(&run_id).unwrap().state,
+        RunState::WaitingForAnswer
+    );
+    assert!(
+        store.lease(&run_id).unwrap().is_none(),
+        "a waiting run holds no lease"
+    );
+    assert_eq!(store.wait(&run_id).unwrap(), Some(wait.clone()));
+    assert_eq!(
+        store.waits(Some(WaitKind::Answer), None, 10).unwrap(),
+        vec![wait]
+    );
+
+    let events = store.events(&run_id).unwrap().len();
+    let off_schema = Answer {
+        run_id: run_id.clone(),
+        call_id: "c1".into(),
+        answer: json!({"acct": 7}),
+        by: "alice".into(),
+    };
+    let err = store.answer(&off_schema).unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    assert!(err.to_string().contains("account"), "{err}");
+    assert_eq!(
+        store.events(&run_id).unwrap().len(),
+        events,
+        "a refusal writes nothing"
+    );
+    let unknown = Answer {
+        call_id: "c9".into(),
+        ..off_schema.clone()
+    };
+    assert!(matches!(
+        store.answer(&unknown),
+        Err(Error::CallNotFound { .. })
+    ));
+
+    let answer = Answer {
+        answer: json!({"account": "savings"}),
+        ..off_schema
+    };
+    store.answer(&answer).unwrap();
+    let again = store.answer(&answer).unwrap_err();
+    assert!(again.is_run_state(), "{again}");
+
+    // A new process (a new system) resumes it.
+    let reply = ask(
+        db.open(),
+        Config::default(),
+        "a",
+        agent(),
+        ResumeRun::new("q1"),
+    )
+    .unwrap();
+    assert_eq!(
+        reply.outcome,
+        Outcome::Succeeded {
+            output: "done".into()
+        }
+    );
+    assert_eq!(
+        last_tool_result(&model),
+        ToolResult::Ok(json!({"account": "savings"}))
+    );
+    assert_eq!(db.open().wait(&run_id).unwrap(), None);
+    let kinds = kinds_of(&db.open(), &run_id);
+    assert!(kinds.contains(&EventKind::WaitWoken), "{kinds:?}");
+}
+
+#[test]
+fn an_answer_recorded_elsewhere_wakes_the_run_through_a_watching_supervisor() {
+    let db = TempStore::new();
+    let model = one_call("ask_person", json!({"question": "Go ahead?"}), "went");
+    let agent = Agent::new(model.clone()).ask_person();
+    let store = db.open();
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), waking(), "a", agent);
+        supervisor
+            .send(SpawnRun::new("a", json!("go")).with_id("q2"))
+            .await
+            .unwrap()
+            .unwrap();
+        let run_id = RunId::from("q2");
+        until_state(&store, &run_id, RunState::WaitingForAnswer).await;
+        let answer = Answer {
+            run_id: run_id.clone(),
+            call_id: "c1".into(),
+            answer: json!("yes"),
+            by: "bob".into(),
+        };
+        store.answer(&answer).unwrap();
+        until_state(&store, &run_id, RunState::Succeeded).await;
+    });
+    assert_eq!(last_tool_result(&model), ToolResult::Ok(json!("yes")));
+}
+
+#[test]
+fn an_event_delivered_before_its_wait_is_kept_and_a_repeated_delivery_is_kept_once() {
+    let db = TempStore::new();
+    let store = db.open();
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("c1", "pay", json!({}))]),
+        ModelResponse::calls(vec![ToolCall::new(
+            "c2",
+            "wait_for_event",
+            json!({"name": "payment"}),
+        )]),
+        ModelResponse::calls(vec![ToolCall::new(
+            "c3",
+            "wait_for_event",
+            json!({"name": "payment"}),
+        )]),
+        ModelResponse::answer("paid twice"),
+    ]);
+    // The first call blocks until released: the event arrives while the run is RUNNING.
+    let pay = RecordingTool::new("pay").behaviour(agentrt::testkit::Behaviour::Block);
+    let agent = Agent::new(model.clone()).tool(pay.clone()).wait_for_event();
+    let delivery = |id: &str, amount: u32| Delivery {
+        run_id: RunId::from("e1"),
+        name: "payment".into(),
+        event_id: id.into(),
+        payload: json!({ "amount": amount }),
+    };
+    let (store2, pay2) = (store.clone(), pay.clone());
+    let outcome = with_system(|| async move {
+        let supervisor = supervise(store2.clone(), Config::default(), "a", agent);
+        let run = supervisor.send(StartRun::new("a", json!("go")).with_id("e1"));
+        let started = actix_rt::spawn(run);
+        let run_id = RunId::from("e1");
+        while pay2.executions().is_empty() {
+            actix_rt::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            store2.deliver_event(&delivery("evt-1", 10)).unwrap(),
+            Delivered::Kept
+        );
+        assert_eq!(
+            store2.deliver_event(&delivery("evt-1", 99)).unwrap(),
+            Delivered::Duplicate
+        );
+        pay2.release();
+        let reply = started.await.unwrap().unwrap().unwrap();
+        // The kept event was taken at once; the second wait waits.
+        let wait = waiting(reply.outcome, WaitKind::Event);
+        assert_eq!(wait.step, 6);
+        assert_eq!(
+            store2.run(&run_id).unwrap().state,
+            RunState::WaitingForEvent
+        );
+        assert_eq!(
+            store2.deliver_event(&delivery("evt-2", 20)).unwrap(),
+            Delivered::Woke
+        );
+        assert_eq!(
+            store2.deliver_event(&delivery("evt-2", 20)).unwrap(),
+            Delivered::Duplicate
+        );
+        supervisor
+            .send(ResumeRun::new("e1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .outcome
+    });
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "paid twice".into()
+        }
+    );
+    let results = crate::support::results_seen(&model);
+    assert_eq!(
+        results[1..],
+        [
+            ToolResult::Ok(json!({"amount": 10})),
+            ToolResult::Ok(json!({"amount": 20}))
+        ]
+    );
+    assert!(matches!(
+        store.deliver_event(&Delivery {
+            run_id: RunId::from("nobody"),
+            ..delivery("evt-3", 1)
+        }),
+        Err(Error::RunNotFound(_))
+    ));
+    let finished = store.deliver_event(&delivery("evt-3", 1)).unwrap_err();
+    assert!(finished.is_run_state(), "{finished}");
+}
+
+#[test]
+fn a_timer_fires_after_downtime_when_a_recovering_supervisor_starts() {
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call(
+        "sleep_until",
+        json!({"seconds": 3600, "reason": "check tomorrow"}),
+        "woke",
+    );
+    let agent = || Agent::new(model.clone()).sleep_until();
+    let config = Config::default().clock(clock.clone());
+    let start = StartRun::new("a", json!("go")).with_id("t1");
+    let reply = ask(db.open(), config.clone(), "a", agent(), start).unwrap();
+    let wait = waiting(reply.outcome, WaitKind::Timer);
+    assert_eq!(wait.key, "check tomorrow");
+    assert!(wait.due_at.is_some());
+    // Not due: a resume changes nothing.
+    let reply = ask(
+        db.open(),
+        config.clone(),
+        "a",
+        agent(),
+        ResumeRun::new("t1"),
+    )
+    .unwrap();
+    assert!(matches!(reply.outcome, Outcome::Waiting { .. }));
+
+    // Downtime: no process runs while the time passes.
+    clock.advance(Duration::from_secs(3601));
+    let store = db.open();
+    let config = waking().clock(clock.clone());
+    with_system(|| async move {
+        let _supervisor = supervise(store.clone(), config, "a", agent());
+        until_state(&store, &RunId::from("t1"), RunState::Succeeded).await;
+    });
+    let ToolResult::Ok(woke) = last_tool_result(&model) else {
+        panic!("the timer's call failed")
+    };
+    assert_eq!(woke["reason"], json!("check tomorrow"));
+}
+
+#[test]
+fn a_tool_that_asks_to_be_called_again_later_is_called_again_once_its_time_comes() {
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call("report", json!({}), "ready");
+    let (store, tool_clock) = (db.open(), clock.clone());
+    let agent = Agent::new(model.clone()).tool(Report(tool_clock));
+    let config = waking().clock(clock.clone());
+    let clock2 = clock.clone();
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), config, "a", agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("t2"))
+            .await
+            .unwrap()
+            .unwrap();
+        let wait = waiting(reply.outcome, WaitKind::Timer);
+        assert_eq!(wait.detail["retry"], json!(true));
+        clock2.advance(Duration::from_secs(601));
+        until_state(&store, &RunId::from("t2"), RunState::Succeeded).await;
+    });
+    assert_eq!(
+        last_tool_result(&model),
+        ToolResult::Ok(json!({"attempt": 2}))
+    );
+}
+
+/// A report that is not ready at the first attempt: it asks to be called again in ten minutes.
+struct Report(ManualClock);
+
+#[agentrt::async_trait(?Send)]
+impl agentrt::Tool for Report {
+    fn name(&self) -> &str {
+        "report"
+    }
+
+    async fn call(
+        &self,
+        ctx: &agentrt::ToolContext,
+        _: &serde_json::Value,
+    ) -> Result<serde_json::Value, agentrt::ToolError> {
+        if ctx.attempt == 1 {
+            let later = agentrt::Clock::now(&self.0) + Duration::from_secs(600);
+            return Err(ctx.call_again_at(later, "not ready"));
+        }
+        Ok(json!({"attempt": ctx.attempt}))
+    }
+}
+
+/// A parent that delegates to `research`, and the child agent.
+fn family(parent: &ScriptedModel, child: &ScriptedModel) -> (Agent, Agent) {
+    let parent = Agent::new(parent.clone()).delegate(
+        "research",
+        "researcher",
+        "Hand a research task to the research agent.",
+    );
+    (parent, Agent::new(child.clone()))
+}
+
+fn supervise_family(
+    store: agentrt::Store,
+    config: Config,
+    parent: Agent,
+    child: Agent,
+) -> actix::Addr<agentrt::Supervisor> {
+    agentrt::Supervisor::builder(store)
+        .config(config)
+        .agent("a", parent)
+        .agent("researcher", child)
+        .start()
+        .unwrap()
+}
+
+#[test]
+fn a_child_run_answers_its_parent_and_its_failure_is_the_parents_tool_error() {
+    for (child_script, expected) in [
+        (
+            ScriptedModel::new(vec![ModelResponse::answer("found it")]),
+            ToolResult::Ok(json!("found it")),
+        ),
+        (
+            ScriptedModel::with_results(vec![Err(agentrt::ModelError::fatal("no such paper"))]),
+            ToolResult::Error(String::new()),
+        ),
+    ] {
+        let db = TempStore::new();
+        let parent = one_call("research", json!({"task": "find the paper"}), "reported");
+        let (parent_agent, child_agent) = family(&parent, &child_script);
+        let store = db.open();
+        with_system(|| async move {
+            let supervisor = supervise_family(store.clone(), waking(), parent_agent, child_agent);
+            let reply = supervisor
+                .send(StartRun::new("a", json!("go")).with_id("p1"))
+                .await
+                .unwrap()
+                .unwrap();
+            let wait = waiting(reply.outcome, WaitKind::Child);
+            assert_eq!(wait.key, "p1/2");
+            assert_eq!(
+                store.run(&RunId::from("p1")).unwrap().state,
+                RunState::WaitingForChild
+            );
+            until_state(&store, &RunId::from("p1"), RunState::Succeeded).await;
+        });
+        let child = db.open().run(&RunId::from("p1/2")).unwrap();
+        assert_eq!(child.input, json!("find the paper"));
+        match (last_tool_result(&parent), expected) {
+            (ToolResult::Ok(seen), ToolResult::Ok(want)) => assert_eq!(seen, want),
+            (ToolResult::Error(seen), ToolResult::Error(_)) => {
+                assert_eq!(child.state, RunState::Failed);
+                assert!(
+                    seen.contains("p1/2") && seen.contains("no such paper"),
+                    "{seen}"
+                );
+            }
+            (seen, want) => panic!("saw {seen:?}, wanted {want:?}"),
+        }
+        let started = &db.open().events(&RunId::from("p1/2")).unwrap()[0];
+        assert_eq!(started.payload["parent"]["run_id"], json!("p1"));
+    }
+}
+
+#[test]
+fn cancelling_a_parent_cancels_the_child_it_waits_for() {
+    let db = TempStore::new();
+    let parent = one_call("research", json!({"task": "slow task"}), "never");
+    let child = ScriptedModel::new(vec![ModelResponse::answer("late")]).block_at_turn(0);
+    let (parent_agent, child_agent) = family(&parent, &child);
+    let store = db.open();
+    let child2 = child.clone();
+    with_system(|| async move {
+        let supervisor = supervise_family(store.clone(), waking(), parent_agent, child_agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("p2"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Child);
+        store.cancel(&RunId::from("p2"), "not needed").unwrap();
+        until_state(&store, &RunId::from("p2/2"), RunState::Cancelled).await;
+        child2.release();
+    });
+    let store = db.open();
+    assert_eq!(
+        store.run(&RunId::from("p2")).unwrap().state,
+        RunState::Cancelled
+    );
+    let child = store.run(&RunId::from("p2/2")).unwrap();
+    assert_eq!(child.state, RunState::Cancelled);
+    assert!(child.error.unwrap().contains("parent"));
+    assert_eq!(store.wait(&RunId::from("p2")).unwrap(), None);
+}

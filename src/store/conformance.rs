@@ -87,6 +87,12 @@ macro_rules! conformance_suite {
                 a_purge_by_id_refuses_an_unknown_or_unfinished_run_and_deletes_nothing,
                 runs_are_listed_a_page_at_a_time_each_once_and_filtered,
                 a_watcher_reads_what_waits_decided_then_each_change_after_its_cursor,
+                a_wait_releases_the_lease_and_is_refused_under_a_lost_lease,
+                an_answer_wakes_its_wait_once_and_one_resume_goes_on_with_it,
+                an_event_is_kept_until_its_wait_and_a_repeat_is_a_duplicate,
+                a_timer_is_ready_at_its_time_through_the_index_of_ready_waits,
+                a_child_is_inserted_with_its_parents_wait_and_its_end_wakes_the_parent,
+                cancelling_a_parent_cancels_the_child_it_waits_for,
             );
         }
     };
@@ -103,6 +109,16 @@ macro_rules! conformance_suite {
     };
 }
 pub(crate) use conformance_suite;
+
+mod waits;
+pub(crate) use waits::{
+    a_child_is_inserted_with_its_parents_wait_and_its_end_wakes_the_parent,
+    a_timer_is_ready_at_its_time_through_the_index_of_ready_waits,
+    a_wait_releases_the_lease_and_is_refused_under_a_lost_lease,
+    an_answer_wakes_its_wait_once_and_one_resume_goes_on_with_it,
+    an_event_is_kept_until_its_wait_and_a_repeat_is_a_duplicate,
+    cancelling_a_parent_cancels_the_child_it_waits_for,
+};
 
 const OWNER: &str = "me/000000000001";
 const OTHER: &str = "them/000000000002";

@@ -492,6 +492,9 @@ impl Cx<'_, '_> {
         };
         let json = serde_json::to_value(&result).unwrap();
         let at = self.now.millis();
+        // The parent's row first, as any writer of its log takes it: its events are numbered
+        // after its last.
+        self.tx.lock_run(&parent)?;
         let mut cx = Cx::new(self.tx, self.now, &parent);
         if cx.tx.wake_wait(&parent, step, &json, at)? {
             let payload = json!({

@@ -37,6 +37,9 @@ mod upgrading_md {}
 #[cfg(all(doctest, feature = "testkit"))]
 #[doc = include_str!("../docs/testing.md")]
 mod testing_md {}
+#[cfg(all(doctest, feature = "testkit"))]
+#[doc = include_str!("../docs/waits.md")]
+mod waits_md {}
 // Its adapters' example needs both adapter features.
 #[cfg(all(
     doctest,

@@ -188,7 +188,7 @@ fn an_event_delivered_before_its_wait_is_kept_and_a_repeated_delivery_is_kept_on
         payload: json!({ "amount": amount }),
     };
     let (store2, pay2) = (store.clone(), pay.clone());
-    let outcome = with_system(|| async move {
+    with_system(|| async move {
         let supervisor = supervise(store2.clone(), Config::default(), "a", agent);
         let run = supervisor.send(StartRun::new("a", json!("go")).with_id("e1"));
         let started = actix_rt::spawn(run);
@@ -213,26 +213,29 @@ fn an_event_delivered_before_its_wait_is_kept_and_a_repeated_delivery_is_kept_on
             store2.run(&run_id).unwrap().state,
             RunState::WaitingForEvent
         );
-        assert_eq!(
-            store2.deliver_event(&delivery("evt-2", 20)).unwrap(),
-            Delivered::Woke
-        );
-        assert_eq!(
-            store2.deliver_event(&delivery("evt-2", 20)).unwrap(),
-            Delivered::Duplicate
-        );
-        supervisor
-            .send(ResumeRun::new("e1"))
-            .await
-            .unwrap()
-            .unwrap()
-            .outcome
+    });
+    // The process is gone when the event comes: it is recorded, and the next process to
+    // start with the run's agent resumes the run from it.
+    let run_id = RunId::from("e1");
+    assert_eq!(
+        store.deliver_event(&delivery("evt-2", 20)).unwrap(),
+        Delivered::Woke
+    );
+    assert_eq!(
+        store.deliver_event(&delivery("evt-2", 20)).unwrap(),
+        Delivered::Duplicate
+    );
+    let (store3, agent) = (
+        store.clone(),
+        Agent::new(model.clone()).tool(pay).wait_for_event(),
+    );
+    with_system(|| async move {
+        let _supervisor = supervise(store3.clone(), waking(), "a", agent);
+        until_state(&store3, &run_id, RunState::Succeeded).await;
     });
     assert_eq!(
-        outcome,
-        Outcome::Succeeded {
-            output: "paid twice".into()
-        }
+        store.run(&RunId::from("e1")).unwrap().output.as_deref(),
+        Some("paid twice")
     );
     let results = crate::support::results_seen(&model);
     assert_eq!(
@@ -445,4 +448,40 @@ fn cancelling_a_parent_cancels_the_child_it_waits_for() {
     assert_eq!(child.state, RunState::Cancelled);
     assert!(child.error.unwrap().contains("parent"));
     assert_eq!(store.wait(&RunId::from("p2")).unwrap(), None);
+}
+
+#[test]
+fn a_child_left_by_its_parents_process_is_run_elsewhere_and_wakes_the_parent_after_a_restart() {
+    let db = TempStore::new();
+    let parent = one_call("research", json!({"task": "dig"}), "reported");
+    let child = ScriptedModel::new(vec![ModelResponse::answer("dug")]);
+    let (parent_agent, child_agent) = family(&parent, &child);
+    // The parent's process has no research agent: the child waits for one.
+    let start = StartRun::new("a", json!("go")).with_id("p3");
+    let reply = ask(
+        db.open(),
+        Config::default(),
+        "a",
+        parent_agent.clone(),
+        start,
+    )
+    .unwrap();
+    waiting(reply.outcome, WaitKind::Child);
+    // A process with only the research agent takes the child up and finishes it.
+    let store = db.open();
+    with_system(|| async move {
+        let _supervisor = supervise(store.clone(), waking(), "researcher", child_agent);
+        until_state(&store, &RunId::from("p3/2"), RunState::Succeeded).await;
+    });
+    // The parent's wake-up was recorded while no process ran its agent.
+    let store = db.open();
+    assert_eq!(
+        store.run(&RunId::from("p3")).unwrap().state,
+        RunState::WaitingForChild
+    );
+    with_system(|| async move {
+        let _supervisor = supervise(store.clone(), waking(), "a", parent_agent);
+        until_state(&store, &RunId::from("p3"), RunState::Succeeded).await;
+    });
+    assert_eq!(last_tool_result(&parent), ToolResult::Ok(json!("dug")));
 }

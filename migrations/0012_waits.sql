@@ -136,9 +136,14 @@ CREATE TABLE waits (
     FOREIGN KEY (run_id, step) REFERENCES steps (run_id, step)
 ) STRICT, WITHOUT ROWID;
 
--- The ready waits (due timers, and waits woken while nobody watched), read once per pass: a
--- range of this index up to now, whatever the number of runs that are not due.
-CREATE INDEX waits_ready ON waits (ready_at) WHERE ready_at IS NOT NULL;
+-- The ready waits (due timers, and waits woken while nobody watched), read once per pass for
+-- each agent of a supervisor: a range of this index up to now, whatever the number of runs
+-- that are not due.
+CREATE INDEX waits_ready ON waits (agent, ready_at) WHERE ready_at IS NOT NULL;
+-- The waits woken (something came), read when a watcher starts or falls behind the feed.
+CREATE INDEX waits_woken ON waits (ready_at) WHERE result IS NOT NULL;
+-- The waits listed a page at a time, oldest first (the inbox, `agentrt waits`).
+CREATE INDEX waits_by_since ON waits (since, run_id);
 -- A child's end wakes the parent that waits for it.
 CREATE INDEX waits_child ON waits (key) WHERE kind = 'child';
 

@@ -30,10 +30,20 @@ impl WaitTool {
     /// `Err` with what the model is told when its arguments cannot make one.
     pub(crate) fn request(&self, args: &Value, now: i64) -> Result<WaitRequest, String> {
         match self {
-            WaitTool::Answer => Ok(WaitRequest::Answer {
-                question: text(args, "question")?,
-                schema: args.get("schema").filter(|s| !s.is_null()).cloned(),
-            }),
+            WaitTool::Answer => {
+                let schema = args.get("schema").filter(|s| !s.is_null()).cloned();
+                // A schema no answer could be checked against would leave the run waiting for
+                // ever: the model is told now.
+                if let Some(schema) = &schema {
+                    jsonschema::options()
+                        .build(schema)
+                        .map_err(|err| format!("\"schema\" is not a valid JSON Schema: {err}"))?;
+                }
+                Ok(WaitRequest::Answer {
+                    question: text(args, "question")?,
+                    schema,
+                })
+            }
             WaitTool::Event => Ok(WaitRequest::Event {
                 name: text(args, "name")?,
             }),
@@ -49,7 +59,10 @@ impl WaitTool {
                             .as_f64()
                             .filter(|s| s.is_finite() && *s >= 0.0)
                             .ok_or("\"seconds\" must be a number of seconds, 0 or more")?;
-                        now + ((seconds * 1000.0).min(MAX_SLEEP_MS as f64)) as i64
+                        if seconds * 1000.0 > MAX_SLEEP_MS as f64 {
+                            return Err("a run sleeps at most a year".into());
+                        }
+                        now + (seconds * 1000.0) as i64
                     }
                     (None, Some(until)) => {
                         let until = until.as_str().ok_or("\"until\" must be a string")?;

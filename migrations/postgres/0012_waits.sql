@@ -31,7 +31,9 @@ CREATE TABLE waits (
     PRIMARY KEY (run_id, step),
     FOREIGN KEY (run_id, step) REFERENCES steps (run_id, step)
 );
-CREATE INDEX waits_ready ON waits (ready_at) WHERE ready_at IS NOT NULL;
+CREATE INDEX waits_ready ON waits (agent, ready_at) WHERE ready_at IS NOT NULL;
+CREATE INDEX waits_woken ON waits (ready_at) WHERE result IS NOT NULL;
+CREATE INDEX waits_by_since ON waits (since, run_id);
 CREATE INDEX waits_child ON waits (key) WHERE kind = 'child';
 
 CREATE FUNCTION agentrt_woken() RETURNS trigger LANGUAGE plpgsql SET search_path FROM CURRENT AS $$

@@ -132,6 +132,16 @@ impl SupervisorBuilder {
             LeaseKeeper::new(owner, ttl, renewer)
         });
         tracing::info!(owner = %holder.owner, ?ttl, "supervisor starting");
+        // A child of an agent registered nowhere would leave its parent waiting: said now.
+        for (name, agent) in &self.agents {
+            for (tool, registered) in &agent.tools {
+                if let Some(crate::builtin::WaitTool::Child { agent: child, .. }) = &registered.wait
+                    && !self.agents.contains_key(child)
+                {
+                    tracing::warn!(agent = %name, %tool, child_agent = %child, "a delegating tool names an agent this supervisor does not register: its child runs wait for a supervisor that does");
+                }
+            }
+        }
         Ok(Supervisor {
             store: self.store,
             store_actor,

@@ -231,7 +231,7 @@ impl Store {
             run_id: run_id.clone(),
             reason: reason.to_owned(),
         };
-        self.apply(&SystemClock, cancel)
+        self.apply(&SystemClock, cancel).map(|_| ())
     }
 
     /// Records an operator's approval or denial of a waiting call, from outside a supervisor,

@@ -485,3 +485,24 @@ fn a_child_left_by_its_parents_process_is_run_elsewhere_and_wakes_the_parent_aft
     });
     assert_eq!(last_tool_result(&parent), ToolResult::Ok(json!("dug")));
 }
+
+#[test]
+fn a_question_whose_schema_cannot_check_an_answer_is_refused_to_the_model_instead_of_waiting() {
+    let db = TempStore::new();
+    let model = one_call(
+        "ask_person",
+        json!({"question": "Which account?", "schema": {"type": "no-such-type"}}),
+        "asked badly",
+    );
+    let outcome = start(&db, Agent::new(model.clone()).ask_person(), "q9");
+    assert_eq!(
+        outcome,
+        Outcome::Succeeded {
+            output: "asked badly".into()
+        }
+    );
+    let ToolResult::Error(error) = last_tool_result(&model) else {
+        panic!("the call did not fail")
+    };
+    assert!(error.contains("schema"), "{error}");
+}

@@ -124,13 +124,17 @@ impl Handler<CancelRun> for Supervisor {
             cancel
                 .into_actor(self)
                 .map(move |result, this: &mut Supervisor, _| {
+                    // The run, and the child runs below it cancelled in the same move.
+                    let below = result.as_ref().map_or(&[][..], Vec::as_slice);
                     if result.is_ok() {
-                        if let Some((_, cancellation)) = this.executing.get(&run_id) {
-                            cancellation.fire();
+                        for id in std::iter::once(&run_id).chain(below) {
+                            if let Some((_, cancellation)) = this.executing.get(id) {
+                                cancellation.fire();
+                            }
                         }
-                        tracing::info!(%run_id, "run cancelled");
+                        tracing::info!(%run_id, children = below.len(), "run cancelled");
                     }
-                    result
+                    result.map(|_| ())
                 }),
         )
     }

@@ -21,6 +21,9 @@ const PASS_LIMIT: usize = 256;
 /// another replica, or by a test clock that runs faster than time, is found by then.
 const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
 
+/// How long a pass that found a full page of due waits lets them start before it reads more.
+const BACKLOG_PAUSE: Duration = Duration::from_millis(50);
+
 /// What a supervisor keeps of the waits it wakes.
 #[derive(Default)]
 pub(super) struct Waking {
@@ -58,7 +61,9 @@ impl Supervisor {
             let (ready, next) = match read {
                 Ok(Ok(found)) => found,
                 Ok(Err(err)) => {
+                    // Tried again in a while: a busy store must not cost a timer its wake-up.
                     tracing::warn!(%err, "could not read the waits that are due");
+                    this.wake_at(now + MAX_TIMER_SLEEP.as_millis() as i64, ctx);
                     return;
                 }
                 Err(_) => return,
@@ -68,7 +73,9 @@ impl Supervisor {
                 this.wake(run_id, ctx);
             }
             if full {
-                this.wake_at(now, ctx);
+                // More are due: read again once these have had a poll period to start, not
+                // at once (they would be read again while they wait for slots).
+                this.wake_at(now + BACKLOG_PAUSE.as_millis() as i64, ctx);
             } else if let Some(next) = next {
                 this.wake_at(next, ctx);
             }

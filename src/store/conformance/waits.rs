@@ -238,11 +238,23 @@ pub(crate) fn an_event_is_kept_until_its_wait_and_a_repeat_is_a_duplicate(f: &dy
         store.deliver_event(&unknown),
         Err(Error::RunNotFound(_))
     ));
+    let unnamed = Delivery {
+        name: " ".into(),
+        ..shipped.clone()
+    };
+    assert!(matches!(
+        store.deliver_event(&unnamed),
+        Err(Error::InvalidInput(_))
+    ));
     store.cancel(&s, "done").unwrap();
+    // A sender's retry of what it delivered is told it was kept, whatever came since.
+    assert_eq!(store.deliver_event(&shipped).unwrap(), Delivered::Duplicate);
     let finished = Delivery {
         event_id: "e10".into(),
         ..shipped
     };
+    assert!(store.deliver_event(&finished).unwrap_err().is_run_state());
+    // Refused again, not a duplicate: the refused delivery was not kept.
     assert!(store.deliver_event(&finished).unwrap_err().is_run_state());
 }
 

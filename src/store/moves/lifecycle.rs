@@ -139,7 +139,8 @@ pub(crate) struct CancelRun {
 }
 
 impl Move for CancelRun {
-    type Output = ();
+    /// The child runs cancelled with it, down the tree.
+    type Output = Vec<RunId>;
 
     fn kind(&self) -> MoveKind {
         MoveKind::CancelRun
@@ -149,14 +150,15 @@ impl Move for CancelRun {
         &self.run_id
     }
 
-    fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<()> {
+    fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<Vec<RunId>> {
         cancel(cx, &self.reason)
     }
 }
 
 /// Cancels the run of `cx` from any state but a finished one: its wait is dropped, the child
-/// it waits for is cancelled with it, and the parent that waits for it is woken.
-pub(super) fn cancel(cx: &mut Cx<'_, '_>, reason: &str) -> Result<()> {
+/// it waits for is cancelled with it, and the parent that waits for it is woken. Returns the
+/// child runs cancelled with it, down the tree.
+pub(super) fn cancel(cx: &mut Cx<'_, '_>, reason: &str) -> Result<Vec<RunId>> {
     let from = [
         RunState::Running,
         RunState::WaitingForApproval,
@@ -178,8 +180,9 @@ pub(super) fn cancel(cx: &mut Cx<'_, '_>, reason: &str) -> Result<()> {
     })?;
     let payload = json!({ "state": "CANCELLED", "reason": reason });
     cx.append(EventKind::RunFinished, None, &payload)?;
-    cx.cancel_below(reason)?;
-    cx.wake_parent(RunState::Cancelled, None, Some(reason))
+    let below = cx.cancel_below(reason)?;
+    cx.wake_parent(RunState::Cancelled, None, Some(reason))?;
+    Ok(below)
 }
 
 /// Forks a new run (`run_id`) from `origin` at step `at`: a RUNNING run of the same agent and

@@ -126,6 +126,10 @@ impl Move for BeginWait {
                 max_depth,
             } => {
                 let child = RunId::from(idempotency_key(cx.run_id, step));
+                if let Err(err) = child.check() {
+                    let error = format!("the run cannot delegate: {err}");
+                    return self.finish(cx, ToolResult::Error(error), json!({}));
+                }
                 let depth = ancestors(cx, cx.run_id)? + 1;
                 if depth > *max_depth {
                     let error = format!(
@@ -222,7 +226,10 @@ impl BeginWait {
 /// How many runs above `run_id` wait for it, each for the one below: its depth from the root.
 fn ancestors(cx: &mut Cx<'_, '_>, run_id: &RunId) -> Result<u32> {
     let (mut depth, mut at) = (0, run_id.clone());
-    while let Some((parent, _)) = cx.tx.parent_wait(&at)? {
+    // Only a child's id holds a `/` (see `wake_parent`).
+    while at.as_str().contains('/')
+        && let Some((parent, _)) = cx.tx.parent_wait(&at)?
+    {
         depth += 1;
         at = parent;
         // A cycle cannot be made (a child's id is new), but a bound costs nothing.
@@ -431,16 +438,23 @@ impl Move for DeliverEvent {
 
     fn apply(&self, cx: &mut Cx<'_, '_>) -> Result<Delivered> {
         let delivery = &self.delivery;
-        match cx.run_state()? {
-            None => return Err(Error::RunNotFound(cx.run_id.clone())),
-            Some(state) if state.is_finished() => {
-                return Err(cx.state_error("a finished run takes no events".into()));
-            }
-            Some(_) => {}
+        if delivery.name.trim().is_empty() || delivery.event_id.trim().is_empty() {
+            return Err(Error::InvalidInput(
+                "an event needs a name and an event id that are not empty".into(),
+            ));
         }
+        let state = cx
+            .run_state()?
+            .ok_or_else(|| Error::RunNotFound(cx.run_id.clone()))?;
         let at = cx.now.millis();
+        // A repeat is told so whatever the run's state since: the sender's retry of a
+        // delivery that woke a run that has finished since is no error.
         if !cx.tx.insert_inbox(delivery, at)? {
             return Ok(Delivered::Duplicate);
+        }
+        if state.is_finished() {
+            // Refused, and the insert with it.
+            return Err(cx.state_error("a finished run takes no events".into()));
         }
         let waiting = cx.tx.wait(cx.run_id)?.filter(|wait| {
             wait.kind == WaitKind::Event && wait.key == delivery.name && wait.result.is_none()
@@ -475,6 +489,11 @@ impl Cx<'_, '_> {
         output: Option<&str>,
         error: Option<&str>,
     ) -> Result<()> {
+        // A child's id is its parent's call's idempotency key, `PARENT/STEP`: a run whose id
+        // has no `/` has no parent, and is not looked for.
+        if !self.run_id.as_str().contains('/') {
+            return Ok(());
+        }
         let Some((parent, step)) = self.tx.parent_wait(self.run_id)? else {
             return Ok(());
         };
@@ -508,23 +527,25 @@ impl Cx<'_, '_> {
     }
 
     /// A run just cancelled: its wait is dropped, and the child it waited for, if any, is
-    /// cancelled too (and its own, down the tree).
-    pub(super) fn cancel_below(&mut self, reason: &str) -> Result<()> {
+    /// cancelled too (and its own, down the tree). Returns the children cancelled.
+    pub(super) fn cancel_below(&mut self, reason: &str) -> Result<Vec<RunId>> {
         let Some(wait) = self.tx.wait(self.run_id)? else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         self.tx.delete_wait(self.run_id, wait.step)?;
         if wait.kind != WaitKind::Child {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let child = RunId::from(wait.key);
         let mut cx = Cx::new(self.tx, self.now, &child);
         match cx.run_state()? {
             Some(state) if !state.is_finished() => {
                 let reason = format!("its parent run was cancelled: {reason}");
-                super::lifecycle::cancel(&mut cx, &reason)
+                let mut below = super::lifecycle::cancel(&mut cx, &reason)?;
+                below.insert(0, child);
+                Ok(below)
             }
-            _ => Ok(()),
+            _ => Ok(Vec::new()),
         }
     }
 }

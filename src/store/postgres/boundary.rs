@@ -29,6 +29,9 @@ const TABLES: &[&str] = &[
     "approvals",
     "run_changes",
     "run_changes_head",
+    "waits",
+    "inbox",
+    "schedules",
 ];
 const TRIGGERS: &[&str] = &[
     "events_are_append_only_update",
@@ -39,6 +42,7 @@ const TRIGGERS: &[&str] = &[
     "run_changes_decided",
     "run_changes_cancelled",
     "run_changes_released",
+    "run_changes_woken",
 ];
 
 impl Backend for Postgres {
@@ -199,7 +203,7 @@ impl Postgres {
     /// The bytes the store's tables take, their indexes and TOAST included.
     fn size(&self, conn: &mut Conn) -> Result<u64> {
         let mut bytes = 0i64;
-        for table in ["runs", "steps", "events", "approvals", "run_changes"] {
+        for table in TABLES {
             let size: i64 = conn
                 .client()
                 .query_one(
@@ -230,7 +234,15 @@ impl Postgres {
         let result = (|| {
             let before = self.size(&mut conn)?;
             // One table at a time: each VACUUM locks only its own.
-            for table in ["approvals", "steps", "events", "runs", "run_changes"] {
+            for table in [
+                "approvals",
+                "waits",
+                "inbox",
+                "steps",
+                "events",
+                "runs",
+                "run_changes",
+            ] {
                 conn.client()
                     .batch_execute(&format!("{command} {table}"))
                     .pg()?;

@@ -522,11 +522,15 @@ impl Reads for PgTx<'_> {
         agents: &[&str],
         limit: usize,
     ) -> Result<Vec<(RunId, String)>> {
+        // A range of waits_ready per agent, up to `until`: the waits not due cost nothing.
         let agents: Vec<&str> = agents.to_vec();
         let rows = self.rows(
-            "SELECT run_id, agent FROM waits
-             WHERE ready_at IS NOT NULL AND ready_at <= $1 AND agent = ANY($2::text[])
-             ORDER BY ready_at LIMIT $3",
+            "SELECT found.run_id, found.agent FROM unnest($2::text[]) AS a(name)
+             CROSS JOIN LATERAL (SELECT run_id, agent, ready_at FROM waits
+                                 WHERE agent = a.name AND ready_at IS NOT NULL
+                                   AND ready_at <= $1
+                                 ORDER BY ready_at LIMIT $3) AS found
+             ORDER BY found.ready_at LIMIT $3",
             &[&until, &agents, &(limit as i64)],
         )?;
         rows.iter()
@@ -537,12 +541,13 @@ impl Reads for PgTx<'_> {
     fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
         let agents: Vec<&str> = agents.to_vec();
         let rows = self.rows(
-            "SELECT ready_at FROM waits
-             WHERE ready_at IS NOT NULL AND ready_at > $1 AND agent = ANY($2::text[])
-             ORDER BY ready_at LIMIT 1",
+            "SELECT min(next) FROM unnest($2::text[]) AS a(name)
+             CROSS JOIN LATERAL (SELECT min(ready_at) AS next FROM waits
+                                 WHERE agent = a.name AND ready_at IS NOT NULL
+                                   AND ready_at > $1) AS found",
             &[&after, &agents],
         )?;
-        rows.first().map(|row| get(row, 0)).transpose()
+        rows.first().map_or(Ok(None), |row| get(row, 0))
     }
 
     fn list_waits(
@@ -1245,7 +1250,7 @@ impl crate::store::feed::Feed for PgTx<'_> {
             .collect::<Result<Vec<_>>>()?;
         // The waits woken while nobody watched (their answer, event or child's end came).
         let rows = self.rows(
-            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
+            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at",
             &[],
         )?;
         for row in &rows {

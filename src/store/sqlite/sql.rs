@@ -128,6 +128,16 @@ fn run_from_row(row: &Row<'_>) -> rusqlite::Result<Run> {
     })
 }
 
+/// An agent's (`?1`) waits ready by `?2`, the first `?3` by when they became ready: a range
+/// of `waits_ready`.
+pub(crate) const READY_WAITS: &str = "SELECT run_id, ready_at FROM waits
+     WHERE agent = ?1 AND ready_at IS NOT NULL AND ready_at <= ?2
+     ORDER BY ready_at LIMIT ?3";
+
+/// When an agent's (`?1`) next wait becomes ready after `?2`: one seek of `waits_ready`.
+pub(crate) const NEXT_READY: &str = "SELECT min(ready_at) FROM waits
+     WHERE agent = ?1 AND ready_at IS NOT NULL AND ready_at > ?2";
+
 /// A wait's columns, with its call's id, as [`wait_from_row`] reads them.
 const WAIT_COLUMNS: &str = "waits.step, steps.call_id, waits.kind, waits.key, waits.detail,
      waits.since, waits.due_at, waits.ready_at, waits.result";
@@ -255,37 +265,40 @@ impl Reads for Sql<'_> {
         agents: &[&str],
         limit: usize,
     ) -> Result<Vec<(RunId, String)>> {
-        let agents = serde_json::to_string(agents).expect("names serialize");
-        // A range of waits_ready up to `until`: the waits not due cost nothing.
-        self.0
-            .prepare_cached(
-                "SELECT run_id, agent FROM waits
-                 WHERE ready_at IS NOT NULL AND ready_at <= ?1
-                   AND agent IN (SELECT value FROM json_each(?2))
-                 ORDER BY ready_at LIMIT ?3",
-            )
-            .db()?
-            .query_map(params![until, agents, limit as i64], |row| {
-                Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))
-            })
-            .db()?
-            .collect::<rusqlite::Result<_>>()
-            .db()
+        // A range of waits_ready per agent, up to `until`: the waits not due cost nothing.
+        let mut ready = Vec::new();
+        let mut stmt = self.0.prepare_cached(READY_WAITS).db()?;
+        for agent in agents {
+            let rows = stmt
+                .query_map(params![agent, until, limit as i64], |row| {
+                    Ok((row.get::<_, i64>(1)?, row.get::<_, String>(0)?))
+                })
+                .db()?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .db()?;
+            ready.extend(rows.into_iter().map(|(at, id)| (at, id, agent.to_string())));
+        }
+        ready.sort();
+        ready.truncate(limit);
+        Ok(ready
+            .into_iter()
+            .map(|(_, id, agent)| (RunId::from(id), agent))
+            .collect())
     }
 
     fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
-        let agents = serde_json::to_string(agents).expect("names serialize");
-        self.0
-            .prepare_cached(
-                "SELECT ready_at FROM waits
-                 WHERE ready_at IS NOT NULL AND ready_at > ?1
-                   AND agent IN (SELECT value FROM json_each(?2))
-                 ORDER BY ready_at LIMIT 1",
-            )
-            .db()?
-            .query_row(params![after, agents], |row| row.get(0))
-            .optional()
-            .db()
+        let mut stmt = self.0.prepare_cached(NEXT_READY).db()?;
+        let mut next: Option<i64> = None;
+        for agent in agents {
+            let at: Option<i64> = stmt
+                .query_row(params![agent, after], |row| row.get(0))
+                .db()?;
+            next = match (next, at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        Ok(next)
     }
 
     fn list_waits(
@@ -1254,7 +1267,7 @@ fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     // The waits woken while nobody watched (their answer, event or child's end came).
     let woken = conn
         .prepare_cached(
-            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
+            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at",
         )
         .db()?
         .query_map([], |row| {

@@ -313,6 +313,39 @@ fn the_waiting_call_of_an_approval_is_found_through_its_index() {
 }
 
 #[test]
+fn due_waits_are_found_through_the_index_of_ready_waits() {
+    let store = Store::in_memory().unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let conn = lock(&sqlite.writer);
+    for (statement, params) in [
+        (
+            sql::READY_WAITS,
+            rusqlite::params_from_iter(vec!["a", "0", "10"]),
+        ),
+        (sql::NEXT_READY, rusqlite::params_from_iter(vec!["a", "0"])),
+    ] {
+        let mut stmt = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {statement}"))
+            .unwrap();
+        let plan: Vec<String> = stmt
+            .query_map(params, |row| row.get::<_, String>(3))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        // A range of the index, never a scan of every wait, nor a sort.
+        assert!(
+            plan.iter()
+                .all(|line| !line.starts_with("SCAN") && !line.contains("TEMP B-TREE")),
+            "{statement}: {plan:?}"
+        );
+        assert!(
+            plan.iter().any(|line| line.contains("INDEX waits_ready")),
+            "{statement}: {plan:?}"
+        );
+    }
+}
+
+#[test]
 fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -573,6 +573,14 @@ fn apply_group(
                     .flat_map(|pending| pending.infos())
                     .map(|info| info.run_id.as_str().to_owned())
                     .collect();
+                // A child run (`PARENT/STEP`) that finishes writes its parent's rows: the
+                // parent's row is locked with the group's, before the child's as its id sorts
+                // first, the order a cancel of the parent takes them in too.
+                let parents: Vec<String> = runs
+                    .iter()
+                    .filter_map(|id| id.rsplit_once('/').map(|(parent, _)| parent.to_owned()))
+                    .collect();
+                runs.extend(parents);
                 runs.sort();
                 runs.dedup();
                 if pg.lock_group(runs).is_err() {

@@ -2,8 +2,8 @@
 //!
 //! It works while other processes run the database: every command reads or writes in single
 //! short statements or transactions, never holds a lock between them, and writes only where
-//! the command is meant to (`cancel`, `approve`, `deny`, `fork`, `purge`, `vacuum`,
-//! `migrate --apply`). The others (and `purge --dry-run`) open
+//! the command is meant to (`cancel`, `approve`, `deny`, `answer`, `signal`, `fork`, `purge`,
+//! `vacuum`, `migrate --apply`). The others (and `purge --dry-run`) open
 //! the database read-only: they create nothing beside it and change no byte of it.
 
 use std::{
@@ -14,7 +14,7 @@ use std::{
 };
 
 use agentrt::{
-    Approval, FencingToken, Lease, PendingCall, Run, RunId, RunState, RunUsage, Store, sqlite,
+    Approval, FencingToken, Lease, PendingCall, Run, RunId, RunState, RunUsage, Store, Wait, sqlite,
 };
 use clap::{Parser, Subcommand, ValueEnum};
 use comfy_table::{Table, presets};
@@ -59,7 +59,8 @@ enum Command {
         #[arg(long, value_name = "CURSOR")]
         after: Option<String>,
     },
-    /// Show one run: its state, its lease and the calls waiting for an approval.
+    /// Show one run: its state, its lease, the calls waiting for an approval, and what it waits
+    /// for (an answer, an event, a time, a child run) and since when.
     Show { run: String },
     /// Print a run's events.
     Events {
@@ -100,6 +101,18 @@ enum Command {
     },
     /// Deny a tool call that waits for an approval.
     Deny(Decide),
+    /// Answer a run's question (its `ask_person` call). An answer off the question's schema is
+    /// refused with what is wrong, and nothing is written. A supervisor of the run's agent that
+    /// watches the database resumes the run.
+    Answer(waits::AnswerArgs),
+    /// Send a run an event of NAME: prints `woke` (the run waited for it), `kept` (kept for
+    /// the run's first wait on NAME) or `duplicate` (an event of this id came before: nothing
+    /// written, so a sender may retry).
+    Signal(waits::SignalArgs),
+    /// List the runs that wait for an answer, an event, a time or a child run, longest waiting
+    /// first: each run's step, call, kind, key (the question, the event's name, the timer's
+    /// reason or the child run's id), since when, and a timer's due time.
+    Waits(waits::WaitsArgs),
     /// Delete finished runs (SUCCEEDED, FAILED, CANCELLED) with their steps, events and
     /// approvals, in short transactions; a run that has not finished is never touched.
     ///
@@ -193,6 +206,10 @@ struct Decide {
 enum State {
     Running,
     WaitingForApproval,
+    WaitingForAnswer,
+    WaitingForEvent,
+    WaitingForTimer,
+    WaitingForChild,
     Succeeded,
     Failed,
     Cancelled,
@@ -203,6 +220,10 @@ impl From<State> for RunState {
         match state {
             State::Running => RunState::Running,
             State::WaitingForApproval => RunState::WaitingForApproval,
+            State::WaitingForAnswer => RunState::WaitingForAnswer,
+            State::WaitingForEvent => RunState::WaitingForEvent,
+            State::WaitingForTimer => RunState::WaitingForTimer,
+            State::WaitingForChild => RunState::WaitingForChild,
             State::Succeeded => RunState::Succeeded,
             State::Failed => RunState::Failed,
             State::Cancelled => RunState::Cancelled,
@@ -270,6 +291,10 @@ macro_rules! out {
     }};
 }
 
+// After `out!`, which it uses; beside this file, in a folder that holds no binary of its own.
+#[path = "agentrt/waits.rs"]
+mod waits;
+
 fn run(cli: Cli) -> Outcome {
     // The one command that needs no database.
     if let Command::Token { operator } = &cli.command {
@@ -295,6 +320,8 @@ fn run(cli: Cli) -> Outcome {
             batch,
         } => purge(&path, finished_before, runs, dry_run, batch, json),
         Command::Vacuum => vacuum(&path, json),
+        Command::Answer(args) => waits::answer(&path, args, json),
+        Command::Signal(args) => waits::signal(&path, args, json),
         command @ (Command::Cancel { .. }
         | Command::Approve(_)
         | Command::Deny(_)
@@ -368,6 +395,7 @@ fn run(cli: Cli) -> Outcome {
                     events(&store, &run.into(), after, follow, json)
                 }
                 Command::Lease { run } => lease(&store, &run.into(), json),
+                Command::Waits(args) => waits::waits(&store, args, json),
                 _ => unreachable!("matched above"),
             }
         }
@@ -551,13 +579,15 @@ impl<'a> LeaseView<'a> {
     }
 }
 
-/// `show --json`: the run, its lease and the calls waiting for an approval.
+/// `show --json`: the run, its lease, the calls waiting for an approval and its other wait.
 #[derive(Serialize)]
 struct Shown<'a> {
     #[serde(flatten)]
     run: &'a Run,
     lease: Option<LeaseView<'a>>,
     pending_calls: &'a [PendingCall],
+    /// What it waits for other than an approval; `null` when nothing.
+    wait: Option<&'a Wait>,
     /// `null` when the run's log cannot be read (written by a newer version, say).
     usage: Option<&'a RunUsage>,
 }
@@ -796,6 +826,7 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     let run = store.run(run_id).map_err(|e| e.to_string())?;
     let lease = store.lease(run_id).map_err(|e| e.to_string())?;
     let pending = store.pending_calls(run_id).map_err(|e| e.to_string())?;
+    let wait = store.wait(run_id).map_err(|e| e.to_string())?;
     // The totals come from the log: a log this build cannot read leaves them unknown, not
     // the rest of the run.
     let usage = store.usage(run_id);
@@ -804,6 +835,7 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
             run: &run,
             lease: LeaseView::of(&lease),
             pending_calls: &pending,
+            wait: wait.as_ref(),
             usage: usage.as_ref().ok(),
         });
     }
@@ -820,6 +852,9 @@ fn show(store: &Store, run_id: &RunId, json: bool) -> Outcome {
     out!("created   {}", time(run.created_at));
     out!("updated   {}", time(run.updated_at));
     out!("lease     {}", describe_lease(&lease));
+    for (label, text) in wait.iter().flat_map(waits::describe) {
+        out!("{label:<9} {text}");
+    }
     match &usage {
         Ok(usage) => out!("model     {}", describe_usage(usage)),
         Err(err) => out!("model     unknown: {err}"),

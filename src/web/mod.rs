@@ -1,6 +1,7 @@
 //! agentrt over HTTP, for actix-web applications: the runs and their events, the event
-//! stream, approvals, cancel and fork, health and readiness, and the operator console at
-//! `/ui`, mounted onto the application's own `App` in one line.
+//! stream, approvals, answers to runs' questions, events delivered to runs, cancel and fork,
+//! health and readiness, and the operator console at `/ui`, mounted onto the application's
+//! own `App` in one line.
 //!
 //! ```no_run
 //! use actix_web::{App, HttpServer};
@@ -29,6 +30,7 @@ pub(crate) mod metrics;
 mod routes;
 mod stream;
 mod ui;
+mod waits;
 
 use std::{
     net::{SocketAddr, ToSocketAddrs},

@@ -18,7 +18,7 @@ use super::{
 };
 use crate::{
     Approval, ApprovalReason, CancelRun, EventKind, Lease, PendingCall, RecordApproval, ResumeRun,
-    Run, RunId, RunPage, RunQuery, RunState, RunUsage, SCHEMA_VERSION, SpawnRun, Store,
+    Run, RunId, RunPage, RunQuery, RunState, RunUsage, SCHEMA_VERSION, SpawnRun, Store, Wait,
 };
 
 /// The routes of the scope, each with the methods it answers; any other method is a 405.
@@ -30,12 +30,18 @@ pub(crate) fn configure(cfg: &mut web::ServiceConfig) {
         .service(resource("/whoami").get(whoami))
         .service(resource("/stream").get(changes))
         .service(resource("/approvals").get(approvals))
+        .service(resource("/waits").get(super::waits::list))
         .service(resource("/runs").get(list_runs).post(start_run))
         .service(resource("/runs/{id}").get(get_run))
-        .service(resource("/runs/{id}/events").get(events))
+        .service(
+            resource("/runs/{id}/events")
+                .get(events)
+                .post(super::waits::deliver),
+        )
         .service(resource("/runs/{id}/events/stream").get(event_stream))
         .service(resource("/runs/{id}/calls/{call}/approve").post(approve))
         .service(resource("/runs/{id}/calls/{call}/deny").post(deny))
+        .service(resource("/runs/{id}/calls/{call}/answer").post(super::waits::answer))
         .service(resource("/runs/{id}/resume").post(resume))
         .service(resource("/runs/{id}/cancel").post(cancel))
         .service(resource("/runs/{id}/fork").post(fork))
@@ -65,7 +71,7 @@ fn resource(path: &str) -> actix_web::Resource {
 }
 
 /// Runs a blocking store read off the async workers.
-async fn blocking<T: Send + 'static>(
+pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> crate::Result<T> + Send + 'static,
 ) -> Result<T, ApiError> {
     web::block(f)
@@ -76,7 +82,7 @@ async fn blocking<T: Send + 'static>(
 
 /// A run id from a path: text of 1 to [`RunId::MAX_LEN`] bytes, none of them a control
 /// character. Lighter than [`new_run_id`]: a run made before that check reads as it is.
-fn run_id(text: &str) -> Result<RunId, ApiError> {
+pub(super) fn run_id(text: &str) -> Result<RunId, ApiError> {
     if text.is_empty() || text.len() > RunId::MAX_LEN || text.chars().any(char::is_control) {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -231,7 +237,8 @@ async fn start_run(
     Ok(HttpResponse::Accepted().json(json!({ "run_id": started })))
 }
 
-/// `GET /runs/{id}`: the run, its lease, the calls waiting for an operator, its usage.
+/// `GET /runs/{id}`: the run, its lease, the calls waiting for an operator, what else it
+/// waits for, its usage.
 #[derive(Serialize)]
 struct Shown {
     #[serde(flatten)]
@@ -240,6 +247,8 @@ struct Shown {
     /// Past its expiry by this host's clock: its holder died or stalled.
     lease_expired: bool,
     pending_calls: Vec<PendingCall>,
+    /// What it waits for other than an approval (an answer, an event, a time, a child run).
+    wait: Option<Wait>,
     usage: RunUsage,
 }
 
@@ -249,8 +258,17 @@ async fn get_run(
     id: Path<String>,
 ) -> Result<Json<Shown>, ApiError> {
     let (store, run_id) = (shared.store.clone(), run_id(&id)?);
-    let (run, lease, pending_calls, usage) = blocking(move || store.run_shown(&run_id)).await?;
+    let (run, lease, pending_calls, usage, wait) = blocking(move || {
+        let (run, lease, pending_calls, usage) = store.run_shown(&run_id)?;
+        let wait = match run.state.waits_for() {
+            Some(_) => store.wait(&run_id)?,
+            None => None,
+        };
+        Ok((run, lease, pending_calls, usage, wait))
+    })
+    .await?;
     let shown = Shown {
+        wait,
         lease_expired: lease
             .as_ref()
             .is_some_and(|lease| lease.expires_at <= SystemTime::now()),

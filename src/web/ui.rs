@@ -98,4 +98,23 @@ mod tests {
             }
         });
     }
+
+    /// The console's list of states (its filter, its badges) and the OpenAPI document's are
+    /// the runtime's, in its order.
+    #[test]
+    fn the_console_and_the_api_document_know_every_run_state() {
+        let all: Vec<&str> = crate::RunState::ALL.iter().map(|s| s.as_str()).collect();
+        let line = super::SCRIPT
+            .lines()
+            .find_map(|line| line.trim_start().strip_prefix("const STATES = "))
+            .expect("app.js declares its STATES");
+        let states: Vec<String> = serde_json::from_str(line.trim_end_matches(';')).unwrap();
+        assert_eq!(states, all, "app.js's STATES");
+        let document: serde_json::Value = serde_json::from_str(crate::web::OPENAPI).unwrap();
+        assert_eq!(
+            document["components"]["schemas"]["RunState"]["enum"],
+            serde_json::json!(all),
+            "openapi.json's RunState"
+        );
+    }
 }

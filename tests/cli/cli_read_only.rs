@@ -38,6 +38,7 @@ fn helper() {
     let _open = match what.as_str() {
         "seed" => {
             cli::seed(&path);
+            cli::seed_waits(&path);
             None
         }
         // A commit left in the log: the store's writer never checkpoints by itself.
@@ -176,6 +177,9 @@ const READS: &[&[&str]] = &[
     &["purge", "--dry-run", "--finished-before", "0s"],
     &["purge", "--dry-run", "--run", "done"],
     &["--json", "runs", "--limit", "1"],
+    &["waits"],
+    &["--json", "waits", "--kind", "answer"],
+    &["show", "question"],
 ];
 
 #[test]
@@ -224,6 +228,17 @@ fn read_commands_change_no_byte_and_create_nothing_on_any_database() {
                 "WAITING_FOR_APPROVAL"
             };
             assert_eq!(shown["state"], json!(expected), "{}", case.name);
+            let out = agentrt(&case.path)
+                .args(["--json", "waits"])
+                .output()
+                .unwrap();
+            let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(
+                listed["waits"].as_array().unwrap().len(),
+                5,
+                "{}",
+                case.name
+            );
             // The file's journal mode, not the one of the connection that read it.
             let out = agentrt(&case.path).arg("doctor").output().unwrap();
             assert!(
@@ -268,6 +283,8 @@ const WRITES: &[&[&str]] = &[
     &["cancel", "wait", "--reason", "duplicate"],
     &["approve", "wait", "pay-1", "--by", "alice"],
     &["deny", "wait", "pay-1", "--by", "bob"],
+    &["answer", "question", "c1", r#"{"account": "savings"}"#],
+    &["signal", "payment", "payment", "--id", "evt-1"],
     &["fork", "done", "--at", "1", "--id", "again"],
     &["purge", "--run", "done"],
     &["purge", "--finished-before", "0s"],

@@ -7,4 +7,5 @@ mod cli;
 mod cli_read_only;
 mod cli_serve;
 mod cli_special_files;
+mod cli_waits;
 mod decisions_from_elsewhere;

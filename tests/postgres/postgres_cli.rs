@@ -1,5 +1,6 @@
-//! The `agentrt` binary against a PostgreSQL URL: the commands that read write nothing, and an
-//! approval recorded by it resumes in a supervisor like one recorded on a file.
+//! The `agentrt` binary against a PostgreSQL URL: the commands that read write nothing, an
+//! approval recorded by it resumes in a supervisor like one recorded on a file, and its
+//! answers and signals reach waiting runs.
 
 #![cfg(feature = "postgres")]
 
@@ -14,7 +15,10 @@ use agentrt::{
 use predicates::prelude::*;
 use serde_json::json;
 
-use crate::support::{cli::agentrt, pay_then_answer, supervise};
+use crate::support::{
+    cli::{agentrt, seed_waits_into},
+    pay_then_answer, supervise,
+};
 
 /// A run `done` that finished and a run `wait` waiting for the approval of `pay-1`.
 fn seed(url: &str, pay: &RecordingTool) -> Store {
@@ -50,6 +54,8 @@ fn everything(schema: &Schema) -> Vec<String> {
         "steps",
         "events",
         "approvals",
+        "waits",
+        "inbox",
         "run_changes",
         "agentrt_migrations",
     ]
@@ -143,19 +149,25 @@ fn migrate_by_url_reports_then_applies_in_one_migration() {
     let Some(server) = server() else { return };
     let schema = Schema::new(&server);
     let url = schema.url();
+    // The first migration makes the schema PostgreSQL was first supported at; each later
+    // version adds one.
+    let pending = agentrt::postgres::migrations_pending(0);
     agentrt(&url)
         .arg("migrate")
         .assert()
         .success()
-        .stdout(predicate::str::contains("2 migration(s) pending"));
+        .stdout(predicate::str::contains(format!(
+            "{pending} migration(s) pending"
+        )));
     assert!(everything_is_absent(&schema));
     agentrt(&url)
         .args(["migrate", "--apply"])
         .assert()
         .success()
-        .stdout(predicate::str::contains(
-            "applied 2 migration(s): schema version 0 -> 11",
-        ));
+        .stdout(predicate::str::contains(format!(
+            "applied {pending} migration(s): schema version 0 -> {}",
+            agentrt::SCHEMA_VERSION
+        )));
     agentrt(&url).arg("runs").assert().success();
 }
 
@@ -168,4 +180,49 @@ fn everything_is_absent(schema: &Schema) -> bool {
         )
         .unwrap()
         .is_empty()
+}
+
+#[test]
+fn waiting_runs_are_listed_without_a_write_then_answered_and_signalled_by_url() {
+    let Some(server) = server() else { return };
+    let schema = Schema::new(&server);
+    let url = schema.url();
+    let store = Store::connect(&url).unwrap();
+    seed_waits_into(store.clone());
+    let before = everything(&schema);
+    agentrt(&url).arg("waits").assert().success().stdout(
+        predicate::str::contains("Which account?").and(predicate::str::contains("parent/2")),
+    );
+    agentrt(&url)
+        .args(["show", "question"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("waits     for an answer since"));
+    assert_eq!(everything(&schema), before, "the reads wrote nothing");
+
+    agentrt(&url)
+        .args(["answer", "question", "c1", r#"{"acct": 1}"#])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains(
+            "does not match the question's schema",
+        ));
+    assert_eq!(
+        everything(&schema),
+        before,
+        "a refused answer wrote nothing"
+    );
+    agentrt(&url)
+        .args(["answer", "question", "c1", r#"{"account": "savings"}"#])
+        .assert()
+        .success();
+    agentrt(&url)
+        .args(["signal", "payment", "payment", "--id", "evt-1"])
+        .assert()
+        .success()
+        .stdout("woke\n");
+    for run in ["question", "payment"] {
+        let woken = store.events(&RunId::from(run)).unwrap().pop().unwrap();
+        assert_eq!(woken.kind, agentrt::EventKind::WaitWoken, "{run}");
+    }
 }

@@ -108,3 +108,104 @@ pub fn seed(path: &Path) {
         }
     }
 }
+
+/// The question of [`seed_waits`]'s run `question`, and its schema.
+pub const QUESTION: &str = "Which account?";
+
+/// A database with runs that wait, [`seed_waits`]'s.
+pub fn waits_fixture() -> TempStore {
+    let db = TempStore::sqlite();
+    seed_waits(&db.path());
+    db
+}
+
+/// Seeds the database file at `path` with [`seed_waits_into`]'s runs, and returns once every
+/// connection of the seed has closed.
+pub fn seed_waits(path: &Path) {
+    seed_waits_into(Store::open(path).unwrap());
+    // The supervisor's connections close as its threads wind down, the last one removing the
+    // log and its index: a test that compares the files starts once they have.
+    let log = path.with_extension("db-wal");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while log.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the seed's store never closed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Seeds `store` with runs that wait, each at its call `c1` of step 2, then answer `done`:
+/// `question` for an answer to [`QUESTION`] (an object with an `account` string), `confirm`
+/// for an answer to `Go ahead?` (any JSON), `payment` for an event named `payment`, `nap` for
+/// a timer an hour away (reason `check tomorrow`), and `parent` for its child run `parent/2`
+/// of agent `researcher`, which no supervisor executes.
+pub fn seed_waits_into(store: Store) {
+    let one_call = |tool: &str, args: serde_json::Value| {
+        ScriptedModel::new(vec![
+            ModelResponse::calls(vec![ToolCall::new("c1", tool, args)]),
+            ModelResponse::answer("done"),
+        ])
+    };
+    let schema = json!({
+        "type": "object",
+        "properties": {"account": {"type": "string"}},
+        "required": ["account"]
+    });
+    let agents = vec![
+        (
+            "question",
+            Agent::new(one_call(
+                "ask_person",
+                json!({"question": QUESTION, "schema": schema}),
+            ))
+            .ask_person(),
+        ),
+        (
+            "confirm",
+            Agent::new(one_call("ask_person", json!({"question": "Go ahead?"}))).ask_person(),
+        ),
+        (
+            "payment",
+            Agent::new(one_call("wait_for_event", json!({"name": "payment"}))).wait_for_event(),
+        ),
+        (
+            "nap",
+            Agent::new(one_call(
+                "sleep_until",
+                json!({"seconds": 3600, "reason": "check tomorrow"}),
+            ))
+            .sleep_until(),
+        ),
+        (
+            "parent",
+            Agent::new(one_call("research", json!({"task": "find the paper"}))).delegate(
+                "research",
+                "researcher",
+                "Hand a research task to the research agent.",
+            ),
+        ),
+    ];
+    with_system(|| async move {
+        // Each run's agent is named as the run; the child's agent is nobody's here.
+        let mut builder = Supervisor::builder(store);
+        let ids: Vec<&str> = agents.iter().map(|(id, _)| *id).collect();
+        for (id, agent) in agents {
+            builder = builder.agent(id, agent);
+        }
+        let supervisor = builder.start().unwrap();
+        for id in ids {
+            let reply = supervisor
+                .send(StartRun::new(id, json!({})).with_id(id))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(
+                matches!(reply.outcome, agentrt::Outcome::Waiting { .. }),
+                "{id}: {:?}",
+                reply.outcome
+            );
+        }
+    });
+}

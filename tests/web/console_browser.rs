@@ -82,12 +82,22 @@ where
     S: FnOnce(Addr<Supervisor>) -> F + Send + 'static,
     F: Future<Output = Vec<RunId>>,
 {
+    serve_with(db, Config::default(), agents, setup)
+}
+
+/// [`serve`], the supervisor configured by `config`.
+fn serve_with<A, S, F>(db: &TempStore, config: Config, agents: A, setup: S) -> Served
+where
+    A: FnOnce() -> Vec<(&'static str, Agent)> + Send + 'static,
+    S: FnOnce(Addr<Supervisor>) -> F + Send + 'static,
+    F: Future<Output = Vec<RunId>>,
+{
     let (store, api_store) = (db.open(), db.open());
     let (sender, receiver) = mpsc::channel();
     let thread = std::thread::spawn(move || {
         let system = actix::System::new();
         system.block_on(async move {
-            let mut builder = Supervisor::builder(store);
+            let mut builder = Supervisor::builder(store).config(config);
             for (name, agent) in agents() {
                 builder = builder.agent(name, agent);
             }
@@ -271,6 +281,110 @@ fn approving_a_waiting_call_in_the_inbox_finishes_the_run() {
     assert_eq!(approvals[0]["note"], json!("within budget"));
 }
 
+/// The question the child run of [`answering_a_question_in_the_inbox_finishes_the_child_and_its_parent`]
+/// asks, and its answer's schema.
+const QUESTION: &str = "Which account pays for the trip?";
+
+#[test]
+fn answering_a_question_in_the_inbox_finishes_the_child_and_its_parent() {
+    if !browser_available() {
+        return;
+    }
+    let db = TempStore::new();
+    let schema = json!({
+        "type": "object",
+        "properties": {"account": {"type": "string"}},
+        "required": ["account"]
+    });
+    let planner = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new(
+            "book-1",
+            "book",
+            json!({"task": "book the train"}),
+        )]),
+        ModelResponse::answer("trip planned"),
+    ]);
+    let booker = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new(
+            "ask-1",
+            "ask_person",
+            json!({"question": QUESTION, "schema": schema}),
+        )]),
+        ModelResponse::answer("booked"),
+    ]);
+    // The parent is woken by its child's end through the change feed, which the watch reads.
+    let config =
+        Config::default().watch(agentrt::Watch::default().every(Duration::from_millis(20)));
+    let (store, parent_model) = (db.open(), planner.clone());
+    let served = serve_with(
+        &db,
+        config,
+        move || {
+            vec![
+                (
+                    "planner",
+                    Agent::new(planner).delegate(
+                        "book",
+                        "booker",
+                        "Hand the booking to the booker.",
+                    ),
+                ),
+                ("booker", Agent::new(booker).ask_person()),
+            ]
+        },
+        |supervisor| async move {
+            let reply = supervisor
+                .send(StartRun::new("planner", json!({"trip": 7})).with_id("trip-7"))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(
+                matches!(reply.outcome, Outcome::Waiting { .. }),
+                "{:?}",
+                reply.outcome
+            );
+            // The child is started at once; the page opens once it asks.
+            let child = RunId::from("trip-7/2");
+            crate::support::until_state(&store, &child, RunState::WaitingForAnswer).await;
+            vec![reply.run_id, child]
+        },
+    );
+
+    run_script(
+        "answer_in_inbox.mjs",
+        &served,
+        &[
+            ("AGENTRT_CHILD_ID", served.runs[1].as_str()),
+            ("AGENTRT_QUESTION", QUESTION),
+        ],
+        |_| {},
+    );
+
+    let store = db.open();
+    let (parent, child) = (&served.runs[0], &served.runs[1]);
+    assert_eq!(store.run(child).unwrap().state, RunState::Succeeded);
+    assert_eq!(store.run(parent).unwrap().state, RunState::Succeeded);
+    let woken: Vec<_> = store
+        .events(child)
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == EventKind::WaitWoken)
+        .map(|e| e.payload)
+        .collect();
+    assert_eq!(
+        woken.len(),
+        1,
+        "one answer, the refused ones wrote nothing: {woken:?}"
+    );
+    // The answerer is the token's operator: the page only ever sent the answer.
+    assert_eq!(woken[0]["answered_by"], json!(OPERATOR));
+    assert_eq!(woken[0]["answer"], json!({"account": "savings"}));
+    assert_eq!(
+        crate::support::last_tool_result(&parent_model),
+        agentrt::ToolResult::Ok(json!("booked"))
+    );
+}
+
 #[test]
 fn the_timeline_grows_live() {
     if !browser_available() {
@@ -440,7 +554,7 @@ fn a_write_without_a_token_is_refused() {
 }
 
 /// Renders `docs/console.png`: the runs list with a few runs, one of them waiting for an
-/// approval. Run it with `cargo test --features web --test web console_browser:: -- --ignored`.
+/// approval and one for an answer. Run it with `cargo test --features web --test web console_browser:: -- --ignored`.
 #[test]
 #[ignore = "writes docs/console.png; run it when the console's look changes"]
 fn render_the_docs_screenshot() {
@@ -467,6 +581,17 @@ fn render_the_docs_screenshot() {
                     ("summaries", Agent::new(summary)),
                     // A script that runs out on its first turn: a failed run.
                     ("triage", Agent::new(ScriptedModel::new(vec![]))),
+                    (
+                        "onboarding",
+                        Agent::new(ScriptedModel::new(vec![ModelResponse::calls(vec![
+                            ToolCall::new(
+                                "ask-1",
+                                "ask_person",
+                                json!({"question": "Which team does the new hire join?"}),
+                            ),
+                        ])]))
+                        .ask_person(),
+                    ),
                 ]
             },
             |supervisor| async move {
@@ -476,6 +601,7 @@ fn render_the_docs_screenshot() {
                     ("triage-0413", "triage"),
                     ("invoice-0415", "payments"),
                     ("summary-0416", "summaries"),
+                    ("onboarding-0417", "onboarding"),
                 ] {
                     let reply = supervisor
                         .send(StartRun::new(agent, json!({"ticket": id})).with_id(id))
@@ -486,8 +612,8 @@ fn render_the_docs_screenshot() {
                 }
                 let id = supervisor
                     .send(
-                        SpawnRun::new("research", json!({"ticket": "research-0417"}))
-                            .with_id("research-0417"),
+                        SpawnRun::new("research", json!({"ticket": "research-0418"}))
+                            .with_id("research-0418"),
                     )
                     .await
                     .unwrap()

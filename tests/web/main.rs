@@ -13,3 +13,4 @@ mod service;
 mod web_api;
 mod web_auth;
 mod web_streams;
+mod web_waits;

@@ -6,9 +6,12 @@
 (() => {
   const API = new URL("../", location.href);
   const TOKEN_KEY = "agentrt.token";
-  const STATES = ["RUNNING", "WAITING_FOR_APPROVAL", "SUCCEEDED", "FAILED", "CANCELLED"];
+  // Every run state, in the order of a run's life (RunState::ALL; a unit test keeps them equal).
+  const STATES = ["RUNNING", "WAITING_FOR_APPROVAL", "WAITING_FOR_ANSWER", "WAITING_FOR_EVENT", "WAITING_FOR_TIMER", "WAITING_FOR_CHILD", "SUCCEEDED", "FAILED", "CANCELLED"];
   const FINISHED = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
   const PAGE_SIZE = 50;
+  /** At most this many questions are listed in the inbox, as the API lists approvals. */
+  const INBOX_QUESTIONS = 200;
 
   const $ = (testid) => document.querySelector(`[data-testid="${testid}"]`);
   const view = document.getElementById("view");
@@ -268,11 +271,17 @@
     }
   }
 
-  async function countApprovals() {
-    try {
-      const { calls } = await get("approvals");
-      $("approvals-count").textContent = calls.length ? String(calls.length) : "";
-    } catch { /* shown by the view that needs it */ }
+  /** What waits for an operator: the calls to decide, and the questions to answer. */
+  async function inbox() {
+    const [{ calls }, { waits }] = await Promise.all([
+      get("approvals"), get(`waits?kind=answer&limit=${INBOX_QUESTIONS}`)]);
+    const n = calls.length + waits.length;
+    $("approvals-count").textContent = n ? String(n) : "";
+    return { calls, questions: waits };
+  }
+
+  async function countInbox() {
+    try { await inbox(); } catch { /* shown by the view that needs it */ }
   }
 
   // ---- Runs list ------------------------------------------------------------------------
@@ -372,7 +381,12 @@
       case "run.forked": return `from ${p.origin} at step ${p.at}`;
       case "run.finished": return [p.state, p.output ?? p.error].filter((x) => x !== undefined).join(": ");
       case "policy.decided": return [p.decision, p.tool, p.reason].filter(Boolean).join(" · ");
-      case "run.waiting": return [p.tool, p.call_id].filter(Boolean).join(" · ");
+      case "run.waiting": return [p.tool, p.call_id, p.waits_for && `waits for ${p.waits_for}: ${p.key}`].filter(Boolean).join(" · ");
+      case "wait.woken": return p.waits_for === "answer" ? `answered by ${p.answered_by}`
+        : p.waits_for === "event" ? `event ${p.name} (${p.event_id})`
+          : p.waits_for === "child" ? `child ${p.child} ${p.state}` : "";
+      case "event.received": return `${p.name} (${p.event_id})${p.kept ? ", kept for a later wait" : ""}`;
+      case "run.resumed": return p.from ? `from ${p.from}` : "";
       case "approval.recorded": return `${p.approved ? "approved" : "denied"} by ${p.decided_by}${p.note ? `: ${p.note}` : ""}`;
       case "step.tool_started": return `${p.tool} ${JSON.stringify(p.args)}`;
       case "step.tool_finished": return p.error !== undefined ? `error: ${p.error}` : `output ${JSON.stringify(p.output)}`;
@@ -390,12 +404,15 @@
   function runView(id) {
     const details = h("dl", { class: "details", "data-testid": "run-details" });
     const pending = h("section", { class: "pending", "data-testid": "run-pending", hidden: true });
+    const waiting = h("section", { class: "pending", "data-testid": "run-wait", hidden: true });
     const timeline = h("ol", { class: "timeline", "data-testid": "timeline" });
     const streamState = h("span", { class: "stream", "data-testid": "timeline-status" }, "connecting");
     const actions = h("div", { class: "actions" });
     let run = null;
     let lastSeq = 0;
     let shownExpired = false;
+    /** The run that delegated this one, from its `run.started` event: `{run_id, step, call_id}`. */
+    let parent = null;
 
     const cancelReason = h("input", { id: "cancel-reason", "data-testid": "cancel-reason", required: true, autocomplete: "off" });
     const cancelForm = h("form", {
@@ -462,7 +479,7 @@
     view.append(
       h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "Runs"), " / "),
       h("h1", { class: "mono", "data-testid": "run-id" }, id),
-      details, actions, cancelForm, forkForm, pending,
+      details, actions, cancelForm, forkForm, pending, waiting,
       h("h2", {}, "Timeline ", streamState),
       timeline);
 
@@ -481,6 +498,9 @@
       details.replaceChildren(
         ...field("State", stateBadge(run.state), "run-state"),
         ...field("Agent", run.agent, "run-agent"),
+        ...(parent ? field("Parent", [
+          h("a", { href: `#/runs/${enc(parent.run_id)}`, class: "mono", "data-testid": "run-parent" }, parent.run_id),
+          ` (step ${parent.step}, call `, h("span", { class: "mono" }, parent.call_id), ")"], "run-parent-field") : []),
         ...field("Created", time(run.created_at), "run-created"),
         ...field("Updated", time(run.updated_at), "run-updated"),
         ...field("Lease holder", lease ? h("span", { class: "mono" }, lease.owner) : "none", "run-lease-owner"),
@@ -505,6 +525,35 @@
           h("strong", {}, c.tool), ` (step ${c.step}, ${c.reason}) `,
           h("a", { href: "#/approvals" }, "decide in the inbox"),
           h("pre", {}, pretty(c.args))))));
+      renderWait(run.wait);
+    }
+
+    /** What the run waits for other than an approval, and since when. */
+    function renderWait(w) {
+      waiting.hidden = !w;
+      if (!w) { waiting.replaceChildren(); return; }
+      const since = ` since ${time(w.since)}`;
+      const d = w.detail || {};
+      let what;
+      switch (w.kind) {
+        case "answer": what = [`An answer to its question${since}: `,
+          h("strong", { "data-testid": "run-wait-question" }, d.question ?? ""), " ",
+          h("a", { href: "#/approvals", "data-testid": "run-wait-answer" }, "answer in the inbox")];
+          break;
+        case "event": what = ["An event named ", h("strong", { class: "mono" }, w.key), since];
+          break;
+        case "timer": what = [`Its time, ${time(w.due_at)}`, w.key ? ` (${w.key})` : "", since,
+          d.retry ? "; the call is made again then" : ""];
+          break;
+        case "child": what = ["Its child run ",
+          h("a", { href: `#/runs/${enc(w.key)}`, class: "mono", "data-testid": "run-wait-child" }, w.key),
+          d.agent ? ` (agent ${d.agent})` : "", since];
+          break;
+        default: what = [`${w.kind}${since}`];
+      }
+      waiting.dataset.kind = w.kind;
+      waiting.replaceChildren(h("h2", {}, "Waiting for"), h("p", { "data-testid": "run-wait-what" }, ...what),
+        w.kind === "answer" && d.schema ? h("pre", { "data-testid": "run-wait-schema" }, pretty(d.schema)) : "");
     }
 
     async function loadRun() {
@@ -519,6 +568,10 @@
     function append(event) {
       if (event.seq <= lastSeq) return;
       lastSeq = event.seq;
+      if (event.kind === "run.started" && event.payload && event.payload.parent) {
+        parent = event.payload.parent;
+        if (run) renderDetails();
+      }
       const text = summary(event);
       timeline.append(h("li", { "data-testid": "event", "data-kind": event.kind, "data-seq": event.seq },
         h("details", {},
@@ -565,15 +618,53 @@
     };
   }
 
-  // ---- Approvals inbox ------------------------------------------------------------------
+  // ---- Inbox: approvals and questions ---------------------------------------------------
+
+  /** What a list's item is kept under: its run and call. */
+  const keyOf = (entry) => `${entry.run_id}\u0000${entry.call_id}`;
+
+  /**
+   * Makes `list` show one item per entry, in order: items are kept across refreshes (in
+   * `items`, by key) and moved only when out of order, so text being typed keeps its text and
+   * its focus through a `changed` event; `make` builds a new entry's item.
+   */
+  function sync(list, items, entries, make) {
+    const keep = new Set(entries.map(keyOf));
+    for (const [key, li] of items) {
+      if (keep.has(key)) continue;
+      // The keyboard moves on to the next item when the focused one is done.
+      if (li.contains(document.activeElement)) {
+        let next = li.nextElementSibling;
+        while (next && !keep.has(keyOf({ run_id: next.dataset.runId, call_id: next.dataset.callId }))) next = next.nextElementSibling;
+        (next || view).focus();
+      }
+      li.remove();
+      items.delete(key);
+    }
+    let at = list.firstElementChild;
+    for (const entry of entries) {
+      const key = keyOf(entry);
+      if (!items.has(key)) items.set(key, make(entry));
+      const li = items.get(key);
+      if (li === at) at = at.nextElementSibling;
+      else list.insertBefore(li, at);
+    }
+  }
 
   function approvalsView() {
     const list = h("ul", { class: "inbox", "data-testid": "approvals" });
     const empty = h("p", { class: "empty", "data-testid": "approvals-empty", hidden: true }, "Nothing waits for a decision.");
-    view.append(h("h1", {}, "Approvals"),
+    const questionList = h("ul", { class: "inbox", "data-testid": "questions" });
+    const noQuestions = h("p", { class: "empty", "data-testid": "questions-empty", hidden: true }, "No run waits for an answer.");
+    view.append(h("h1", {}, "Inbox"),
+      h("h2", {}, "Approvals"),
       h("p", { class: "hint" }, "Focus a call and press ", h("kbd", {}, "a"), " to approve or ", h("kbd", {}, "d"), " to deny."),
-      empty, list);
+      empty, list,
+      h("h2", {}, "Questions"),
+      h("p", { class: "hint" }, "Answer in JSON, or as text, sent as a JSON string; ", h("kbd", {}, "Ctrl"), "+", h("kbd", {}, "Enter"), " sends."),
+      noQuestions, questionList);
     const items = new Map();
+    const questionItems = new Map();
     let serial = 0;
 
     function item(call) {
@@ -620,39 +711,83 @@
       return li;
     }
 
+    /** A run's question (its wait for an answer), with a form to answer it. */
+    function question(wait) {
+      const id = `answer-${++serial}`;
+      const d = wait.detail || {};
+      // A question whose schema wants a string is answered in text; any other in JSON.
+      const textual = !d.schema || d.schema.type === "string";
+      const input = h("textarea", {
+        id, rows: 3, required: false, autocomplete: "off", spellcheck: "false", "data-testid": "answer-input",
+        onkeydown: (event) => {
+          if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); form.requestSubmit(); }
+        },
+      });
+      const asJson = h("input", { type: "radio", name: `${id}-as`, id: `${id}-json`, value: "json", checked: !textual, "data-testid": "answer-as-json" });
+      const asText = h("input", { type: "radio", name: `${id}-as`, id: `${id}-text`, value: "text", checked: textual, "data-testid": "answer-as-text" });
+      const send = h("button", { type: "submit", class: "approve", "data-testid": "answer-submit" }, "Answer");
+      const form = h("form", {
+        class: "answer",
+        onsubmit: async (event) => {
+          event.preventDefault();
+          let answer = input.value;
+          if (asJson.checked) {
+            try {
+              answer = JSON.parse(input.value);
+            } catch (e) {
+              showError(new ApiError(0, "not_json", `The answer is not JSON (${e.message}): fix it, or send it as text.`));
+              input.focus();
+              return;
+            }
+          }
+          send.disabled = true;
+          try {
+            const answered = await post(`runs/${enc(wait.run_id)}/calls/${enc(wait.call_id)}/answer`, { answer });
+            clearError();
+            say("Answered the question of run ",
+              h("a", { href: `#/runs/${enc(wait.run_id)}`, class: "mono", "data-testid": "status-run" }, wait.run_id),
+              ` (by ${answered.by}).`);
+            // Listed until its run resumes: a supervisor that watches the store does it.
+            li.dataset.answered = "true";
+            input.disabled = true;
+            load();
+          } catch (e) {
+            showError(e);
+            send.disabled = false;
+          }
+        },
+      },
+      h("label", { for: id }, "Answer"), input,
+      h("span", { class: "as", role: "radiogroup", "aria-label": "Send the answer as" },
+        asJson, h("label", { for: `${id}-json` }, "JSON"), asText, h("label", { for: `${id}-text` }, "Text")),
+      send);
+      const li = h("li", {
+        tabindex: 0, "data-testid": "question", "data-run-id": wait.run_id, "data-call-id": wait.call_id,
+        "aria-label": `The question of run ${wait.run_id}`,
+      },
+      h("h2", { "data-testid": "question-text" }, d.question ?? wait.key),
+      h("p", { class: "meta" },
+        "Run ", h("a", { href: `#/runs/${enc(wait.run_id)}`, class: "mono", "data-testid": "question-run" }, wait.run_id),
+        ` · step ${wait.step} · call `, h("span", { class: "mono" }, wait.call_id),
+        ` · waiting since ${time(wait.since)}`),
+      d.schema ? h("details", { open: true }, h("summary", {}, "Schema of the answer"),
+        h("pre", { "data-testid": "question-schema" }, pretty(d.schema))) : "",
+      form);
+      return li;
+    }
+
     async function load() {
-      let calls;
+      let found;
       try {
-        ({ calls } = await get("approvals"));
+        found = await inbox();
       } catch (e) {
         showError(e);
         return;
       }
-      $("approvals-count").textContent = calls.length ? String(calls.length) : "";
-      // Items are kept across refreshes and moved only when out of order, so a note being
-      // typed keeps its text and its focus through a `changed` event.
-      const keyOf = (call) => `${call.run_id}\u0000${call.call_id}`;
-      const keep = new Set(calls.map(keyOf));
-      for (const [key, li] of items) {
-        if (keep.has(key)) continue;
-        // The keyboard moves on to the next call when the focused one is decided.
-        if (li.contains(document.activeElement)) {
-          let next = li.nextElementSibling;
-          while (next && !keep.has(`${next.dataset.runId}\u0000${next.dataset.callId}`)) next = next.nextElementSibling;
-          (next || view).focus();
-        }
-        li.remove();
-        items.delete(key);
-      }
-      let at = list.firstElementChild;
-      for (const call of calls) {
-        const key = keyOf(call);
-        if (!items.has(key)) items.set(key, item(call));
-        const li = items.get(key);
-        if (li === at) at = at.nextElementSibling;
-        else list.insertBefore(li, at);
-      }
-      empty.hidden = calls.length > 0;
+      sync(list, items, found.calls, item);
+      empty.hidden = found.calls.length > 0;
+      sync(questionList, questionItems, found.questions, question);
+      noQuestions.hidden = found.questions.length > 0;
     }
 
     const reload = coalesce(load);
@@ -683,9 +818,9 @@
 
   function restart() {
     whoami();
-    countApprovals();
+    countInbox();
     if (stopChanges) stopChanges();
-    const counted = coalesce(countApprovals);
+    const counted = coalesce(countInbox);
     let opened = false;
     stopChanges = follow("stream", {
       // After a reconnect, catch up on what changed while the stream was down.

@@ -663,7 +663,7 @@ pub struct PendingCall {
 /// {"status": "succeeded", "output": "done"}
 /// {"status": "failed", "error": "the step limit was reached"}
 /// {"status": "waiting_for_approval", "pending": {"step": 2, "call_id": "pay-1", "tool": "pay", "args": {}, "reason": "policy"}}
-/// {"status": "waiting", "wait": {"run_id": "order-17", "step": 4, "call_id": "c2", "kind": "timer", "key": "recheck", "detail": {"reason": "recheck"}, "since": 1700000000000, "due_at": 1700003600000}}
+/// {"status": "waiting", "wait": {"run_id": "order-17", "step": 4, "call_id": "c2", "kind": "timer", "key": "recheck", "detail": {"reason": "recheck"}, "since": 1700000000000, "due_at": 1700003600000, "woken_at": null}}
 /// {"status": "cancelled", "reason": "duplicate order"}
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -759,7 +759,8 @@ impl fmt::Display for WaitKind {
 /// event, `{"reason": ..., "retry": bool}` for a timer, `{"agent": ..., "task": ...}` for a child.
 ///
 /// JSON: `{"run_id": "r1", "step": 4, "call_id": "c2", "kind": "answer", "key": "c2",
-/// "detail": {"question": "Which account?"}, "since": 1700000000000, "due_at": null}`.
+/// "detail": {"question": "Which account?"}, "since": 1700000000000, "due_at": null,
+/// "woken_at": null}`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Wait {
     /// The run that waits.
@@ -780,6 +781,10 @@ pub struct Wait {
     /// A timer's due time, by `Config::clock`.
     #[serde(default, with = "opt_millis")]
     pub due_at: Option<SystemTime>,
+    /// When what it waited for came (an answer, an event, its child's end): the run goes on
+    /// at its resume, which a supervisor makes at once. `None` while nothing came.
+    #[serde(default, with = "opt_millis")]
+    pub woken_at: Option<SystemTime>,
 }
 
 /// An event delivered to a run ([`Store::deliver_event`](crate::Store::deliver_event)).

@@ -92,6 +92,7 @@ impl WaitRow {
             detail: self.detail.clone(),
             since: from_millis(self.since),
             due_at: self.due_at.map(from_millis),
+            woken_at: self.result.as_ref().and(self.ready_at).map(from_millis),
         }
     }
 }

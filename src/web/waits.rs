@@ -204,6 +204,7 @@ fn decode(cursor: &str) -> Result<Wait, ApiError> {
         key: String::new(),
         detail: Value::Null,
         due_at: None,
+        woken_at: None,
     })
 }
 

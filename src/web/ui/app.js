@@ -275,9 +275,11 @@
   async function inbox() {
     const [{ calls }, { waits }] = await Promise.all([
       get("approvals"), get(`waits?kind=answer&limit=${INBOX_QUESTIONS}`)]);
-    const n = calls.length + waits.length;
+    // An answered question is on its way to its resume: nothing is left to answer.
+    const questions = waits.filter((w) => w.woken_at == null);
+    const n = calls.length + questions.length;
     $("approvals-count").textContent = n ? String(n) : "";
-    return { calls, questions: waits };
+    return { calls, questions };
   }
 
   async function countInbox() {

@@ -181,4 +181,6 @@ CREATE TABLE schedules (
     created_at INTEGER NOT NULL,
     updated_at INTEGER NOT NULL
 ) STRICT;
+-- The schedules due, read by each pass of a supervisor with recovery (`due_schedules`), and
+-- the next occurrence after now (`next_scheduled_at`): a range of this index.
 CREATE INDEX schedules_due ON schedules (next_at) WHERE paused = 0;

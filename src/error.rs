@@ -56,6 +56,10 @@ pub enum Error {
     #[error("no run with id \"{0}\"; check the id (the list of runs shows the existing ones)")]
     RunNotFound(RunId),
 
+    /// No schedule of this name exists.
+    #[error("no schedule named {0:?}; check the name (`agentrt schedules` lists them)")]
+    ScheduleNotFound(String),
+
     /// The run exists but has no tool call with this id.
     #[error("run {run_id} has no tool call with id {call_id:?}")]
     CallNotFound {
@@ -344,9 +348,12 @@ impl Error {
         matches!(self, Error::Database(err) if err.is_busy())
     }
 
-    /// True when a run or a call named by the caller does not exist.
+    /// True when a run, a call or a schedule named by the caller does not exist.
     pub fn is_not_found(&self) -> bool {
-        matches!(self, Error::RunNotFound(_) | Error::CallNotFound { .. })
+        matches!(
+            self,
+            Error::RunNotFound(_) | Error::CallNotFound { .. } | Error::ScheduleNotFound(_)
+        )
     }
 }
 

@@ -11,11 +11,13 @@ mod actors;
 mod agent;
 mod builtin;
 mod clock;
+mod cron;
 mod error;
 mod metrics;
 mod model_policy;
 #[cfg(any(feature = "openai", feature = "anthropic"))]
 pub mod models;
+mod schedule;
 mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -84,6 +86,7 @@ pub use builtin::DEFAULT_MAX_DEPTH;
 pub use clock::{Clock, SystemClock};
 pub use error::{DatabaseError, Error, Result};
 pub use model_policy::{DEFAULT_MODEL_TIMEOUT, ModelPolicy};
+pub use schedule::{MISSED_AFTER, Missed, Schedule};
 /// The `schemars` this crate derives schemas with (see [`schema_for`]).
 pub use schemars;
 /// The `serde_json` whose `Value` runs take as input and tools take and return.

@@ -6,6 +6,7 @@ mod config;
 mod drain;
 mod operator;
 mod recovery;
+mod schedules;
 mod waits;
 mod watch;
 
@@ -75,6 +76,7 @@ pub struct Supervisor {
     /// The clock of `Config::clock`: timers fall due by it.
     clock: Arc<dyn crate::clock::Clock>,
     waking: waits::Waking,
+    scheduling: schedules::Scheduling,
 }
 
 /// Assembles a [`Supervisor`].
@@ -160,6 +162,7 @@ impl SupervisorBuilder {
             draining: Default::default(),
             clock: self.config.clock.clone(),
             waking: Default::default(),
+            scheduling: Default::default(),
         }
         .start())
     }

@@ -20,7 +20,7 @@ use serde_json::Value;
 use super::{
     health::Space,
     listing::ListQuery,
-    model::{ApprovalRow, LeaseRow, Now, Renewal, StepRow, WaitRow},
+    model::{ApprovalRow, LeaseRow, Now, Renewal, ScheduleRow, StepRow, WaitRow},
 };
 use crate::{
     clock::Clock,
@@ -109,6 +109,23 @@ pub(crate) trait Reads {
         after: Option<(i64, &RunId)>,
         limit: usize,
     ) -> Result<Vec<(RunId, WaitRow)>>;
+    /// The schedule `name`; `None` when there is none. In a move's transaction, its row is the
+    /// move's until the commit (a backend whose writers run side by side locks it).
+    fn schedule(&mut self, name: &str) -> Result<Option<ScheduleRow>>;
+    /// Every schedule, by name.
+    fn schedules(&mut self) -> Result<Vec<ScheduleRow>>;
+    /// The first `limit` schedules of `agents` that are not paused and whose next occurrence
+    /// is at or before `until`, by that occurrence: read through the index of due schedules,
+    /// whatever the number of schedules not due.
+    fn due_schedules(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<ScheduleRow>>;
+    /// The earliest next occurrence after `after` of the schedules of `agents` that are not
+    /// paused.
+    fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>>;
 }
 
 /// The rows a purge deleted (or would delete).
@@ -288,6 +305,23 @@ pub(crate) trait Tx: LeaseWrites {
     ) -> Result<Option<(String, Value)>>;
     /// Marks the run's event `event_id` taken by its wait at `step`.
     fn mark_inbox(&mut self, run_id: &RunId, event_id: &str, step: u32) -> Result<()>;
+    /// Inserts schedule `row.name`, or replaces every column of the one of that name but its
+    /// `created_at`.
+    fn put_schedule(&mut self, row: &ScheduleRow) -> Result<()>;
+    /// Sets whether schedule `name` is paused, and its next occurrence when given, stamped at
+    /// `at`; false when there is none.
+    fn set_schedule_paused(
+        &mut self,
+        name: &str,
+        paused: bool,
+        next_at: Option<i64>,
+        at: i64,
+    ) -> Result<bool>;
+    /// Moves the next occurrence of schedule `name` from `from` to `to`, stamped at `at`, if
+    /// it is still `from` and the schedule is not paused (compare-and-set); false otherwise.
+    fn advance_schedule(&mut self, name: &str, from: i64, to: i64, at: i64) -> Result<bool>;
+    /// Deletes schedule `name`; whether there was one.
+    fn delete_schedule(&mut self, name: &str) -> Result<bool>;
     /// Deletes those of `ids` that have finished, with their steps, events and approvals; the
     /// state is checked in each delete's statement. What it deleted.
     fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged>;
@@ -370,6 +404,19 @@ pub enum MoveKind {
     AnswerQuestion,
     /// An event delivered to a run (`event.received`).
     DeliverEvent,
+    /// A schedule made or replaced (no event).
+    PutSchedule,
+    /// A schedule paused (no event).
+    PauseSchedule,
+    /// A paused schedule resumed (no event).
+    ResumeSchedule,
+    /// A schedule deleted; its runs are kept (no event).
+    DeleteSchedule,
+    /// An occurrence of a schedule started: its run inserted with no lease, as a run that
+    /// waits for a slot is (`run.started`), and the schedule advanced past now.
+    StartScheduled,
+    /// A schedule's missed occurrences skipped: the schedule advanced past now (no event).
+    SkipScheduled,
 }
 
 impl MoveKind {
@@ -399,6 +446,12 @@ impl MoveKind {
             MoveKind::ResumeWait => "resume_wait",
             MoveKind::AnswerQuestion => "answer_question",
             MoveKind::DeliverEvent => "deliver_event",
+            MoveKind::PutSchedule => "put_schedule",
+            MoveKind::PauseSchedule => "pause_schedule",
+            MoveKind::ResumeSchedule => "resume_schedule",
+            MoveKind::DeleteSchedule => "delete_schedule",
+            MoveKind::StartScheduled => "start_scheduled",
+            MoveKind::SkipScheduled => "skip_scheduled",
         }
     }
 }
@@ -415,7 +468,9 @@ impl std::fmt::Display for MoveKind {
 pub struct MoveInfo {
     /// What the move does.
     pub kind: MoveKind,
-    /// The run it moves.
+    /// The run it moves. A schedule's occurrence names the run of that occurrence
+    /// (`nightly@2026-12-03T02:00:00Z`), started or skipped; a move of a schedule as a whole
+    /// (put, pause, resume, delete) names it by the prefix its runs' ids share (`nightly@`).
     pub run_id: RunId,
 }
 

@@ -1,6 +1,7 @@
 //! The store's behaviours, written once for every backend: each move and its guard, the
-//! refusals (which change nothing), renewal, release, takeover, inspection, and the refusal
-//! of a schema this build does not know.
+//! refusals (which change nothing), renewal, release, takeover, inspection, waits and
+//! schedules (`conformance/waits.rs`, `conformance/schedules.rs`), and the refusal of a
+//! schema this build does not know.
 //!
 //! A backend joins the suite with one line, `conformance_suite!(name, fixture)`, where the
 //! fixture says how to make a fresh store (and, if the backend can hold one, a database of a
@@ -93,6 +94,12 @@ macro_rules! conformance_suite {
                 a_timer_is_ready_at_its_time_through_the_index_of_ready_waits,
                 a_child_is_inserted_with_its_parents_wait_and_its_end_wakes_the_parent,
                 cancelling_a_parent_cancels_the_child_it_waits_for,
+                a_schedule_is_put_paused_resumed_and_deleted_by_name,
+                what_cannot_be_put_or_is_not_there_is_refused_unchanged,
+                a_pass_reads_the_due_schedules_of_its_agents_not_paused,
+                a_due_occurrence_starts_once_and_the_schedule_moves_past_it,
+                an_occurrence_whose_run_exists_starts_nothing_and_moves_on,
+                two_advances_of_one_occurrence_in_a_group_start_one_run,
             );
         }
     };
@@ -120,6 +127,16 @@ pub(crate) use waits::{
     cancelling_a_parent_cancels_the_child_it_waits_for,
 };
 
+mod schedules;
+pub(crate) use schedules::{
+    a_due_occurrence_starts_once_and_the_schedule_moves_past_it,
+    a_pass_reads_the_due_schedules_of_its_agents_not_paused,
+    a_schedule_is_put_paused_resumed_and_deleted_by_name,
+    an_occurrence_whose_run_exists_starts_nothing_and_moves_on,
+    two_advances_of_one_occurrence_in_a_group_start_one_run,
+    what_cannot_be_put_or_is_not_there_is_refused_unchanged,
+};
+
 const OWNER: &str = "me/000000000001";
 const OTHER: &str = "them/000000000002";
 
@@ -134,7 +151,7 @@ fn holder(owner: &str, ttl: Duration) -> Grant {
     Grant::held(holder, FIRST_TOKEN)
 }
 
-fn me() -> Grant {
+pub(crate) fn me() -> Grant {
     holder(OWNER, Duration::from_secs(30))
 }
 

@@ -21,6 +21,7 @@ pub(crate) mod pulse;
 pub(crate) mod queue;
 mod resolver;
 mod retention;
+mod schedules;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

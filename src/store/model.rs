@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 pub(crate) use crate::clock::{from_millis, to_millis};
 use crate::{
     clock::Clock,
+    schedule::{Missed, Schedule},
     types::{
         ApprovalReason, Lease, ModelResponse, Run, RunId, RunState, StepKind, StepState, ToolCall,
         Wait, WaitKind,
@@ -94,6 +95,32 @@ impl WaitRow {
             due_at: self.due_at.map(from_millis),
             woken_at: self.result.as_ref().and(self.ready_at).map(from_millis),
         }
+    }
+}
+
+/// A schedule as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ScheduleRow {
+    pub name: String,
+    pub agent: String,
+    pub input: Value,
+    pub cron: String,
+    pub missed: Missed,
+    pub paused: bool,
+    /// Milliseconds by the clock of whoever put or advanced it, as the two below.
+    pub next_at: i64,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+impl ScheduleRow {
+    /// As the public type shows it.
+    pub(crate) fn public(&self) -> Schedule {
+        let mut schedule = Schedule::new(&self.name, &self.cron, &self.agent, self.input.clone())
+            .missed(self.missed)
+            .paused(self.paused);
+        schedule.next_at = Some(from_millis(self.next_at));
+        schedule
     }
 }
 

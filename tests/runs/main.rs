@@ -1,6 +1,7 @@
 //! Runs and approvals: starting, spawning, cancelling and forking runs, policy decisions and
 //! approvals, bad input, the conversation a model sees, tool schemas, tool timeouts and
-//! heartbeats, the concurrency limit and what is written before each side effect.
+//! heartbeats, the concurrency limit, what is written before each side effect, runs that
+//! wait, and schedules.
 
 #[path = "../support/mod.rs"]
 mod support;
@@ -16,6 +17,7 @@ mod fork;
 mod golden_run;
 mod json_shape;
 mod run_ids;
+mod schedules;
 mod tool_schemas;
 mod tool_timeouts;
 mod waits;

@@ -97,8 +97,8 @@ impl Config {
 
     /// Recovers the runs a dead process left: at start and then periodically, the supervisor
     /// takes over the `RUNNING` runs of its agents whose lease expired or that nobody holds
-    /// (see [`Recovery`]). Off by default: without it, a run is taken over only by a
-    /// [`ResumeRun`].
+    /// (see [`Recovery`]), and starts the runs of its agents' schedules. Off by default:
+    /// without it, a run is taken over only by a [`ResumeRun`], and no schedule starts a run.
     pub fn recovery(mut self, recovery: Recovery) -> Self {
         self.recovery = Some(recovery);
         self

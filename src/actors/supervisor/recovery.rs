@@ -43,6 +43,11 @@ use crate::{
 /// does (every 50 ms, unless a watch sets the period), for the runs a draining replica
 /// released ([`Drain`](crate::Drain)): it takes each over at once if it has a free slot,
 /// rather than at its next pass. It acts on decisions only with a watch.
+///
+/// It also starts the runs of the [`Schedule`](crate::Schedule)s of its agents: at each pass,
+/// and at the time of the next occurrence it knows of (a second later at most), it reads the
+/// schedules due through their index, starts each occurrence (of several replicas, one does)
+/// and executes its run as one that waited for a slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovery {
     every: Duration,
@@ -159,8 +164,9 @@ impl Supervisor {
         let Some(recovery) = self.recovery.clone() else {
             return;
         };
-        // Due timers are read at each pass too, through their own index.
+        // Due timers and due schedules are read at each pass too, each through its own index.
         self.wake_pass(ctx);
+        self.schedule_pass(ctx);
         let slots = self.free_slots();
         if self.recovering.reading || slots == 0 || self.draining.is_on() {
             return;

@@ -13,7 +13,9 @@
 //!   interrupted steps;
 //! - [`handover`]: a draining supervisor's release of a run, for another replica to take up;
 //! - [`wait`]: a call that waits for an answer, an event, a time or a child run, what wakes
-//!   it, and the resume that goes on with what came.
+//!   it, and the resume that goes on with what came;
+//! - [`schedule`]: an operator's put, pause, resume and delete of a schedule, and the start
+//!   (or skip) of its due occurrence.
 //!
 //! Also the reads ([`reads`]) and the lease's writes outside any move ([`lease`]).
 
@@ -25,6 +27,7 @@ mod lifecycle;
 mod model;
 mod reads;
 mod recovery;
+mod schedule;
 mod tool;
 mod wait;
 
@@ -36,6 +39,9 @@ pub(crate) use lifecycle::{CancelRun, CreateRun, FailRun, ForkRun, QueueRun};
 pub(crate) use model::{BeginModelAttempt, BeginModelStep, FailModelAttempt, FinishModelStep};
 pub(crate) use reads::{events_after, lease, lease_report, load, pending_calls, run, usage};
 pub(crate) use recovery::{Reconcile, TakeOver};
+pub(crate) use schedule::{
+    AdvanceSchedule, Advanced, DeleteSchedule, PauseSchedule, PutSchedule, ResumeSchedule,
+};
 pub(crate) use tool::{DecideTool, FinishTool, RecordProgress, RejectTool, TimeOutTool, TimedOut};
 pub(crate) use wait::{
     AnswerQuestion, Began, BeginWait, DeliverEvent, ResumeWait, Resumed, WaitRequest,

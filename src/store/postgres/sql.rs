@@ -10,12 +10,13 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
+    schedule::Missed,
     store::{
         backend::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, StepRow, WaitRow, from_millis},
+        model::{ApprovalRow, LeaseRow, ScheduleRow, StepRow, WaitRow, from_millis},
         moves::FIRST_TOKEN,
     },
     types::{
@@ -570,6 +571,76 @@ impl Reads for PgTx<'_> {
             .map(|row| Ok((RunId::from(get::<String>(row, 9)?), wait_from_row(row, 0)?)))
             .collect()
     }
+
+    fn schedule(&mut self, name: &str) -> Result<Option<ScheduleRow>> {
+        let sql = self.locking(&format!(
+            "SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = $1"
+        ));
+        self.row(&sql, &[&name])?
+            .as_ref()
+            .map(schedule_from_row)
+            .transpose()
+    }
+
+    fn schedules(&mut self) -> Result<Vec<ScheduleRow>> {
+        let rows = self.rows(
+            &format!("SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"),
+            &[],
+        )?;
+        rows.iter().map(schedule_from_row).collect()
+    }
+
+    fn due_schedules(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<ScheduleRow>> {
+        let agents: Vec<&str> = agents.to_vec();
+        // A range of schedules_due up to `until`: the schedules not due cost nothing.
+        let rows = self.rows(
+            &format!(
+                "SELECT {SCHEDULE_COLUMNS} FROM schedules
+                 WHERE NOT paused AND next_at <= $1 AND agent = ANY($2::text[])
+                 ORDER BY next_at LIMIT $3"
+            ),
+            &[&until, &agents, &(limit as i64)],
+        )?;
+        rows.iter().map(schedule_from_row).collect()
+    }
+
+    fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        let agents: Vec<&str> = agents.to_vec();
+        let rows = self.rows(
+            "SELECT next_at FROM schedules
+             WHERE NOT paused AND next_at > $1 AND agent = ANY($2::text[])
+             ORDER BY next_at LIMIT 1",
+            &[&after, &agents],
+        )?;
+        rows.first().map(|row| get(row, 0)).transpose()
+    }
+}
+
+/// A schedule's columns, as [`schedule_from_row`] reads them.
+const SCHEDULE_COLUMNS: &str =
+    "name, agent, input, cron, catch_up, paused, next_at, created_at, updated_at";
+
+fn schedule_from_row(row: &Row) -> Result<ScheduleRow> {
+    Ok(ScheduleRow {
+        name: get(row, 0)?,
+        agent: get(row, 1)?,
+        input: get(row, 2)?,
+        cron: get(row, 3)?,
+        missed: if get(row, 4)? {
+            Missed::CatchUp
+        } else {
+            Missed::Skip
+        },
+        paused: get(row, 5)?,
+        next_at: get(row, 6)?,
+        created_at: get(row, 7)?,
+        updated_at: get(row, 8)?,
+    })
 }
 
 /// A wait's columns, with its call's id, as [`wait_from_row`] reads them.
@@ -595,6 +666,58 @@ fn wait_from_row(row: &Row, at: usize) -> Result<WaitRow> {
 }
 
 impl Tx for PgTx<'_> {
+    fn put_schedule(&mut self, row: &ScheduleRow) -> Result<()> {
+        self.execute(
+            "INSERT INTO schedules (name, agent, input, cron, catch_up, paused, next_at,
+                                    created_at, updated_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+             ON CONFLICT (name) DO UPDATE SET agent = excluded.agent,
+                 input = excluded.input, cron = excluded.cron, catch_up = excluded.catch_up,
+                 paused = excluded.paused, next_at = excluded.next_at,
+                 updated_at = excluded.updated_at",
+            &[
+                &row.name,
+                &row.agent,
+                &row.input,
+                &row.cron,
+                &(row.missed == Missed::CatchUp),
+                &row.paused,
+                &row.next_at,
+                &row.created_at,
+                &row.updated_at,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn set_schedule_paused(
+        &mut self,
+        name: &str,
+        paused: bool,
+        next_at: Option<i64>,
+        at: i64,
+    ) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE schedules SET paused = $2, next_at = coalesce($3, next_at), updated_at = $4
+             WHERE name = $1",
+            &[&name, &paused, &next_at, &at],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn advance_schedule(&mut self, name: &str, from: i64, to: i64, at: i64) -> Result<bool> {
+        let changed = self.execute(
+            "UPDATE schedules SET next_at = $3, updated_at = $4
+             WHERE name = $1 AND next_at = $2 AND NOT paused",
+            &[&name, &from, &to, &at],
+        )?;
+        Ok(changed == 1)
+    }
+
+    fn delete_schedule(&mut self, name: &str) -> Result<bool> {
+        Ok(self.execute("DELETE FROM schedules WHERE name = $1", &[&name])? == 1)
+    }
+
     fn lock_run(&mut self, run_id: &RunId) -> Result<()> {
         if let Some(group) = &self.group
             && group.locked(run_id.as_str())

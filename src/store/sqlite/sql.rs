@@ -7,12 +7,13 @@ use serde_json::Value;
 use super::error::Db;
 use crate::{
     error::{Error, Result},
+    schedule::Missed,
     store::{
         backend::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, StepRow, WaitRow, from_millis},
+        model::{ApprovalRow, LeaseRow, ScheduleRow, StepRow, WaitRow, from_millis},
         moves::FIRST_TOKEN,
     },
     types::{
@@ -185,6 +186,45 @@ fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
     })
 }
 
+/// A schedule's columns, as [`schedule_from_row`] reads them.
+const SCHEDULE_COLUMNS: &str =
+    "name, agent, input, cron, catch_up, paused, next_at, created_at, updated_at";
+
+/// The schedules of the agents in the JSON array `?2` not paused whose next occurrence is at
+/// or before `?1`, at most `?3`: a range of `schedules_due`, whose condition it repeats word for
+/// word.
+pub(crate) fn due_schedules_sql() -> String {
+    format!(
+        "SELECT {SCHEDULE_COLUMNS} FROM schedules
+         WHERE paused = 0 AND next_at <= ?1 AND agent IN (SELECT value FROM json_each(?2))
+         ORDER BY next_at LIMIT ?3"
+    )
+}
+
+/// The earliest next occurrence after `?1` of the schedules of the agents in the JSON array
+/// `?2` not paused: the first entry of `schedules_due` past it.
+pub(crate) const NEXT_SCHEDULED_AT: &str = "SELECT next_at FROM schedules
+     WHERE paused = 0 AND next_at > ?1 AND agent IN (SELECT value FROM json_each(?2))
+     ORDER BY next_at LIMIT 1";
+
+fn schedule_from_row(row: &Row<'_>) -> rusqlite::Result<ScheduleRow> {
+    Ok(ScheduleRow {
+        name: row.get(0)?,
+        agent: row.get(1)?,
+        input: parse_json(row.get(2)?, "schedule input")?,
+        cron: row.get(3)?,
+        missed: if row.get(4)? {
+            Missed::CatchUp
+        } else {
+            Missed::Skip
+        },
+        paused: row.get(5)?,
+        next_at: row.get(6)?,
+        created_at: row.get(7)?,
+        updated_at: row.get(8)?,
+    })
+}
+
 impl Reads for Sql<'_> {
     fn list_runs(&mut self, query: &ListQuery<'_>) -> Result<Vec<Run>> {
         use rusqlite::types::Value as Param;
@@ -327,6 +367,56 @@ impl Reads for Sql<'_> {
             )
             .db()?
             .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn schedule(&mut self, name: &str) -> Result<Option<ScheduleRow>> {
+        self.0
+            .prepare_cached(&format!(
+                "SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?1"
+            ))
+            .db()?
+            .query_row([name], schedule_from_row)
+            .optional()
+            .db()
+    }
+
+    fn schedules(&mut self) -> Result<Vec<ScheduleRow>> {
+        self.0
+            .prepare_cached(&format!(
+                "SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+            ))
+            .db()?
+            .query_map([], schedule_from_row)
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn due_schedules(
+        &mut self,
+        until: i64,
+        agents: &[&str],
+        limit: usize,
+    ) -> Result<Vec<ScheduleRow>> {
+        let agents = serde_json::to_string(agents).expect("names serialize");
+        // A range of schedules_due up to `until`: the schedules not due cost nothing.
+        self.0
+            .prepare_cached(&due_schedules_sql())
+            .db()?
+            .query_map(params![until, agents, limit as i64], schedule_from_row)
+            .db()?
+            .collect::<rusqlite::Result<_>>()
+            .db()
+    }
+
+    fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        let agents = serde_json::to_string(agents).expect("names serialize");
+        self.0
+            .prepare_cached(NEXT_SCHEDULED_AT)
+            .db()?
+            .query_row(params![after, agents], |row| row.get(0))
+            .optional()
             .db()
     }
 
@@ -622,6 +712,76 @@ impl Sql<'_> {
 }
 
 impl Tx for Sql<'_> {
+    fn put_schedule(&mut self, row: &ScheduleRow) -> Result<()> {
+        self.0
+            .prepare_cached(
+                "INSERT INTO schedules (name, agent, input, cron, catch_up, paused, next_at,
+                                        created_at, updated_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+                 ON CONFLICT (name) DO UPDATE SET agent = excluded.agent,
+                     input = excluded.input, cron = excluded.cron,
+                     catch_up = excluded.catch_up, paused = excluded.paused,
+                     next_at = excluded.next_at, updated_at = excluded.updated_at",
+            )
+            .db()?
+            .execute(params![
+                row.name,
+                row.agent,
+                row.input.to_string(),
+                row.cron,
+                row.missed == Missed::CatchUp,
+                row.paused,
+                row.next_at,
+                row.created_at,
+                row.updated_at,
+            ])
+            .db()?;
+        Ok(())
+    }
+
+    fn set_schedule_paused(
+        &mut self,
+        name: &str,
+        paused: bool,
+        next_at: Option<i64>,
+        at: i64,
+    ) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE schedules SET paused = ?2, next_at = coalesce(?3, next_at),
+                                      updated_at = ?4
+                 WHERE name = ?1",
+            )
+            .db()?
+            .execute(params![name, paused, next_at, at])
+            .db()?;
+        Ok(changed == 1)
+    }
+
+    fn advance_schedule(&mut self, name: &str, from: i64, to: i64, at: i64) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached(
+                "UPDATE schedules SET next_at = ?3, updated_at = ?4
+                 WHERE name = ?1 AND next_at = ?2 AND paused = 0",
+            )
+            .db()?
+            .execute(params![name, from, to, at])
+            .db()?;
+        Ok(changed == 1)
+    }
+
+    fn delete_schedule(&mut self, name: &str) -> Result<bool> {
+        let changed = self
+            .0
+            .prepare_cached("DELETE FROM schedules WHERE name = ?1")
+            .db()?
+            .execute([name])
+            .db()?;
+        Ok(changed == 1)
+    }
+
     fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()> {
         self.0
             .prepare_cached(

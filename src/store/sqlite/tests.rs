@@ -99,7 +99,7 @@ fn migrations_are_valid() {
 }
 
 #[test]
-fn listing_and_purging_by_age_read_a_range_of_one_index() {
+fn listing_purging_by_age_and_due_schedules_read_a_range_of_one_index() {
     let store = Store::in_memory().unwrap();
     let sqlite = Sqlite::of(&store).unwrap();
     let conn = lock(&sqlite.writer);
@@ -131,6 +131,14 @@ fn listing_and_purging_by_age_read_a_range_of_one_index() {
         "{found}"
     );
     assert!(!found.contains("TEMP B-TREE"), "no sort: {found}");
+    for query in [sql::due_schedules_sql().as_str(), sql::NEXT_SCHEDULED_AT] {
+        let found = plan(query);
+        assert!(
+            found.starts_with("SEARCH schedules USING INDEX schedules_due "),
+            "{found}"
+        );
+        assert!(!found.contains("TEMP B-TREE"), "no sort: {found}");
+    }
 }
 
 #[test]

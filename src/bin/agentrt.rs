@@ -3,8 +3,8 @@
 //! It works while other processes run the database: every command reads or writes in single
 //! short statements or transactions, never holds a lock between them, and writes only where
 //! the command is meant to (`cancel`, `approve`, `deny`, `answer`, `signal`, `fork`, `purge`,
-//! `vacuum`, `migrate --apply`). The others (and `purge --dry-run`) open
-//! the database read-only: they create nothing beside it and change no byte of it.
+//! `vacuum`, `migrate --apply`, `schedule pause|resume`). The others (and `purge --dry-run`)
+//! open the database read-only: they create nothing beside it and change no byte of it.
 
 use std::{
     collections::BTreeMap,
@@ -162,6 +162,11 @@ enum Command {
         #[arg(long, requires = "tokens")]
         reads_need_token: bool,
     },
+    /// List the schedules: each one's agent, cron expression, and next run.
+    Schedules,
+    /// Pause or resume a schedule.
+    #[command(subcommand)]
+    Schedule(schedules::ScheduleCommand),
     /// Make a new random token for OPERATOR: prints the token (give it to the operator), then
     /// the line to add to the --tokens file of `serve`, which keeps only its digest.
     Token {
@@ -291,7 +296,10 @@ macro_rules! out {
     }};
 }
 
-// After `out!`, which it uses; beside this file, in a folder that holds no binary of its own.
+// After `out!`, which the waits' commands use; beside this file, in a folder that holds no
+// binary of its own.
+#[path = "agentrt/schedules.rs"]
+mod schedules;
 #[path = "agentrt/waits.rs"]
 mod waits;
 
@@ -322,6 +330,8 @@ fn run(cli: Cli) -> Outcome {
         Command::Vacuum => vacuum(&path, json),
         Command::Answer(args) => waits::answer(&path, args, json),
         Command::Signal(args) => waits::signal(&path, args, json),
+        Command::Schedules => schedules::list(&open_reading(&path)?, json),
+        Command::Schedule(command) => schedules::write(&path, command, json),
         command @ (Command::Cancel { .. }
         | Command::Approve(_)
         | Command::Deny(_)

@@ -1,7 +1,7 @@
 //! agentrt over HTTP, for actix-web applications: the runs and their events, the event
 //! stream, approvals, answers to runs' questions, events delivered to runs, cancel and fork,
-//! health and readiness, and the operator console at `/ui`, mounted onto the application's
-//! own `App` in one line.
+//! schedules, health and readiness, and the operator console at `/ui`, mounted onto the
+//! application's own `App` in one line.
 //!
 //! ```no_run
 //! use actix_web::{App, HttpServer};
@@ -28,6 +28,7 @@ mod auth;
 mod error;
 pub(crate) mod metrics;
 mod routes;
+mod schedules;
 mod stream;
 mod ui;
 mod waits;

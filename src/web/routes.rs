@@ -45,6 +45,7 @@ pub(crate) fn configure(cfg: &mut web::ServiceConfig) {
         .service(resource("/runs/{id}/resume").post(resume))
         .service(resource("/runs/{id}/cancel").post(cancel))
         .service(resource("/runs/{id}/fork").post(fork))
+        .configure(super::schedules::configure)
         .configure(super::ui::configure);
 }
 
@@ -66,7 +67,7 @@ pub(crate) async fn no_route(req: HttpRequest) -> Result<HttpResponse, ApiError>
 }
 
 /// A route whose other methods are answered with a JSON 405.
-fn resource(path: &str) -> actix_web::Resource {
+pub(super) fn resource(path: &str) -> actix_web::Resource {
     web::resource(path).default_service(web::to(method_not_allowed))
 }
 

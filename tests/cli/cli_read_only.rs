@@ -180,6 +180,8 @@ const READS: &[&[&str]] = &[
     &["waits"],
     &["--json", "waits", "--kind", "answer"],
     &["show", "question"],
+    &["schedules"],
+    &["--json", "schedules"],
 ];
 
 #[test]

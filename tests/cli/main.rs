@@ -9,3 +9,4 @@ mod cli_serve;
 mod cli_special_files;
 mod cli_waits;
 mod decisions_from_elsewhere;
+mod schedules;

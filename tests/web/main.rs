@@ -9,6 +9,7 @@ mod console_browser;
 mod draining;
 mod event_cursors;
 mod run_ids;
+mod schedules;
 mod service;
 mod web_api;
 mod web_auth;

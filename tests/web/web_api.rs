@@ -437,6 +437,9 @@ fn the_openapi_document_lists_every_route() {
             "/runs/{id}/resume",
             "/runs/{id}/cancel",
             "/runs/{id}/fork",
+            "/schedules",
+            "/schedules/{name}/pause",
+            "/schedules/{name}/resume",
             "/ui",
         ]
         .into();
@@ -444,7 +447,10 @@ fn the_openapi_document_lists_every_route() {
         // Each documented route answers (a GET route with a 2xx or one of its errors, never
         // the catch-all 404 of a path no route has).
         for path in expected.iter().filter(|path| **path != "/stream") {
-            let concrete = path.replace("{id}", "none").replace("{call}", "none");
+            let concrete = path
+                .replace("{id}", "none")
+                .replace("{call}", "none")
+                .replace("{name}", "none");
             let (status, body) = client.get(&concrete).await;
             assert!(
                 !(status == 404

@@ -57,6 +57,9 @@ mod production_md {}
 #[cfg(doctest)]
 #[doc = include_str!("../docs/reconciliation.md")]
 mod reconciliation_md {}
+#[cfg(doctest)]
+#[doc = include_str!("../docs/schedules.md")]
+mod schedules_md {}
 #[cfg(all(doctest, feature = "web", feature = "otel"))]
 #[doc = include_str!("../docs/operate.md")]
 mod operate_md {}

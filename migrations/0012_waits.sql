@@ -181,6 +181,7 @@ CREATE TABLE schedules (
     created_at INTEGER NOT NULL,
     updated_at INTEGER NOT NULL
 ) STRICT;
--- The schedules due, read by each pass of a supervisor with recovery (`due_schedules`), and
--- the next occurrence after now (`next_scheduled_at`): a range of this index.
-CREATE INDEX schedules_due ON schedules (next_at) WHERE paused = 0;
+-- The schedules due, read once per pass for each agent of a supervisor with recovery
+-- (`due_schedules`), and the next occurrence after now (`next_scheduled_at`): a range of this
+-- index, whatever the number of schedules not due or of agents the supervisor lacks.
+CREATE INDEX schedules_due ON schedules (agent, next_at) WHERE paused = 0;

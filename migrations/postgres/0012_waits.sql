@@ -73,6 +73,6 @@ CREATE TABLE schedules (
     created_at BIGINT  NOT NULL,
     updated_at BIGINT  NOT NULL
 );
--- The schedules due, read by each pass of a supervisor with recovery (`due_schedules`), and
--- the next occurrence after now (`next_scheduled_at`).
-CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused;
+-- The schedules due, read once per pass for each agent of a supervisor with recovery
+-- (`due_schedules`), and the next occurrence after now (`next_scheduled_at`).
+CREATE INDEX schedules_due ON schedules (agent, next_at) WHERE NOT paused;

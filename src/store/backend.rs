@@ -116,7 +116,7 @@ pub(crate) trait Reads {
     fn schedules(&mut self) -> Result<Vec<ScheduleRow>>;
     /// The first `limit` schedules of `agents` that are not paused and whose next occurrence
     /// is at or before `until`, by that occurrence: read through the index of due schedules,
-    /// whatever the number of schedules not due.
+    /// per agent, whatever the number of schedules not due or of other agents.
     fn due_schedules(
         &mut self,
         until: i64,

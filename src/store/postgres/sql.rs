@@ -596,12 +596,15 @@ impl Reads for PgTx<'_> {
         agents: &[&str],
         limit: usize,
     ) -> Result<Vec<ScheduleRow>> {
+        // A range of schedules_due per agent, up to `until`: the schedules not due, and those
+        // of other agents, cost nothing.
         let agents: Vec<&str> = agents.to_vec();
-        // A range of schedules_due up to `until`: the schedules not due cost nothing.
         let rows = self.rows(
             &format!(
-                "SELECT {SCHEDULE_COLUMNS} FROM schedules
-                 WHERE NOT paused AND next_at <= $1 AND agent = ANY($2::text[])
+                "SELECT {SCHEDULE_COLUMNS} FROM unnest($2::text[]) AS a(wanted)
+                 CROSS JOIN LATERAL (SELECT * FROM schedules
+                                     WHERE agent = a.wanted AND NOT paused AND next_at <= $1
+                                     ORDER BY next_at LIMIT $3) AS found
                  ORDER BY next_at LIMIT $3"
             ),
             &[&until, &agents, &(limit as i64)],
@@ -612,12 +615,12 @@ impl Reads for PgTx<'_> {
     fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
         let agents: Vec<&str> = agents.to_vec();
         let rows = self.rows(
-            "SELECT next_at FROM schedules
-             WHERE NOT paused AND next_at > $1 AND agent = ANY($2::text[])
-             ORDER BY next_at LIMIT 1",
+            "SELECT min(next) FROM unnest($2::text[]) AS a(name)
+             CROSS JOIN LATERAL (SELECT min(next_at) AS next FROM schedules
+                                 WHERE agent = a.name AND NOT paused AND next_at > $1) AS found",
             &[&after, &agents],
         )?;
-        rows.first().map(|row| get(row, 0)).transpose()
+        rows.first().map_or(Ok(None), |row| get(row, 0))
     }
 }
 

@@ -190,22 +190,20 @@ fn event_from_row(run_id: &RunId, row: &Row<'_>) -> rusqlite::Result<Event> {
 const SCHEDULE_COLUMNS: &str =
     "name, agent, input, cron, catch_up, paused, next_at, created_at, updated_at";
 
-/// The schedules of the agents in the JSON array `?2` not paused whose next occurrence is at
-/// or before `?1`, at most `?3`: a range of `schedules_due`, whose condition it repeats word for
-/// word.
+/// An agent's (`?1`) schedules not paused whose next occurrence is at or before `?2`, at most
+/// `?3`: a range of `schedules_due`, whose condition it repeats word for word.
 pub(crate) fn due_schedules_sql() -> String {
     format!(
         "SELECT {SCHEDULE_COLUMNS} FROM schedules
-         WHERE paused = 0 AND next_at <= ?1 AND agent IN (SELECT value FROM json_each(?2))
+         WHERE agent = ?1 AND paused = 0 AND next_at <= ?2
          ORDER BY next_at LIMIT ?3"
     )
 }
 
-/// The earliest next occurrence after `?1` of the schedules of the agents in the JSON array
-/// `?2` not paused: the first entry of `schedules_due` past it.
-pub(crate) const NEXT_SCHEDULED_AT: &str = "SELECT next_at FROM schedules
-     WHERE paused = 0 AND next_at > ?1 AND agent IN (SELECT value FROM json_each(?2))
-     ORDER BY next_at LIMIT 1";
+/// The earliest next occurrence after `?2` of an agent's (`?1`) schedules not paused: one seek
+/// of `schedules_due`.
+pub(crate) const NEXT_SCHEDULED_AT: &str = "SELECT min(next_at) FROM schedules
+     WHERE agent = ?1 AND paused = 0 AND next_at > ?2";
 
 fn schedule_from_row(row: &Row<'_>) -> rusqlite::Result<ScheduleRow> {
     Ok(ScheduleRow {
@@ -399,25 +397,33 @@ impl Reads for Sql<'_> {
         agents: &[&str],
         limit: usize,
     ) -> Result<Vec<ScheduleRow>> {
-        let agents = serde_json::to_string(agents).expect("names serialize");
-        // A range of schedules_due up to `until`: the schedules not due cost nothing.
-        self.0
-            .prepare_cached(&due_schedules_sql())
-            .db()?
-            .query_map(params![until, agents, limit as i64], schedule_from_row)
-            .db()?
-            .collect::<rusqlite::Result<_>>()
-            .db()
+        // A range of schedules_due per agent, up to `until`: the schedules not due, and those
+        // of other agents, cost nothing.
+        let mut due = Vec::new();
+        let mut stmt = self.0.prepare_cached(&due_schedules_sql()).db()?;
+        for agent in agents {
+            let rows = stmt
+                .query_map(params![agent, until, limit as i64], schedule_from_row)
+                .db()?
+                .collect::<rusqlite::Result<Vec<_>>>()
+                .db()?;
+            due.extend(rows);
+        }
+        due.sort_by_key(|row| row.next_at);
+        due.truncate(limit);
+        Ok(due)
     }
 
     fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
-        let agents = serde_json::to_string(agents).expect("names serialize");
-        self.0
-            .prepare_cached(NEXT_SCHEDULED_AT)
-            .db()?
-            .query_row(params![after, agents], |row| row.get(0))
-            .optional()
-            .db()
+        let mut stmt = self.0.prepare_cached(NEXT_SCHEDULED_AT).db()?;
+        let mut next: Option<i64> = None;
+        for agent in agents {
+            let at: Option<i64> = stmt
+                .query_row(params![agent, after], |row| row.get(0))
+                .db()?;
+            next = next.into_iter().chain(at).min();
+        }
+        Ok(next)
     }
 
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {

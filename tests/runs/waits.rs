@@ -1,7 +1,13 @@
 //! Runs that wait for a person's answer, an event, a time or a child run: each holds no lease
 //! while it waits, survives a restart, and goes on with what came.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc, Condvar, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use agentrt::{
     Agent, Answer, Config, Delivered, Delivery, Error, EventKind, ModelResponse, Outcome, Recovery,
@@ -445,4 +451,127 @@ fn cancelling_a_parent_cancels_the_child_it_waits_for() {
     assert_eq!(child.state, RunState::Cancelled);
     assert!(child.error.unwrap().contains("parent"));
     assert_eq!(store.wait(&RunId::from("p2")).unwrap(), None);
+}
+
+/// Holds the store actor's thread after the first commit of a move of `kind`, until released:
+/// the call that made the move does not hear of it meanwhile.
+#[derive(Clone)]
+struct HoldAfter {
+    kind: agentrt::MoveKind,
+    /// Whether it holds, and whether it was released.
+    state: Arc<(Mutex<(bool, bool)>, Condvar)>,
+}
+
+impl HoldAfter {
+    fn new(kind: agentrt::MoveKind) -> Self {
+        HoldAfter {
+            kind,
+            state: Arc::default(),
+        }
+    }
+
+    fn holding(&self) -> bool {
+        self.state.0.lock().unwrap().0
+    }
+
+    fn release(&self) {
+        self.state.0.lock().unwrap().1 = true;
+        self.state.1.notify_all();
+    }
+}
+
+impl agentrt::MoveObserver for HoldAfter {
+    fn after_commit(&self, info: &agentrt::MoveInfo) {
+        let (state, released) = &*self.state;
+        let mut state = state.lock().unwrap();
+        if info.kind != self.kind || state.0 {
+            return;
+        }
+        state.0 = true;
+        while !state.1 {
+            state = released.wait(state).unwrap();
+        }
+    }
+}
+
+/// A tool that waits for its cancellation signal, and says when it is running and when the
+/// signal fired.
+#[derive(Clone, Default)]
+struct Listen {
+    running: Arc<AtomicBool>,
+    told: Arc<AtomicBool>,
+}
+
+#[agentrt::async_trait(?Send)]
+impl agentrt::Tool for Listen {
+    fn name(&self) -> &str {
+        "listen"
+    }
+
+    async fn call(
+        &self,
+        ctx: &agentrt::ToolContext,
+        _: &serde_json::Value,
+    ) -> Result<serde_json::Value, agentrt::ToolError> {
+        self.running.store(true, Ordering::SeqCst);
+        ctx.cancellation.cancelled().await;
+        self.told.store(true, Ordering::SeqCst);
+        Err(agentrt::ToolError::new("cancelled"))
+    }
+}
+
+async fn until(condition: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !condition() {
+        assert!(std::time::Instant::now() < deadline, "never happened");
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn an_answer_the_watch_hears_while_the_execution_that_asked_returns_resumes_the_run() {
+    let db = TempStore::new();
+    // The execution that asks does not hear its wait's commit until released.
+    let hold = HoldAfter::new(agentrt::MoveKind::BeginWait);
+    // A watch and no recovery: only the watch hears of the answer.
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(5)))
+        .observer(hold.clone());
+    let asker = one_call("ask_person", json!({"question": "Go?"}), "went");
+    let listen = Listen::default();
+    let listener = Agent::new(one_call("listen", json!({}), "stopped")).tool(listen.clone());
+    let (store, hold2, asker2) = (db.open(), hold.clone(), asker.clone());
+    with_system(|| async move {
+        let supervisor = agentrt::Supervisor::builder(store.clone())
+            .config(config)
+            .agent("a", Agent::new(asker2).ask_person())
+            .agent("b", listener)
+            .start()
+            .unwrap();
+        // Run b listens for a cancel: its signal fires when the watch hears of one.
+        supervisor
+            .send(SpawnRun::new("b", json!("go")).with_id("b1"))
+            .await
+            .unwrap()
+            .unwrap();
+        until(|| listen.running.load(Ordering::SeqCst)).await;
+        // Run a asks, and its execution is held right after its wait commits.
+        actix_rt::spawn(supervisor.send(SpawnRun::new("a", json!("go")).with_id("a1")));
+        until(|| hold2.holding()).await;
+        // Elsewhere: the question is answered, then b is cancelled.
+        let elsewhere = db.open();
+        let answer = Answer {
+            run_id: RunId::from("a1"),
+            call_id: "c1".into(),
+            answer: json!("yes"),
+            by: "carol".into(),
+        };
+        elsewhere.answer(&answer).unwrap();
+        elsewhere.cancel(&RunId::from("b1"), "enough").unwrap();
+        // The watch heard the cancel, so the answer before it, while a's execution ran.
+        until(|| listen.told.load(Ordering::SeqCst)).await;
+        hold2.release();
+        until_state(&store, &RunId::from("a1"), RunState::Succeeded).await;
+    });
+    assert_eq!(last_tool_result(&asker), ToolResult::Ok(json!("yes")));
 }

@@ -352,8 +352,8 @@ impl Supervisor {
         );
     }
 
-    /// A call that executed `run_id` returned: a decision heard meanwhile may be for the pause
-    /// it returned with.
+    /// A call that executed `run_id` returned: a decision (or a wait's wake-up) heard
+    /// meanwhile may be for the pause it returned with.
     pub(super) fn watched_execution_ended(
         &mut self,
         run_id: &RunId,
@@ -365,7 +365,7 @@ impl Supervisor {
         }
         match result {
             Ok(RunReply {
-                outcome: Outcome::WaitingForApproval { .. },
+                outcome: Outcome::WaitingForApproval { .. } | Outcome::Waiting { .. },
                 ..
             }) => self.resume_if_decided(run_id.clone(), ctx),
             // It may have stopped before it acted on the decision heard meanwhile.

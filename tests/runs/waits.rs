@@ -575,3 +575,70 @@ fn an_answer_the_watch_hears_while_the_execution_that_asked_returns_resumes_the_
     });
     assert_eq!(last_tool_result(&asker), ToolResult::Ok(json!("yes")));
 }
+
+#[test]
+fn a_timer_another_supervisor_set_before_it_went_away_fires_on_a_supervisor_that_only_watches() {
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call(
+        "sleep_until",
+        json!({"seconds": 3600, "reason": "check tomorrow"}),
+        "woke",
+    );
+    let agent = || Agent::new(model.clone()).sleep_until();
+    let set_timer = |id: &str| {
+        let start = StartRun::new("a", json!("go")).with_id(id);
+        let config = Config::default().clock(clock.clone());
+        let reply = ask(db.open(), config, "a", agent(), start).unwrap();
+        waiting(reply.outcome, WaitKind::Timer);
+    };
+    // A timer due when the watching supervisor starts: its first pass resumes it, so that
+    // pass is over before the next timer is set.
+    set_timer("t0");
+    clock.advance(Duration::from_secs(3601));
+    let (store, watcher_clock) = (db.open(), clock.clone());
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(10)))
+        .clock(clock.clone());
+    let (set, timer_set) = std::sync::mpsc::channel::<()>();
+    let watching_agent = agent();
+    let watcher = std::thread::spawn(move || {
+        with_system(|| async move {
+            let _supervisor = supervise(store.clone(), config, "a", watching_agent);
+            until_state(&store, &RunId::from("t0"), RunState::Succeeded).await;
+            set.send(()).unwrap();
+            // Another supervisor, gone since, sets this one's timer: nothing tells of it.
+            let t1 = RunId::from("t1");
+            until(|| store.run(&t1).is_ok()).await;
+            until_state(&store, &t1, RunState::Succeeded).await;
+        })
+    });
+    timer_set.recv().unwrap();
+    set_timer("t1");
+    watcher_clock.advance(Duration::from_secs(3601));
+    watcher.join().unwrap();
+}
+
+#[test]
+fn a_supervisor_nobody_holds_stops_though_it_knows_of_a_timer() {
+    let db = TempStore::new();
+    let model = one_call("sleep_until", json!({"seconds": 3600}), "woke");
+    let store = db.open();
+    with_system(|| async move {
+        let supervisor = supervise(store, waking(), "a", Agent::new(model).sleep_until());
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("t3"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Timer);
+        let weak = supervisor.downgrade();
+        drop(supervisor);
+        until(|| {
+            !weak
+                .upgrade()
+                .is_some_and(|supervisor| supervisor.connected())
+        })
+        .await;
+    });
+}

@@ -1,14 +1,15 @@
 //! A chaos run with real processes: workers share one database (an SQLite file, or a PostgreSQL
-//! database) and start and resume runs in a loop, while the parent kills them with SIGKILL,
-//! stops them with SIGSTOP, starves them of CPU, runs them on a very short lease, cuts their
-//! hosts off the network or shifts their wall clocks. With `--hosts N` every worker is a host
+//! database) and start and resume runs in a loop (a quarter of them sleep on a short timer and
+//! delegate to a child run, and the workers' watches wake them), while the parent kills them
+//! with SIGKILL, stops them with SIGSTOP, starves them of CPU, runs them on a very short lease,
+//! cuts their hosts off the network or shifts their wall clocks. With `--hosts N` every worker is a host
 //! of its own: a network namespace that reaches the database server over TCP through a veth
 //! link (`support/chaos_hosts.rs`). Afterwards every run is driven to its end, and
 //! every tool execution, as the tools logged it when they acted, is sorted into one class: the
 //! first for its idempotency key, an approved re-run, an idempotent retry, a retry after "not
 //! applied", a zombie (an owner whose lease was taken over, acting anyway), or unexplained.
 //! One summary line says how it went; the exit code is non-zero if anything is unexplained, a
-//! fenced effect applied twice, an event was lost or a run was left leased.
+//! fenced effect applied twice, an event or a wake-up was lost or a run was left leased.
 //!
 //! ```text
 //! cargo run --release --features testkit --example chaos -- --seconds 60 --workers 4 --mode stop
@@ -33,7 +34,7 @@ use std::{
 use agentrt::{
     Agent, Approval, Config, Decision, Drain, Error, EventKind, ModelResponse, Outcome,
     Reconciliation, RecordApproval, Recovery, RunId, RunState, StartRun, Store, Supervisor, Tool,
-    ToolCall, ToolContext, ToolError, async_trait,
+    ToolCall, ToolContext, ToolError, Watch, async_trait,
     testkit::{
         Admission, FencedResource, ScriptedModel, check_invariants, resume_when_free, with_system,
     },
@@ -47,10 +48,16 @@ mod chaos_classes;
 #[path = "support/chaos_hosts.rs"]
 mod chaos_hosts;
 
-use chaos_classes::{Class, Execution, Fence, classify, late_starts};
+use chaos_classes::{Class, Execution, Fence, Waits, classify, late_starts, waits};
 use chaos_hosts::Hosts;
 
 const AGENT: &str = "chaos";
+/// Runs that sleep on a short timer, delegate to a child run of [`CHILD`], then charge.
+const WAITER: &str = "chaos-waiter";
+/// The child runs: a ticket, then an answer.
+const CHILD: &str = "chaos-child";
+/// The share of the runs a worker starts that are [`WAITER`]'s.
+const WAITER_SHARE: f64 = 0.25;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -517,40 +524,85 @@ impl Tool for ChaosTool {
     }
 }
 
-fn agent(dir: &Path) -> Agent {
-    let model = ScriptedModel::new(vec![
-        ModelResponse::calls(vec![ToolCall::new("lookup-1", "lookup", json!({}))]),
+/// Every agent a process registers, by name: [`AGENT`], [`WAITER`] and [`CHILD`].
+fn agents(dir: &Path) -> Vec<(&'static str, Agent)> {
+    let log = SideEffectLog::open(log_path(dir)).expect("the side-effect log opens");
+    let resource = FencedResource::open(fences_path(dir)).expect("the fenced resource opens");
+    // `model` with the tools named in `tools`.
+    let agent = |model: ScriptedModel, tools: &[&str]| {
+        TOOLS.iter().filter(|(name, _)| tools.contains(name)).fold(
+            Agent::new(model),
+            |agent, &(name, kind)| {
+                agent.tool(ChaosTool {
+                    name,
+                    kind,
+                    log: log.clone(),
+                    resource: resource.clone(),
+                })
+            },
+        )
+    };
+    let call =
+        |id: &str, tool: &str, args| ModelResponse::calls(vec![ToolCall::new(id, tool, args)]);
+    let chaos = ScriptedModel::new(vec![
+        call("lookup-1", "lookup", json!({})),
         ModelResponse::calls(vec![
             ToolCall::new("charge-1", "charge", json!({})),
             ToolCall::new("ticket-1", "ticket", json!({})),
         ]),
-        ModelResponse::calls(vec![ToolCall::new("email-1", "email", json!({}))]),
+        call("email-1", "email", json!({})),
         ModelResponse::answer("done"),
     ]);
-    let log = SideEffectLog::open(log_path(dir)).expect("the side-effect log opens");
-    let resource = FencedResource::open(fences_path(dir)).expect("the fenced resource opens");
-    TOOLS
-        .iter()
-        .fold(Agent::new(model), |agent, &(name, kind)| {
-            agent.tool(ChaosTool {
-                name,
-                kind,
-                log: log.clone(),
-                resource: resource.clone(),
-            })
-        })
-        .policy(|_: &RunId, call: &ToolCall| match call.name.as_str() {
+    let chaos = agent(chaos, &["charge", "ticket", "lookup", "email"]).policy(
+        |_: &RunId, call: &ToolCall| match call.name.as_str() {
             "ticket" => Decision::RequireApproval("tickets need a person".into()),
             _ => Decision::Allow,
-        })
+        },
+    );
+    // A timer shorter than a TTL, so that it falls due within the kills and stops.
+    let waiter = ScriptedModel::new(vec![
+        call(
+            "nap-1",
+            "sleep_until",
+            json!({"seconds": 0.2, "reason": "settle"}),
+        ),
+        call("hand-1", "research", json!({"task": "open a ticket"})),
+        call("charge-1", "charge", json!({})),
+        ModelResponse::answer("done"),
+    ]);
+    let waiter = agent(waiter, &["charge"]).sleep_until().delegate(
+        "research",
+        CHILD,
+        "Hands a task to a child run.",
+    );
+    let child = ScriptedModel::new(vec![
+        call("ticket-1", "ticket", json!({})),
+        ModelResponse::answer("ticket opened"),
+    ]);
+    let child = agent(child, &["ticket"]);
+    vec![(AGENT, chaos), (WAITER, waiter), (CHILD, child)]
+}
+
+/// A supervisor over `store` for `owner`, with every agent.
+fn supervisor(store: Store, dir: &Path, owner: &str, mode: Mode) -> actix::Addr<Supervisor> {
+    agents(dir)
+        .into_iter()
+        .fold(
+            Supervisor::builder(store).config(config(owner, mode)),
+            |builder, (name, agent)| builder.agent(name, agent),
+        )
+        .start()
+        .expect("starts")
 }
 
 fn config(owner: &str, mode: Mode) -> Config {
+    // The watch wakes the runs that wait: a child's end, and timers, whichever worker set them.
     let config = Config::default()
         .clock(true_now)
         .lease_owner(owner)
         .lease_ttl(mode.ttl())
-        .start_margin(mode.ttl() / 3);
+        .start_margin(mode.ttl() / 3)
+        .watch(Watch::default());
     match mode {
         // The released runs reach the others through the feed: the period is only a backstop.
         Mode::Deploy => config.recovery(Recovery::default().every(Duration::from_secs(5))),
@@ -580,13 +632,8 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
         std::process::exit(0);
     });
     let store = open_store(location);
-    let agent = agent(dir);
     with_system(|| async move {
-        let sup = Supervisor::builder(store.clone())
-            .config(config(&format!("worker-{index}"), mode))
-            .agent(AGENT, agent)
-            .start()
-            .expect("starts");
+        let sup = supervisor(store.clone(), dir, &format!("worker-{index}"), mode);
         if mode == Mode::Deploy {
             // As a service does: SIGTERM drains, then the process exits. Until its handler is
             // installed a SIGTERM ends the process as a crash, so the parent waits for the mark.
@@ -631,10 +678,15 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
                         };
                         let (open, total) = open;
                         let driven = if open.is_empty() || (total < 400 && rand::random_bool(0.4)) {
-                            drive(&sup, None).await
+                            let agent = if rand::random_bool(WAITER_SHARE) {
+                                WAITER
+                            } else {
+                                AGENT
+                            };
+                            drive(&sup, Some(agent), None).await
                         } else {
                             let run_id = open[rand::random_range(0..open.len())].clone();
-                            drive(&sup, Some(run_id)).await
+                            drive(&sup, None, Some(run_id)).await
                         };
                         // A draining worker starts nothing: its process exits soon.
                         if let Err(Error::Draining | Error::HandedOver { .. }) = driven {
@@ -650,12 +702,16 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
     });
 }
 
-/// Starts a run (`None`) or resumes one, approving what waits, until it finishes or is
-/// someone else's.
-async fn drive(sup: &actix::Addr<Supervisor>, run_id: Option<RunId>) -> agentrt::Result<()> {
+/// Starts a run of `agent` (with no `run_id`) or resumes one, approving what waits, until it
+/// finishes, is someone else's, or waits for a time or a child (the supervisors wake it).
+async fn drive(
+    sup: &actix::Addr<Supervisor>,
+    agent: Option<&str>,
+    run_id: Option<RunId>,
+) -> agentrt::Result<()> {
     let mut reply = match &run_id {
         None => sup
-            .send(StartRun::new(AGENT, json!({})))
+            .send(StartRun::new(agent.unwrap_or(AGENT), json!({})))
             .await
             .map_err(|_| Error::StoreUnavailable)?,
         Some(run_id) => sup
@@ -1015,7 +1071,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     });
 
     let store = open_store(&location);
-    finish_every_run(&store, dir, mode);
+    let left_waiting = finish_every_run(&store, dir, mode);
+    for (run_id, state) in &left_waiting {
+        eprintln!("run {run_id}: left {state}: its wake-up was lost");
+    }
 
     // Every execution: the log's lines, and the fenced writes a kill kept out of it.
     let (mut executions, torn) = SideEffectLog::read(&log_path(dir));
@@ -1059,7 +1118,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     }
 
     let runs = store.runs(None).expect("runs");
-    let mut count = Count::default();
+    let mut count = Count {
+        lost_wakeups: left_waiting.len(),
+        ..Count::default()
+    };
     // On SQLite under skew, each host writes lease expiries by its own shifted clock: they
     // cannot be compared with the events' true stamps.
     let one_clock = !(mode == Mode::Skew && matches!(db, Db::Sqlite(_)));
@@ -1071,6 +1133,20 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         count.handed_over += of(EventKind::RunHandedOver);
         count.interruptions += of(EventKind::StepInterrupted);
         count.reconciliations += of(EventKind::StepReconciled);
+        let run_waits = waits(&events);
+        count.waits.add(&run_waits);
+        count.child_runs += usize::from(run_waits.child_run);
+        count.waiter_runs += usize::from(run.agent == WAITER);
+        // Every wait a finished run began was resumed, once.
+        if run.state.is_finished() && run_waits.begun() != run_waits.resumed {
+            eprintln!(
+                "run {}: {} waits begun, {} resumed",
+                run.id,
+                run_waits.begun(),
+                run_waits.resumed
+            );
+            count.lost_wakeups += 1;
+        }
         for (start, expired) in late_starts(&events).into_iter().filter(|_| one_clock) {
             eprintln!(
                 "run {}: {} of step {} at {} ms, after its lease expired at {expired} ms",
@@ -1138,6 +1214,10 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         handed_over,
         interruptions,
         reconciliations,
+        waits,
+        waiter_runs,
+        child_runs,
+        lost_wakeups,
         ..
     } = count;
     let late = if one_clock {
@@ -1155,11 +1235,15 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         _ => String::new(),
     };
     println!(
-        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} drains={drains} unclean_drains={unclean_drains} released={released} handed_over={handed_over} interruptions={interruptions} reconciliations={reconciliations} ttl_waits={takeovers} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late}{skews}",
+        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} drains={drains} unclean_drains={unclean_drains} released={released} handed_over={handed_over} interruptions={interruptions} reconciliations={reconciliations} ttl_waits={takeovers} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late} waiter_runs={waiter_runs} child_runs={child_runs} timer_waits={} child_waits={} wakes={} wait_resumes={} lost_wakeups={lost_wakeups}{skews}",
         mode_name.get_name(),
         db.kind(),
         args.hosts.unwrap_or(0),
         runs.len(),
+        waits.timers,
+        waits.children,
+        waits.woken,
+        waits.resumed,
     );
     drop(store);
     db.discard(args.dir.is_some());
@@ -1172,6 +1256,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         && lost_events == 0
         && runs_left_leased == 0
         && late_starts == 0
+        && lost_wakeups == 0
         && deployed_cleanly)
 }
 
@@ -1212,45 +1297,72 @@ fn unlogged_refusal(store: &Store, refusal: &agentrt::testkit::Refusal) -> Execu
     }
 }
 
-/// Drives every unfinished run to its end with one last supervisor, approving what waits.
-fn finish_every_run(store: &Store, dir: &Path, mode: Mode) {
-    let unfinished: Vec<RunId> = store
-        .runs(None)
-        .expect("runs")
-        .into_iter()
-        .filter(|run| !run.state.is_finished())
-        .map(|run| run.id)
-        .collect();
-    let (finisher, agent) = (store.clone(), agent(dir));
+/// How long the last supervisor gives the runs that wait for a time or a child to be woken,
+/// once no other run is left: far beyond their timers and the watch's period.
+const WAKE_LIMIT: Duration = Duration::from_secs(60);
+
+/// Drives every unfinished run to its end with one last supervisor, approving what waits. It
+/// resumes no run that waits for a time or a child: its own wake-ups must. Returns the runs
+/// that stayed waiting for [`WAKE_LIMIT`] once no other run was left: wake-ups lost.
+fn finish_every_run(store: &Store, dir: &Path, mode: Mode) -> Vec<(RunId, RunState)> {
+    let finisher = store.clone();
     with_system(|| async move {
-        let sup = Supervisor::builder(finisher)
-            .config(config("finisher", mode))
-            .agent(AGENT, agent)
-            .start()
-            .expect("starts");
-        futures_util::stream::iter(unfinished)
-            .for_each_concurrent(8, |run_id| {
-                let sup = sup.clone();
-                async move {
-                    // A lost lease or a busy store is tried again; an approval is given.
-                    for _ in 0..20 {
-                        match resume_when_free(&sup, &run_id, Duration::from_secs(30)).await {
-                            Ok(agentrt::RunReply {
-                                outcome: Outcome::WaitingForApproval { pending },
-                                ..
-                            }) => {
-                                let approval =
-                                    Approval::approve(run_id.clone(), pending.call_id, "chaos");
-                                let _ = sup.send(RecordApproval(approval)).await;
+        let sup = supervisor(finisher.clone(), dir, "finisher", mode);
+        let mut deadline = Instant::now() + WAKE_LIMIT;
+        loop {
+            let unfinished: Vec<(RunId, RunState)> = finisher
+                .runs(None)
+                .expect("runs")
+                .into_iter()
+                .filter(|run| !run.state.is_finished())
+                .map(|run| (run.id, run.state))
+                .collect();
+            let (waiting, others): (Vec<_>, Vec<_>) = unfinished
+                .into_iter()
+                .partition(|(_, state)| state.waits_for().is_some());
+            if waiting.is_empty() && others.is_empty() {
+                return Vec::new();
+            }
+            if others.is_empty() {
+                if Instant::now() >= deadline {
+                    return waiting;
+                }
+                actix_rt::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            deadline = Instant::now() + WAKE_LIMIT;
+            futures_util::stream::iter(others)
+                .for_each_concurrent(8, |(run_id, _)| {
+                    let (sup, store) = (sup.clone(), finisher.clone());
+                    async move {
+                        // A lost lease or a busy store is tried again; an approval is given.
+                        for _ in 0..20 {
+                            // Finished, or waiting for its wake-up: nothing to resume.
+                            let state = store.run(&run_id).expect("the run").state;
+                            if state.is_finished() || state.waits_for().is_some() {
+                                return;
                             }
-                            Ok(_) => return,
-                            Err(err) => eprintln!("run {run_id}: {err}; resuming again"),
+                            match resume_when_free(&sup, &run_id, Duration::from_secs(30)).await {
+                                Ok(agentrt::RunReply {
+                                    outcome: Outcome::WaitingForApproval { pending },
+                                    ..
+                                }) => {
+                                    let approval =
+                                        Approval::approve(run_id.clone(), pending.call_id, "chaos");
+                                    let _ = sup.send(RecordApproval(approval)).await;
+                                }
+                                Ok(_) => return,
+                                // Moved on meanwhile (its child, say, which this supervisor
+                                // executes already): read again.
+                                Err(err) if err.is_run_state() => {}
+                                Err(err) => eprintln!("run {run_id}: {err}; resuming again"),
+                            }
                         }
                     }
-                }
-            })
-            .await;
-    });
+                })
+                .await;
+        }
+    })
 }
 
 /// The summary's counters.
@@ -1279,6 +1391,14 @@ struct Count {
     interruptions: usize,
     /// `step.reconciled`.
     reconciliations: usize,
+    /// The waits (for a time, a child) the runs began, were woken from and resumed from.
+    waits: Waits,
+    /// Runs of [`WAITER`].
+    waiter_runs: usize,
+    /// Runs a parent's delegating call started.
+    child_runs: usize,
+    /// Runs left waiting by the last supervisor, and finished runs with a wait never resumed.
+    lost_wakeups: usize,
 }
 
 impl Count {

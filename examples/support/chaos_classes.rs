@@ -239,3 +239,64 @@ pub fn late_starts(events: &[Event]) -> Vec<(&Event, u64)> {
     }
     late
 }
+
+/// What a run's log says of its waits other than for an approval: those begun (by kind),
+/// woken, and resumed, and whether the run is a child run.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Waits {
+    /// `run.waiting` for a time.
+    pub timers: usize,
+    /// `run.waiting` for a child run.
+    pub children: usize,
+    /// `run.waiting` for a person's answer or an event.
+    pub others: usize,
+    /// `wait.woken`: what a wait waited for came (an answer, an event, a child's end).
+    pub woken: usize,
+    /// `run.resumed` from a wait's state: the run went on.
+    pub resumed: usize,
+    /// The run was started by a parent's delegating call (its `run.started` names it).
+    pub child_run: bool,
+}
+
+impl Waits {
+    /// Every wait begun, whatever it waited for.
+    pub fn begun(&self) -> usize {
+        self.timers + self.children + self.others
+    }
+
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &Waits) {
+        self.timers += other.timers;
+        self.children += other.children;
+        self.others += other.others;
+        self.woken += other.woken;
+        self.resumed += other.resumed;
+    }
+}
+
+/// The waits of one run's log.
+pub fn waits(events: &[Event]) -> Waits {
+    let mut waits = Waits::default();
+    for e in events {
+        match e.kind {
+            EventKind::RunStarted => waits.child_run = e.payload["parent"].is_object(),
+            // An approval's `run.waiting` says no `waits_for`.
+            EventKind::RunWaiting => match e.payload["waits_for"].as_str() {
+                Some("timer") => waits.timers += 1,
+                Some("child") => waits.children += 1,
+                Some(_) => waits.others += 1,
+                None => {}
+            },
+            EventKind::WaitWoken => waits.woken += 1,
+            EventKind::RunResumed
+                if e.payload["from"].as_str().is_some_and(|from| {
+                    from.starts_with("WAITING_FOR_") && from != "WAITING_FOR_APPROVAL"
+                }) =>
+            {
+                waits.resumed += 1
+            }
+            _ => {}
+        }
+    }
+    waits
+}

@@ -368,7 +368,7 @@ impl Actor for Supervisor {
         tracing::debug!(store = ?self.store, "supervisor started");
         self.start_recovery(ctx);
         self.start_watch(ctx);
-        self.wake_pass(ctx);
+        self.start_waking(ctx);
     }
 }
 

@@ -2,22 +2,23 @@
 //! twice without a reconciliation saying so, and that nothing was lost.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     sync::{
         Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::{TempStore, resume_when_free, with_system};
+use super::{ManualClock, TempStore, resume_when_free, with_system};
 use crate::{
-    Agent, Approval, Config, Error, Event, EventKind, MoveInfo, MoveObserver, Outcome, PendingCall,
-    Reconciliation, RecordApproval, Result, RunId, RunReply, RunState, StartRun, Store, Supervisor,
-    Tool, ToolContext, ToolError, async_trait,
+    Agent, Answer, AnswerQuestion, Approval, Clock, Config, DeliverEvent, Delivery, Error, Event,
+    EventKind, MoveInfo, MoveObserver, Outcome, PendingCall, Reconciliation, RecordApproval,
+    Recovery, Result, RunId, RunReply, RunSettled, RunState, SpawnRun, StartRun, Store,
+    SubscribeRuns, Supervisor, Tool, ToolContext, ToolError, Wait, WaitKind, Watch, async_trait,
 };
 
 /// [`CaseReport::crash_thread`] of a crash on the store actor's thread.
@@ -45,8 +46,14 @@ pub struct CaseReport {
     pub crashed: bool,
     /// The final state of the first run.
     pub state: Option<RunState>,
+    /// The final state of every run the case left, the explored runs' children included, by
+    /// id.
+    pub runs: BTreeMap<RunId, RunState>,
     /// Tool executions, over the crashed and the recovering supervisors.
     pub executions: usize,
+    /// The tool executions by idempotency key (`RUN/STEP`), over the crashed and the
+    /// recovering supervisors.
+    pub executed: BTreeMap<String, usize>,
     /// The thread the crash stopped first: the store actor's ([`STORE_THREAD`]), or, for a
     /// group whose log sync was deferred, the log-sync thread (`agentrt-log-sync`), or, on
     /// PostgreSQL, the writer lane's that applies the move (`agentrt-pg-writer-N`); `None`
@@ -61,6 +68,8 @@ pub struct CaseReport {
 pub struct Exploration {
     /// The moves of the run without a crash.
     pub moves: usize,
+    /// Those moves, in the order they committed: what each crash point `k` crashes at.
+    pub committed: Vec<MoveInfo>,
     /// One report per crash point.
     pub cases: Vec<CaseReport>,
 }
@@ -87,6 +96,7 @@ impl Exploration {
 }
 
 type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
+type Answerer = Arc<dyn Fn(&Wait) -> Value + Send + Sync>;
 
 /// Crashes a run at every move and checks the invariants after each resume.
 ///
@@ -107,6 +117,9 @@ type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
 /// - the sequence numbers are gapless, every event is well formed, every started step
 ///   finished;
 /// - no run is left leased.
+///
+/// With [`waits`](Self::waits), the supervisors resume the runs by themselves, and every run
+/// (child runs included) must finish with no wait left.
 ///
 /// `make_agent` is called once per case: the tools it returns are that case's world (their
 /// state persists from the crashed supervisor to the recovering one, like an external system).
@@ -129,10 +142,14 @@ type Approver = Arc<dyn Fn(&PendingCall) -> bool + Send + Sync>;
 /// ```
 pub struct Explorer {
     make_agent: Box<dyn Fn() -> Agent>,
+    /// Agents registered beside the explored one (a child run's), by name.
+    others: Vec<(String, Box<dyn Fn() -> Agent>)>,
     input: Value,
     ttl: Duration,
     approve: Approver,
+    answer: Answerer,
     runs: usize,
+    waits: bool,
 }
 
 impl Explorer {
@@ -144,8 +161,47 @@ impl Explorer {
             input: Value::Object(Default::default()),
             ttl: Duration::from_millis(100),
             approve: Arc::new(|_| true),
+            answer: Arc::new(|_| json!("yes")),
+            others: Vec::new(),
             runs: 1,
+            waits: false,
         }
+    }
+
+    /// Registers the agents `make_agent` builds as `name` on every supervisor, beside the
+    /// explored one: the agent of the child runs an explored run delegates to
+    /// ([`Agent::delegate`]). Built once per case, like the explored agent; its tools are
+    /// witnessed too.
+    pub fn agent(
+        mut self,
+        name: impl Into<String>,
+        make_agent: impl Fn() -> Agent + 'static,
+    ) -> Self {
+        self.others.push((name.into(), Box::new(make_agent)));
+        self
+    }
+
+    /// Explores runs that wait for a person's answer, an event, a time or a child run, and
+    /// checks that no wake-up is lost. The supervisors (the one that crashes and the one that
+    /// recovers) then recover and watch the change feed, with a [`ManualClock`] of the case's
+    /// own, and the explorer resumes nothing itself: it starts the runs (again, if the crash
+    /// came before their insert) and then acts only as the world would, once per wait, through
+    /// the supervisor: answers each question ([`answer_with`](Self::answer_with)), moves the
+    /// clock to each timer's time, delivers each event waited for (id `RUN/STEP`, payload
+    /// `{}`), and decides each call that waits for an approval
+    /// ([`approve_with`](Self::approve_with)). The supervisors must bring every run, child runs
+    /// included, to its end; each is checked as the explored runs are, and none may be left
+    /// with a wait.
+    pub fn waits(mut self) -> Self {
+        self.waits = true;
+        self
+    }
+
+    /// How a person answers each question ([`Agent::ask_person`]) when the explorer explores
+    /// [`waits`](Self::waits): `"yes"` by default.
+    pub fn answer_with(mut self, answer: impl Fn(&Wait) -> Value + Send + Sync + 'static) -> Self {
+        self.answer = Arc::new(answer);
+        self
     }
 
     /// Runs `runs` runs of the agent at once (1 by default), so that their moves share group
@@ -191,105 +247,111 @@ impl Explorer {
 
     /// Runs the agent once without a crash and counts its committed moves.
     pub fn count_moves(&self) -> usize {
+        self.committed_moves().len()
+    }
+
+    /// Runs the agent once without a crash; its committed moves, in order.
+    fn committed_moves(&self) -> Vec<MoveInfo> {
         let db = TempStore::new();
         let counter = MoveCounter::default();
-        let (agent, _) = self.witnessed_agent();
-        let config = self.config().observer(counter.clone());
-        let (input, approve, ids) = (self.input.clone(), self.approve.clone(), self.run_ids());
+        let (agents, _) = self.witnessed_agents();
+        let consumer = self.consumer();
+        let config = consumer.config(self.ttl).observer(counter.clone());
         let store = db.open();
         let result = with_system(|| async move {
-            let sup = start_supervisor(store, config, agent)?;
-            drive_all(&sup, &ids, &input, &approve, true).await
+            let sup = start_supervisor(store.clone(), config, agents).map_err(|e| e.to_string())?;
+            consumer.drive(&sup, &store, true).await
         });
         if let Err(err) = result {
             panic!("the uncrashed run failed: {err}");
         }
-        counter.committed.load(Ordering::SeqCst)
+        std::mem::take(&mut *counter.committed.lock().unwrap())
     }
 
     /// Crashes at every move, before it is applied and after it commits.
     pub fn explore(&self) -> Exploration {
-        let moves = self.count_moves();
+        let committed = self.committed_moves();
+        let moves = committed.len();
         let cases = (1..=moves)
             .flat_map(|k| [CrashPoint::BeforeApply(k), CrashPoint::AfterCommit(k)])
             .map(|crash| self.run_case(crash))
             .collect();
-        Exploration { moves, cases }
+        Exploration {
+            moves,
+            committed,
+            cases,
+        }
     }
 
     /// One case: run until `crash`, crash, recover, check.
     pub fn run_case(&self, crash: CrashPoint) -> CaseReport {
         let db = TempStore::new();
         let run_ids = self.run_ids();
-        let (agent, witness) = self.witnessed_agent();
+        let (agents, witness) = self.witnessed_agents();
         let crasher = Crasher::new(crash);
+        // The world of the case (its clock included), the same for both supervisors.
+        let consumer = self.consumer();
 
         // The supervisor that dies.
-        let (store, input, approve) = (db.open(), self.input.clone(), self.approve.clone());
+        let store = db.open();
         let dead_store = store.clone();
-        let (config, watcher, ids, first_agent) = (
-            self.config().observer(crasher.clone()),
+        let (config, watcher, driver, first_agents) = (
+            consumer.config(self.ttl).observer(crasher.clone()),
             crasher.clone(),
-            run_ids.clone(),
-            agent.clone(),
+            consumer.clone(),
+            agents.clone(),
         );
-        let crashed = with_system(|| async move {
-            let Ok(sup) = start_supervisor(store, config, first_agent) else {
-                return false;
+        with_system(|| async move {
+            let Ok(sup) = start_supervisor(store.clone(), config, first_agents) else {
+                return;
             };
             let mut crashed = watcher.crashed.subscribe();
             tokio::select! {
-                // The crash point lies beyond the runs' last move.
-                _ = drive_all(&sup, &ids, &input, &approve, true) => false,
-                _ = crashed.wait_for(|crashed| *crashed) => true,
+                // The crash point lies beyond the runs' last move; or, with waits, the
+                // consumer read the runs finished before it heard of the crash.
+                _ = driver.drive(&sup, &store, true) => {}
+                _ = crashed.wait_for(|crashed| *crashed) => {}
             }
         });
+        let crashed = crasher.is_dead();
 
         // Nothing of the dead supervisor commits while the runs recover.
         let dead_writer = stop_writes(&dead_store);
 
-        // Fresh supervisors resume until the runs finish.
+        // A fresh supervisor recovers until the runs finish.
         let mut violations = Vec::new();
-        let (store, input, approve, ids) = (
-            db.open(),
-            self.input.clone(),
-            self.approve.clone(),
-            run_ids.clone(),
-        );
-        let config = self.config();
+        let (store, config, driver) = (db.open(), consumer.config(self.ttl), consumer.clone());
         let recovered = with_system(|| async move {
-            let sup = match start_supervisor(store.clone(), config, agent) {
+            let sup = match start_supervisor(store.clone(), config, agents) {
                 Ok(sup) => sup,
                 Err(err) => return vec![format!("starting a supervisor: {err}")],
             };
-            let mut failed = Vec::new();
-            // One after the other, each to its end: one run's failure does not hide another's.
-            for id in &ids {
-                let outcome = match store.run(id) {
-                    // It finished before the crash: nothing to resume.
-                    Ok(run) if run.state.is_finished() => Ok(()),
-                    // Resumed; or, if the crash came before the run was inserted, started again
-                    // as the consumer would.
-                    found => recover(&sup, id, input.clone(), &approve, found.is_ok())
-                        .await
-                        .map(drop),
-                };
-                if let Err(err) = outcome {
-                    failed.push(format!("{id}: {err}"));
-                }
-            }
-            failed
+            driver.recover(&sup, &store).await
         });
         violations.extend(recovered.into_iter().map(Violation::Recovery));
         let store = db.open();
+        let mut checked = run_ids.clone();
+        if self.waits {
+            // The explored runs' children too.
+            let runs = store.runs(None).unwrap_or_default();
+            checked.extend(
+                runs.into_iter()
+                    .map(|run| run.id)
+                    .filter(|id| !run_ids.contains(id)),
+            );
+        }
         let mut executions = witness.executions();
         let total = executions.len();
-        for id in &run_ids {
-            // Each run's own executions: its idempotency keys are `RUN/STEP`.
-            let prefix = format!("{id}/");
-            let (own, others): (Vec<_>, Vec<_>) = executions
-                .into_iter()
-                .partition(|(key, _)| key.starts_with(&prefix));
+        let mut executed: BTreeMap<String, usize> = BTreeMap::new();
+        for (key, _) in &executions {
+            *executed.entry(key.clone()).or_default() += 1;
+        }
+        for id in &checked {
+            // Each run's own executions: its idempotency keys are `RUN/STEP` (a child's id is
+            // its parent's key, so only the last part is the step).
+            let (own, others): (Vec<_>, Vec<_>) = executions.into_iter().partition(|(key, _)| {
+                key.rsplit_once('/').map(|(run, _)| run) == Some(id.as_str())
+            });
             violations.extend(check_invariants(&store, id, &own));
             executions = others;
         }
@@ -303,11 +365,28 @@ impl Explorer {
                 .into_iter()
                 .map(|(key, ran)| Violation::Unrecorded { key, ran }),
         );
+        if self.waits {
+            match store.waits(None, None, crate::MAX_PAGE_LIMIT) {
+                Ok(waits) => {
+                    violations.extend(waits.into_iter().map(|wait| Violation::LeftWaiting {
+                        run_id: wait.run_id,
+                        kind: wait.kind,
+                    }))
+                }
+                Err(err) => violations.push(Violation::Unreadable(err.to_string())),
+            }
+        }
+        let runs = checked
+            .iter()
+            .filter_map(|id| Some((id.clone(), store.run(id).ok()?.state)))
+            .collect();
         let report = CaseReport {
             crash,
             crashed,
             state: store.run(&run_ids[0]).ok().map(|run| run.state),
+            runs,
             executions: total,
+            executed,
             crash_thread: crasher.thread.lock().unwrap().clone(),
             violations,
         };
@@ -318,22 +397,41 @@ impl Explorer {
         report
     }
 
-    fn config(&self) -> Config {
-        Config::default().lease_ttl(self.ttl)
+    /// How a case's runs are driven, with a world (a clock) of its own.
+    fn consumer(&self) -> Consumer {
+        Consumer {
+            ids: self.run_ids(),
+            input: self.input.clone(),
+            approve: self.approve.clone(),
+            answer: self.answer.clone(),
+            clock: self.waits.then(ManualClock::new),
+        }
     }
 
-    /// A fresh agent whose tools report every execution to the returned witness.
-    fn witnessed_agent(&self) -> (Agent, Witness) {
-        let mut agent = (self.make_agent)();
+    /// Fresh agents (the explored one first, as [`AGENT`]) whose tools report every execution
+    /// to the returned witness. Built-in tools (the waits) are never called: they stay as they
+    /// are.
+    fn witnessed_agents(&self) -> (Vec<(String, Agent)>, Witness) {
         let witness = Witness::default();
-        let tools = std::mem::take(&mut agent.tools);
-        for registered in tools.into_values() {
-            agent = agent.shared_tool(Arc::new(Witnessed {
-                inner: registered.tool.clone(),
-                witness: witness.clone(),
-            }));
+        let witnessed = |mut agent: Agent| {
+            let tools = std::mem::take(&mut agent.tools);
+            for (name, registered) in tools {
+                if registered.wait.is_some() {
+                    agent.tools.insert(name, registered);
+                    continue;
+                }
+                agent = agent.shared_tool(Arc::new(Witnessed {
+                    inner: registered.tool.clone(),
+                    witness: witness.clone(),
+                }));
+            }
+            agent
+        };
+        let mut agents = vec![(AGENT.to_owned(), witnessed((self.make_agent)()))];
+        for (name, make_agent) in &self.others {
+            agents.push((name.clone(), witnessed(make_agent())));
         }
-        (agent, witness)
+        (agents, witness)
     }
 }
 
@@ -357,11 +455,244 @@ fn stop_writes(store: &Store) -> Option<std::sync::MutexGuard<'_, rusqlite::Conn
     crate::sqlite::Sqlite::of(store).map(|sqlite| sqlite.writer_lock())
 }
 
-fn start_supervisor(store: Store, config: Config, agent: Agent) -> Result<actix::Addr<Supervisor>> {
-    Supervisor::builder(store)
-        .config(config)
-        .agent(AGENT, agent)
+fn start_supervisor(
+    store: Store,
+    config: Config,
+    agents: Vec<(String, Agent)>,
+) -> Result<actix::Addr<Supervisor>> {
+    agents
+        .into_iter()
+        .fold(
+            Supervisor::builder(store).config(config),
+            |builder, (name, agent)| builder.agent(name, agent),
+        )
         .start()
+}
+
+/// How long a consumer waits for the runs to finish, after which a recovery has failed.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The consumer of a case, and its world: starts the explored runs and drives them to their
+/// ends, the same way before and after the crash.
+#[derive(Clone)]
+struct Consumer {
+    ids: Vec<RunId>,
+    input: Value,
+    approve: Approver,
+    answer: Answerer,
+    /// With waits explored, the case's clock: the supervisors wake the runs, and the consumer
+    /// only acts as the world.
+    clock: Option<ManualClock>,
+}
+
+impl Consumer {
+    /// The supervisors' configuration: with waits, they recover, watch, and tell time by the
+    /// case's clock.
+    fn config(&self, ttl: Duration) -> Config {
+        let config = Config::default().lease_ttl(ttl);
+        match &self.clock {
+            None => config,
+            Some(clock) => config
+                .clock(clock.clone())
+                .watch(Watch::default().every(Duration::from_millis(10)))
+                .recovery(
+                    Recovery::default()
+                        .every(Duration::from_millis(50))
+                        .jitter(Duration::ZERO),
+                ),
+        }
+    }
+
+    /// Starts the runs (or, without `start`, those not found) and drives them to their ends.
+    async fn drive(
+        &self,
+        sup: &actix::Addr<Supervisor>,
+        store: &Store,
+        start: bool,
+    ) -> std::result::Result<(), String> {
+        match &self.clock {
+            Some(clock) => self.settle(sup, store, clock, start).await,
+            None => drive_all(sup, &self.ids, &self.input, &self.approve, start)
+                .await
+                .map_err(|err| err.to_string()),
+        }
+    }
+
+    /// Drives the runs to their ends after a crash; what failed, run by run.
+    async fn recover(&self, sup: &actix::Addr<Supervisor>, store: &Store) -> Vec<String> {
+        if self.clock.is_some() {
+            return self
+                .drive(sup, store, false)
+                .await
+                .err()
+                .into_iter()
+                .collect();
+        }
+        let mut failed = Vec::new();
+        // One after the other, each to its end: one run's failure does not hide another's.
+        for id in &self.ids {
+            let outcome = match store.run(id) {
+                // It finished before the crash: nothing to resume.
+                Ok(run) if run.state.is_finished() => Ok(()),
+                // Resumed; or, if the crash came before the run was inserted, started again
+                // as the consumer would.
+                found => recover(sup, id, self.input.clone(), &self.approve, found.is_ok())
+                    .await
+                    .map(drop),
+            };
+            if let Err(err) = outcome {
+                failed.push(format!("{id}: {err}"));
+            }
+        }
+        failed
+    }
+
+    /// With waits: spawns the runs (all of them when `start`, else those not found), then
+    /// acts as the world on every run of the store until all have finished, resuming none:
+    /// the supervisor must wake each.
+    async fn settle(
+        &self,
+        sup: &actix::Addr<Supervisor>,
+        store: &Store,
+        clock: &ManualClock,
+        start: bool,
+    ) -> std::result::Result<(), String> {
+        let unavailable = |_| "the supervisor stopped".to_owned();
+        let settled = Settled::default();
+        let subscribe = SubscribeRuns(actix::Actor::start(settled.clone()).recipient());
+        sup.send(subscribe).await.map_err(unavailable)?;
+        for id in &self.ids {
+            if !start && !matches!(store.run(id), Err(Error::RunNotFound(_))) {
+                continue;
+            }
+            let spawn = SpawnRun::new(AGENT, self.input.clone()).with_id(id.clone());
+            match sup.send(spawn).await.map_err(unavailable)? {
+                // Inserted after all by the crashed supervisor: recovery takes it up.
+                Ok(_) | Err(Error::RunExists(_)) => {}
+                Err(err) => return Err(format!("{id}: starting it: {err}")),
+            }
+        }
+        let deadline = Instant::now() + PATIENCE;
+        // The waits already acted on: (run, step, since).
+        let mut acted = BTreeSet::new();
+        // The runs seen before their end: this supervisor ends each, and tells so once the
+        // call that ended it has returned (after its last move's observer, where a crash
+        // stops it).
+        let mut seen_open = BTreeSet::new();
+        loop {
+            let read = |err: Error| format!("reading the runs: {err}");
+            let open: Vec<_> = store
+                .runs(None)
+                .map_err(read)?
+                .into_iter()
+                .filter(|run| !run.state.is_finished())
+                .collect();
+            seen_open.extend(open.iter().map(|run| run.id.clone()));
+            if open.is_empty() && settled.all(&seen_open) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let open: Vec<String> = open
+                    .iter()
+                    .map(|run| format!("{} stayed {}", run.id, run.state))
+                    .collect();
+                return Err(open.join(", "));
+            }
+            for run in &open {
+                self.act(sup, store, clock, run, &mut acted).await?;
+            }
+            actix_rt::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Does what the world does for `run`, if it waits: answers, decides, lets time pass,
+    /// delivers the event; each wait once.
+    async fn act(
+        &self,
+        sup: &actix::Addr<Supervisor>,
+        store: &Store,
+        clock: &ManualClock,
+        run: &crate::Run,
+        acted: &mut BTreeSet<(RunId, u32, std::time::SystemTime)>,
+    ) -> std::result::Result<(), String> {
+        let unavailable = |_| "the supervisor stopped".to_owned();
+        let failed = |what: &str, err: Error| format!("{}: {what}: {err}", run.id);
+        if run.state == RunState::WaitingForApproval {
+            // Listed until its decision is recorded, and the consumer waits for that.
+            let pending = store
+                .pending_calls(&run.id)
+                .map_err(|err| failed("reading its pending calls", err))?;
+            for call in pending {
+                let approval = if (self.approve)(&call) {
+                    Approval::approve(run.id.clone(), call.call_id, "explorer")
+                } else {
+                    Approval::deny(run.id.clone(), call.call_id, "explorer")
+                };
+                match sup
+                    .send(RecordApproval(approval))
+                    .await
+                    .map_err(unavailable)?
+                {
+                    Err(err) if !err.is_run_state() => return Err(failed("deciding", err)),
+                    _ => {}
+                }
+            }
+            return Ok(());
+        }
+        if run.state.waits_for().is_none() {
+            return Ok(());
+        }
+        // Read again: it may have moved since it was listed.
+        let Some(wait) = store
+            .wait(&run.id)
+            .map_err(|err| failed("reading its wait", err))?
+        else {
+            return Ok(());
+        };
+        if wait.kind == WaitKind::Timer {
+            // Time passes until the timer's time: the supervisor's clock, read on.
+            let due = wait.due_at.unwrap_or(wait.since);
+            if let Ok(ahead) = due.duration_since(clock.now()) {
+                clock.advance(ahead + Duration::from_millis(1));
+            }
+            return Ok(());
+        }
+        if !acted.insert((run.id.clone(), wait.step, wait.since)) {
+            return Ok(());
+        }
+        let outcome = match wait.kind {
+            WaitKind::Answer => {
+                let answer = Answer {
+                    run_id: run.id.clone(),
+                    call_id: wait.call_id.clone(),
+                    answer: (self.answer)(&wait),
+                    by: "explorer".into(),
+                };
+                sup.send(AnswerQuestion(answer))
+                    .await
+                    .map_err(unavailable)?
+            }
+            WaitKind::Event => {
+                let delivery = Delivery {
+                    run_id: run.id.clone(),
+                    name: wait.key.clone(),
+                    event_id: crate::store::model::idempotency_key(&run.id, wait.step),
+                    payload: json!({}),
+                };
+                sup.send(DeliverEvent(delivery))
+                    .await
+                    .map_err(unavailable)?
+                    .map(drop)
+            }
+            // A child's end wakes its parent.
+            WaitKind::Child | WaitKind::Timer => Ok(()),
+        };
+        match outcome {
+            // Answered or resumed meanwhile (before a crash, say).
+            Err(err) if !err.is_run_state() => Err(failed("acting on its wait", err)),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Drives a run to its end as a consumer would: start it (when `start`) or resume it, decide
@@ -437,15 +768,41 @@ async fn drive_all(
     Ok(())
 }
 
-/// Counts committed moves.
+/// The runs whose execution a supervisor told ended with the run finished.
+#[derive(Clone, Default)]
+struct Settled(Arc<Mutex<BTreeSet<RunId>>>);
+
+impl Settled {
+    fn all(&self, runs: &BTreeSet<RunId>) -> bool {
+        runs.is_subset(&self.0.lock().unwrap())
+    }
+}
+
+impl actix::Actor for Settled {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<RunSettled> for Settled {
+    type Result = ();
+
+    fn handle(&mut self, settled: RunSettled, _: &mut actix::Context<Self>) {
+        if let Ok(Outcome::Succeeded { .. } | Outcome::Failed { .. } | Outcome::Cancelled { .. }) =
+            settled.result
+        {
+            self.0.lock().unwrap().insert(settled.run_id);
+        }
+    }
+}
+
+/// Records committed moves.
 #[derive(Clone, Default)]
 struct MoveCounter {
-    committed: Arc<AtomicUsize>,
+    committed: Arc<Mutex<Vec<MoveInfo>>>,
 }
 
 impl MoveObserver for MoveCounter {
-    fn after_commit(&self, _: &MoveInfo) {
-        self.committed.fetch_add(1, Ordering::SeqCst);
+    fn after_commit(&self, info: &MoveInfo) {
+        self.committed.lock().unwrap().push(info.clone());
     }
 }
 
@@ -639,6 +996,13 @@ pub enum Violation {
         /// Executions seen.
         ran: usize,
     },
+    /// A run was left with a wait once every run had finished, or was given up on.
+    LeftWaiting {
+        /// The run.
+        run_id: RunId,
+        /// What it waits for.
+        kind: WaitKind,
+    },
 }
 
 impl Violation {
@@ -660,6 +1024,7 @@ impl Violation {
                 | Violation::Unreconciled { .. }
                 | Violation::NeverFinished { .. }
                 | Violation::NotFinished(_)
+                | Violation::LeftWaiting { .. }
         )
     }
 }
@@ -705,6 +1070,9 @@ impl std::fmt::Display for Violation {
                 f,
                 "{ran} execution(s) with key {key} that no step recorded starting"
             ),
+            Violation::LeftWaiting { run_id, kind } => {
+                write!(f, "run {run_id} was left waiting for {kind}")
+            }
         }
     }
 }
@@ -754,6 +1122,10 @@ pub fn check_invariants(
         let Some(number) = event.step else { continue };
         let step = steps.entry(number).or_default();
         match event.kind {
+            // A tool asked to be called again later: its next attempt is justified.
+            EventKind::RunWaiting if event.payload["detail"]["retry"] == true => {
+                step.run_again += 1
+            }
             // A failed model attempt that the model policy tries again.
             EventKind::ModelAttemptFailed => step.run_again += 1,
             // A timed-out call is interrupted by its own loop, and reconciled the same way.
@@ -843,6 +1215,10 @@ fn check_log(events: &[Event]) -> Vec<String> {
                 | EventKind::RunReleased
                 | EventKind::RunHandedOver
         );
+        // An event delivered is about the step that waited for it, or kept for none yet.
+        if event.kind == EventKind::EventReceived {
+            continue;
+        }
         if about_a_step != event.step.is_some() {
             violations.push(format!(
                 "event {} ({}) step {:?}",
@@ -884,7 +1260,7 @@ mod tests {
             id.clone(),
         );
         with_system(|| async move {
-            let sup = start_supervisor(store, config(), agent).unwrap();
+            let sup = start_supervisor(store, config(), vec![(AGENT.into(), agent)]).unwrap();
             actix_rt::spawn(sup.send(StartRun::new(AGENT, json!({})).with_id(run)));
             asked.wait_calls(1).await;
         });
@@ -892,7 +1268,7 @@ mod tests {
         let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
         let (store, approve): (_, Approver) = (db.open(), Arc::new(|_| true));
         let reply = with_system(|| async move {
-            let sup = start_supervisor(store, config(), agent).unwrap();
+            let sup = start_supervisor(store, config(), vec![(AGENT.into(), agent)]).unwrap();
             recover(&sup, &id, json!({}), &approve, false).await
         });
         let outcome = reply.expect("the run is resumed").outcome;
@@ -1016,7 +1392,7 @@ mod tests {
             with_system(|| async move {
                 let agent = Agent::new(ScriptedModel::new(vec![ModelResponse::answer("done")]));
                 let config = Config::default().observer(watched.clone());
-                let sup = start_supervisor(store, config, agent).unwrap();
+                let sup = start_supervisor(store, config, vec![(AGENT.into(), agent)]).unwrap();
                 let mut applying = watched.applying.subscribe();
                 let mut crashed = watched.crasher.crashed.subscribe();
                 let start =

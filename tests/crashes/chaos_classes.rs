@@ -1,10 +1,10 @@
-//! The chaos run's classes of executions, on hand-made logs: `examples/chaos.rs` itself is
+//! The chaos run's classes of executions and its count of waits, on hand-made logs: `examples/chaos.rs` itself is
 //! not run by `cargo test`.
 
 #[allow(dead_code)]
 use std::time::{Duration, UNIX_EPOCH};
 
-use crate::support::chaos_classes::{Class, Execution, Fence, classify, late_starts};
+use crate::support::chaos_classes::{Class, Execution, Fence, Waits, classify, late_starts, waits};
 use agentrt::{Event, EventKind, RunId};
 use serde_json::{Value, json};
 
@@ -224,4 +224,101 @@ fn a_start_after_the_expiry_its_takeover_recorded_is_late() {
     let late = late_starts(&log.0);
     assert_eq!(late.len(), 1);
     assert_eq!((late[0].0.seq, late[0].1), (2, 1500));
+}
+
+/// A parent's log: it sleeps (step 2), is resumed by another worker under token 2, delegates
+/// (step 4) and is resumed under token 3 once its child ended, then calls a tool (step 6)
+/// that needs an approval first.
+fn parent_log() -> Log {
+    let mut log = Log::default();
+    log.started(1000);
+    let waiting = |kind: &str| json!({"call_id": "c", "tool": "t", "waits_for": kind, "key": "k", "detail": {}});
+    let resumed = |from: &str, token: u64| json!({"from": from, "fencing_token": token});
+    log.push(1001, EventKind::RunWaiting, Some(2), waiting("timer"))
+        .push(
+            1300,
+            EventKind::RunResumed,
+            None,
+            resumed("WAITING_FOR_TIMER", 2),
+        )
+        .push(1301, EventKind::RunWaiting, Some(4), waiting("child"))
+        .push(
+            1800,
+            EventKind::WaitWoken,
+            Some(4),
+            json!({"waits_for": "child", "child": "r/4", "state": "SUCCEEDED"}),
+        )
+        .push(
+            1801,
+            EventKind::RunResumed,
+            None,
+            resumed("WAITING_FOR_CHILD", 3),
+        )
+        .push(
+            1802,
+            EventKind::RunWaiting,
+            Some(6),
+            json!({"call_id": "c6", "tool": "t", "reason": "policy"}),
+        )
+        .push(
+            1900,
+            EventKind::RunResumed,
+            None,
+            resumed("WAITING_FOR_APPROVAL", 4),
+        );
+    let started = json!({
+        "call_id": "c6", "tool": "t", "args": {}, "attempt": 1,
+        "idempotency_key": "r/6", "fencing_token": 4,
+    });
+    log.push(1901, EventKind::ToolStarted, Some(6), started);
+    log
+}
+
+#[test]
+fn a_parents_waits_and_its_childs_start_are_counted_and_approvals_are_not() {
+    let counted = waits(&parent_log().0);
+    assert_eq!(
+        counted,
+        Waits {
+            timers: 1,
+            children: 1,
+            others: 0,
+            woken: 1,
+            resumed: 2,
+            child_run: false,
+        }
+    );
+    assert_eq!(counted.begun(), 2);
+
+    let mut child = Log::default();
+    let started = json!({
+        "fencing_token": 0, "queued": true,
+        "parent": {"run_id": "r", "step": 4, "call_id": "c4"},
+    });
+    child.push(1301, EventKind::RunStarted, None, started);
+    let counted = waits(&child.0);
+    assert!(counted.child_run);
+    assert_eq!(counted.begun(), 0);
+}
+
+#[test]
+fn an_act_after_a_wait_is_first_under_the_token_of_the_resume_that_started_it() {
+    let log = parent_log();
+    let after_wait = Execution {
+        key: "r/6".into(),
+        step: 6,
+        call: "c6".into(),
+        ..execution(1, 4, Some(1_902_000))
+    };
+    assert_eq!(
+        classes(&log, std::slice::from_ref(&after_wait), false),
+        [Class::First]
+    );
+    // The worker that slept under token 1 never started it: nothing explains its act.
+    let stray = Execution {
+        token: 1,
+        ..after_wait
+    };
+    let classes = classes(&log, &[stray], false);
+    assert!(matches!(classes[0], Class::Unexplained(_)), "{classes:?}");
 }

@@ -1,8 +1,10 @@
 //! The crash-point explorer over real agents: every move, crashed before it is applied and
 //! after it commits, then resumed; every invariant holds.
 
+use std::collections::BTreeMap;
+
 use agentrt::{
-    Agent, ApprovalReason, Decision, ModelResponse, RunId, ToolCall,
+    Agent, ApprovalReason, Decision, ModelResponse, MoveKind, RunId, RunState, ToolCall,
     testkit::{Behaviour, CrashPoint, Explorer, ReconcileHook, RecordingTool, ScriptedModel},
 };
 use serde_json::json;
@@ -148,4 +150,93 @@ fn the_explorer_catches_a_side_effect_that_runs_twice() {
         violations[0].to_string().contains("ran 2 times"),
         "{violations:?}"
     );
+}
+
+/// A parent that asks a person, sleeps on a timer, delegates to a `researcher` child (which
+/// calls `lookup`), and calls `notify` with the child's answer.
+fn waiting_parent() -> Agent {
+    let turn =
+        |id: &str, tool: &str, args| ModelResponse::calls(vec![ToolCall::new(id, tool, args)]);
+    let model = ScriptedModel::new(vec![
+        turn("ask", "ask_person", json!({"question": "Which account?"})),
+        turn(
+            "nap",
+            "sleep_until",
+            json!({"seconds": 5, "reason": "let the payment settle"}),
+        ),
+        turn("hand", "research", json!({"task": "find the invoice"})),
+        turn("tell", "notify", json!({"to": "ada"})),
+        ModelResponse::answer("told ada"),
+    ]);
+    Agent::new(model)
+        .ask_person()
+        .sleep_until()
+        .delegate(
+            "research",
+            "researcher",
+            "Hands a task to the research agent.",
+        )
+        .tool(RecordingTool::new("notify").reconcile_hook(ReconcileHook::FromLog))
+}
+
+fn researcher() -> Agent {
+    let model = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![ToolCall::new("look", "lookup", json!({}))]),
+        ModelResponse::answer("invoice 42"),
+    ]);
+    Agent::new(model).tool(RecordingTool::new("lookup").reconcile_hook(ReconcileHook::FromLog))
+}
+
+#[test]
+fn every_crash_point_of_a_parent_that_waits_and_its_child_wakes_both_and_runs_each_tool_once() {
+    let exploration = Explorer::new(waiting_parent)
+        .agent("researcher", researcher)
+        .answer_with(|wait| {
+            assert_eq!(wait.detail["question"], json!("Which account?"));
+            json!("savings")
+        })
+        .waits()
+        .explore();
+    println!(
+        "{} moves, {} crash points explored",
+        exploration.moves,
+        exploration.cases.len()
+    );
+    exploration.assert_holds();
+    // Every write of either run is a crash point: the parent's three waits begun, woken and
+    // resumed, the person's answer, and the child's moves.
+    let (parent, child) = (RunId::from("explored"), RunId::from("explored/6"));
+    let kinds = |run: &RunId| -> Vec<MoveKind> {
+        let moves = exploration.committed.iter().filter(|m| m.run_id == *run);
+        moves.map(|m| m.kind).collect()
+    };
+    let (of_parent, of_child) = (kinds(&parent), kinds(&child));
+    let count = |kinds: &[MoveKind], kind| kinds.iter().filter(|k| **k == kind).count();
+    assert_eq!(count(&of_parent, MoveKind::BeginWait), 3, "{of_parent:?}");
+    assert_eq!(count(&of_parent, MoveKind::ResumeWait), 3, "{of_parent:?}");
+    assert_eq!(
+        count(&of_parent, MoveKind::AnswerQuestion),
+        1,
+        "{of_parent:?}"
+    );
+    assert!(of_child.len() >= 5, "{of_child:?}");
+    assert_eq!(of_parent.len() + of_child.len(), exploration.moves);
+    for case in &exploration.cases {
+        assert!(case.crashed, "{case:?}");
+        // A crash before the child's insert leaves the parent alone until it is woken.
+        assert_eq!(
+            case.runs.get(&parent),
+            Some(&RunState::Succeeded),
+            "{case:?}"
+        );
+        assert_eq!(
+            case.runs.get(&child),
+            Some(&RunState::Succeeded),
+            "{case:?}"
+        );
+        assert_eq!(case.runs.len(), 2, "{case:?}");
+        let once: BTreeMap<String, usize> =
+            [("explored/6/2".to_owned(), 1), ("explored/8".to_owned(), 1)].into();
+        assert_eq!(case.executed, once, "{case:?}");
+    }
 }

@@ -1,7 +1,13 @@
 //! Runs that wait for a person's answer, an event, a time or a child run: each holds no lease
 //! while it waits, survives a restart, and goes on with what came.
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc, Condvar, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use agentrt::{
     Agent, Answer, Config, Delivered, Delivery, Error, EventKind, ModelResponse, Outcome, Recovery,
@@ -505,4 +511,194 @@ fn a_question_whose_schema_cannot_check_an_answer_is_refused_to_the_model_instea
         panic!("the call did not fail")
     };
     assert!(error.contains("schema"), "{error}");
+}
+
+/// Holds the store actor's thread after the first commit of a move of `kind`, until released:
+/// the call that made the move does not hear of it meanwhile.
+#[derive(Clone)]
+struct HoldAfter {
+    kind: agentrt::MoveKind,
+    /// Whether it holds, and whether it was released.
+    state: Arc<(Mutex<(bool, bool)>, Condvar)>,
+}
+
+impl HoldAfter {
+    fn new(kind: agentrt::MoveKind) -> Self {
+        HoldAfter {
+            kind,
+            state: Arc::default(),
+        }
+    }
+
+    fn holding(&self) -> bool {
+        self.state.0.lock().unwrap().0
+    }
+
+    fn release(&self) {
+        self.state.0.lock().unwrap().1 = true;
+        self.state.1.notify_all();
+    }
+}
+
+impl agentrt::MoveObserver for HoldAfter {
+    fn after_commit(&self, info: &agentrt::MoveInfo) {
+        let (state, released) = &*self.state;
+        let mut state = state.lock().unwrap();
+        if info.kind != self.kind || state.0 {
+            return;
+        }
+        state.0 = true;
+        while !state.1 {
+            state = released.wait(state).unwrap();
+        }
+    }
+}
+
+/// A tool that waits for its cancellation signal, and says when it is running and when the
+/// signal fired.
+#[derive(Clone, Default)]
+struct Listen {
+    running: Arc<AtomicBool>,
+    told: Arc<AtomicBool>,
+}
+
+#[agentrt::async_trait(?Send)]
+impl agentrt::Tool for Listen {
+    fn name(&self) -> &str {
+        "listen"
+    }
+
+    async fn call(
+        &self,
+        ctx: &agentrt::ToolContext,
+        _: &serde_json::Value,
+    ) -> Result<serde_json::Value, agentrt::ToolError> {
+        self.running.store(true, Ordering::SeqCst);
+        ctx.cancellation.cancelled().await;
+        self.told.store(true, Ordering::SeqCst);
+        Err(agentrt::ToolError::new("cancelled"))
+    }
+}
+
+async fn until(condition: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !condition() {
+        assert!(std::time::Instant::now() < deadline, "never happened");
+        actix_rt::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn an_answer_the_watch_hears_while_the_execution_that_asked_returns_resumes_the_run() {
+    let db = TempStore::new();
+    // The execution that asks does not hear its wait's commit until released.
+    let hold = HoldAfter::new(agentrt::MoveKind::BeginWait);
+    // A watch and no recovery: only the watch hears of the answer.
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(5)))
+        .observer(hold.clone());
+    let asker = one_call("ask_person", json!({"question": "Go?"}), "went");
+    let listen = Listen::default();
+    let listener = Agent::new(one_call("listen", json!({}), "stopped")).tool(listen.clone());
+    let (store, hold2, asker2) = (db.open(), hold.clone(), asker.clone());
+    with_system(|| async move {
+        let supervisor = agentrt::Supervisor::builder(store.clone())
+            .config(config)
+            .agent("a", Agent::new(asker2).ask_person())
+            .agent("b", listener)
+            .start()
+            .unwrap();
+        // Run b listens for a cancel: its signal fires when the watch hears of one.
+        supervisor
+            .send(SpawnRun::new("b", json!("go")).with_id("b1"))
+            .await
+            .unwrap()
+            .unwrap();
+        until(|| listen.running.load(Ordering::SeqCst)).await;
+        // Run a asks, and its execution is held right after its wait commits.
+        actix_rt::spawn(supervisor.send(SpawnRun::new("a", json!("go")).with_id("a1")));
+        until(|| hold2.holding()).await;
+        // Elsewhere: the question is answered, then b is cancelled.
+        let elsewhere = db.open();
+        let answer = Answer {
+            run_id: RunId::from("a1"),
+            call_id: "c1".into(),
+            answer: json!("yes"),
+            by: "carol".into(),
+        };
+        elsewhere.answer(&answer).unwrap();
+        elsewhere.cancel(&RunId::from("b1"), "enough").unwrap();
+        // The watch heard the cancel, so the answer before it, while a's execution ran.
+        until(|| listen.told.load(Ordering::SeqCst)).await;
+        hold2.release();
+        until_state(&store, &RunId::from("a1"), RunState::Succeeded).await;
+    });
+    assert_eq!(last_tool_result(&asker), ToolResult::Ok(json!("yes")));
+}
+
+#[test]
+fn a_timer_another_supervisor_set_before_it_went_away_fires_on_a_supervisor_that_only_watches() {
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call(
+        "sleep_until",
+        json!({"seconds": 3600, "reason": "check tomorrow"}),
+        "woke",
+    );
+    let agent = || Agent::new(model.clone()).sleep_until();
+    let set_timer = |id: &str| {
+        let start = StartRun::new("a", json!("go")).with_id(id);
+        let config = Config::default().clock(clock.clone());
+        let reply = ask(db.open(), config, "a", agent(), start).unwrap();
+        waiting(reply.outcome, WaitKind::Timer);
+    };
+    // A timer due when the watching supervisor starts: its first pass resumes it, so that
+    // pass is over before the next timer is set.
+    set_timer("t0");
+    clock.advance(Duration::from_secs(3601));
+    let (store, watcher_clock) = (db.open(), clock.clone());
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(10)))
+        .clock(clock.clone());
+    let (set, timer_set) = std::sync::mpsc::channel::<()>();
+    let watching_agent = agent();
+    let watcher = std::thread::spawn(move || {
+        with_system(|| async move {
+            let _supervisor = supervise(store.clone(), config, "a", watching_agent);
+            until_state(&store, &RunId::from("t0"), RunState::Succeeded).await;
+            set.send(()).unwrap();
+            // Another supervisor, gone since, sets this one's timer: nothing tells of it.
+            let t1 = RunId::from("t1");
+            until(|| store.run(&t1).is_ok()).await;
+            until_state(&store, &t1, RunState::Succeeded).await;
+        })
+    });
+    timer_set.recv().unwrap();
+    set_timer("t1");
+    watcher_clock.advance(Duration::from_secs(3601));
+    watcher.join().unwrap();
+}
+
+#[test]
+fn a_supervisor_nobody_holds_stops_though_it_knows_of_a_timer() {
+    let db = TempStore::new();
+    let model = one_call("sleep_until", json!({"seconds": 3600}), "woke");
+    let store = db.open();
+    with_system(|| async move {
+        let supervisor = supervise(store, waking(), "a", Agent::new(model).sleep_until());
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("t3"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Timer);
+        let weak = supervisor.downgrade();
+        drop(supervisor);
+        until(|| {
+            !weak
+                .upgrade()
+                .is_some_and(|supervisor| supervisor.connected())
+        })
+        .await;
+    });
 }

@@ -1,6 +1,7 @@
-//! Waking waiting runs: due timers read once per pass through the index of ready waits (and
-//! at the time of the next one this supervisor knows of), woken waits heard on the change
-//! feed, and the child run a parent just started waiting for, executed at once.
+//! Waking waiting runs: due timers read once per pass through the index of ready waits (a
+//! pass each second, and at the time of the next one this supervisor knows of), woken waits
+//! heard on the change feed, and the child run a parent just started waiting for, executed at
+//! once.
 
 use std::time::Duration;
 
@@ -17,8 +18,8 @@ use crate::{
 /// The most ready waits one pass resumes: a full page makes another pass soon after.
 const PASS_LIMIT: usize = 256;
 
-/// The longest a supervisor that knows of a timer goes without a pass: a timer set by
-/// another replica, or by a test clock that runs faster than time, is found by then.
+/// The longest a supervisor that wakes runs goes without a pass: a timer set by another
+/// replica, or by a test clock that runs faster than time, is found by then.
 const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
 
 /// How long a pass that found a full page of due waits lets them start before it reads more.
@@ -40,9 +41,31 @@ impl Supervisor {
         self.recovery.is_some() || self.watching.polls()
     }
 
+    /// Starts the passes over the ready waits, if this supervisor wakes runs: one now, and
+    /// one each [`MAX_TIMER_SLEEP`] from a ticker task, so that a timer no pass of this
+    /// supervisor knows of (set by a replica gone since: nothing on the change feed tells of
+    /// a timer) falls due here too. The ticker holds only a weak address: a supervisor nobody
+    /// holds stops, its passes with it.
+    pub(super) fn start_waking(&mut self, ctx: &mut Context<Self>) {
+        self.wake_pass(ctx);
+        if !self.wakes() {
+            return;
+        }
+        let supervisor = ctx.address().downgrade();
+        actix_rt::spawn(async move {
+            loop {
+                actix_rt::time::sleep(MAX_TIMER_SLEEP).await;
+                match supervisor.upgrade() {
+                    Some(supervisor) if supervisor.connected() => supervisor.do_send(WakePass),
+                    _ => return,
+                }
+            }
+        });
+    }
+
     /// Resumes the runs of this supervisor's agents whose waits are ready (timers due, waits
     /// woken while nobody heard), through the index of ready waits, and sets a pass for the
-    /// next timer it finds.
+    /// next timer it finds, if it falls due before the ticker's next pass.
     pub(super) fn wake_pass(&mut self, ctx: &mut Context<Self>) {
         if self.waking.reading || self.draining.is_on() || !self.wakes() {
             return;
@@ -83,9 +106,14 @@ impl Supervisor {
         ctx.spawn(pass);
     }
 
-    /// Sets a pass for time `at` (by `Config::clock`), unless one is set before it; in any
-    /// case within [`MAX_TIMER_SLEEP`].
+    /// Sets a pass for time `at` (by `Config::clock`), unless one is set before it. A pass
+    /// set keeps the supervisor alive until it runs: one is set at most [`MAX_TIMER_SLEEP`]
+    /// ahead, and a timer further away is left to the ticker.
     fn wake_at(&mut self, at: i64, ctx: &mut Context<Self>) {
+        let now = to_millis(self.clock.now());
+        if at - now > MAX_TIMER_SLEEP.as_millis() as i64 {
+            return;
+        }
         if self
             .waking
             .next
@@ -97,8 +125,7 @@ impl Supervisor {
         if let Some((_, handle)) = self.waking.next.take() {
             ctx.cancel_future(handle);
         }
-        let now = to_millis(self.clock.now());
-        let delay = Duration::from_millis((at - now).max(0) as u64).min(MAX_TIMER_SLEEP);
+        let delay = Duration::from_millis((at - now).max(0) as u64);
         let handle = ctx.run_later(delay, |this, ctx| {
             this.waking.next = None;
             this.wake_pass(ctx);
@@ -165,6 +192,20 @@ impl Supervisor {
                 }
             }
         });
+    }
+}
+
+/// Time for a pass over the ready waits; sent by the supervisor's ticker, which holds only a
+/// weak address.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub(super) struct WakePass;
+
+impl Handler<WakePass> for Supervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: WakePass, ctx: &mut Context<Self>) {
+        self.wake_pass(ctx);
     }
 }
 

@@ -1243,9 +1243,12 @@ impl crate::store::feed::Feed for PgTx<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        // The waits woken while nobody watched (their answer, event or child's end came).
+        // The waits woken while nobody watched (their answer, event or child's end came): a
+        // range of waits_ready (a woken wait is ready from its waking), not a scan of every
+        // wait.
         let rows = self.rows(
-            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
+            "SELECT run_id, agent FROM waits
+             WHERE ready_at IS NOT NULL AND result IS NOT NULL ORDER BY ready_at, run_id",
             &[],
         )?;
         for row in &rows {

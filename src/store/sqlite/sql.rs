@@ -1235,6 +1235,12 @@ const DECIDED_WAITING: &str = "FROM runs
                    AND approvals.attempt = steps.attempt + 1
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
 
+/// The waits woken while nobody watched (their answer, event or child's end came): a range of
+/// `waits_ready` (a woken wait is ready from its waking), not a scan of every wait, which a
+/// watch's first poll would otherwise make however many runs wait.
+pub(crate) const WOKEN_WAITS: &str = "SELECT run_id, agent FROM waits
+     WHERE ready_at IS NOT NULL AND result IS NOT NULL ORDER BY ready_at, run_id";
+
 fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     let mut changes: Vec<Change> = conn
         .prepare_cached(&format!(
@@ -1251,11 +1257,8 @@ fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
         .db()?
         .collect::<rusqlite::Result<_>>()
         .db()?;
-    // The waits woken while nobody watched (their answer, event or child's end came).
     let woken = conn
-        .prepare_cached(
-            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at, run_id",
-        )
+        .prepare_cached(WOKEN_WAITS)
         .db()?
         .query_map([], |row| {
             Ok(Change {

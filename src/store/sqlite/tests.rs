@@ -313,6 +313,27 @@ fn the_waiting_call_of_an_approval_is_found_through_its_index() {
 }
 
 #[test]
+fn the_woken_waits_are_read_through_the_index_of_ready_waits() {
+    let store = Store::in_memory().unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let conn = lock(&sqlite.writer);
+    let mut stmt = conn
+        .prepare(&format!("EXPLAIN QUERY PLAN {}", sql::WOKEN_WAITS))
+        .unwrap();
+    let plan: Vec<String> = stmt
+        .query_map([], |row| row.get::<_, String>(3))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    // A range of the ready waits, never a scan of every waiting run's wait.
+    assert!(
+        plan.iter().any(|line| line.contains("INDEX waits_ready")),
+        "{plan:?}"
+    );
+    assert!(!plan.iter().any(|line| line.contains("SCAN")), "{plan:?}");
+}
+
+#[test]
 fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -446,3 +446,37 @@ fn cancelling_a_parent_cancels_the_child_it_waits_for() {
     assert!(child.error.unwrap().contains("parent"));
     assert_eq!(store.wait(&RunId::from("p2")).unwrap(), None);
 }
+
+#[test]
+fn a_parent_goes_on_as_soon_as_its_child_ends_on_the_same_supervisor() {
+    let db = TempStore::new();
+    let parent = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![
+            ToolCall::new("c1", "research", json!({"task": "first"})),
+            ToolCall::new("c2", "research", json!({"task": "second"})),
+        ]),
+        ModelResponse::answer("both found"),
+    ]);
+    let child = ScriptedModel::new(vec![ModelResponse::answer("found")]);
+    let (parent_agent, child_agent) = family(&parent, &child);
+    let store = db.open();
+    with_system(|| async move {
+        // No watch and no recovery: nothing reads the change feed, so only the child's end,
+        // seen by the supervisor that executed it, can resume the parent.
+        let supervisor =
+            supervise_family(store.clone(), Config::default(), parent_agent, child_agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("p3"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Child);
+        until_state(&store, &RunId::from("p3"), RunState::Succeeded).await;
+    });
+    let store = db.open();
+    for child in ["p3/2", "p3/3"] {
+        let run = store.run(&RunId::from(child)).unwrap();
+        assert_eq!(run.state, RunState::Succeeded, "{child}");
+    }
+    assert_eq!(last_tool_result(&parent), ToolResult::Ok(json!("found")));
+}

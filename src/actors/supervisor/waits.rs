@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message, SpawnHandle};
+use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message, SpawnHandle, WrapFuture};
 
 use super::Supervisor;
 use crate::{
@@ -135,29 +135,40 @@ impl Supervisor {
             }
             WaitKind::Child => {
                 let agent = wait.detail["agent"].as_str().unwrap_or_default();
-                if self.agents.contains_key(agent) && !self.draining.is_on() {
-                    let child = RunId::from(wait.key.as_str());
-                    self.start_child(child, ctx);
+                let child = RunId::from(wait.key.as_str());
+                // A parent resumed again by a wake-up heard late waits for a child that is
+                // under way here already.
+                let under_way = self.executing.contains_key(&child) || self.admission.holds(&child);
+                if self.agents.contains_key(agent) && !self.draining.is_on() && !under_way {
+                    self.start_child(wait.run_id.clone(), child, ctx);
                 }
             }
             _ => {}
         }
     }
 
-    /// Executes a child run just inserted by its parent's wait. A failure is left to
-    /// recovery, here or elsewhere: the child is a RUNNING run nobody holds.
-    fn start_child(&mut self, child: RunId, ctx: &mut Context<Self>) {
+    /// Executes a child run just inserted by its parent's wait. Its end, which woke the parent
+    /// in the same transaction, resumes the parent at once, not at the watch's next poll: a
+    /// tree of runs on one supervisor goes from child to parent without waiting. A failure is
+    /// left to recovery, here or elsewhere: the child is a RUNNING run nobody holds.
+    fn start_child(&mut self, parent: RunId, child: RunId, ctx: &mut Context<Self>) {
         let execution = self.execute(child.clone(), Job::Resume, ctx);
-        actix_rt::spawn(async move {
-            match execution.await {
-                Ok(reply) => {
-                    tracing::debug!(run_id = %child, outcome = ?reply.outcome, "child run returned")
-                }
-                Err(err) => {
-                    tracing::debug!(run_id = %child, %err, "child run stopped; recovery takes it up")
+        let ended = execution.into_actor(self).map(move |result, this, ctx| match result {
+            Ok(reply) => {
+                tracing::debug!(run_id = %child, outcome = ?reply.outcome, "child run returned");
+                let finished = matches!(
+                    reply.outcome,
+                    Outcome::Succeeded { .. } | Outcome::Failed { .. } | Outcome::Cancelled { .. }
+                );
+                if finished && !this.draining.is_on() {
+                    this.wake(parent, ctx);
                 }
             }
+            Err(err) => {
+                tracing::debug!(run_id = %child, %err, "child run stopped; recovery takes it up")
+            }
         });
+        ctx.spawn(ended);
     }
 }
 
@@ -174,7 +185,6 @@ impl Handler<AnswerQuestion> for Supervisor {
     type Result = actix::ResponseActFuture<Self, Result<()>>;
 
     fn handle(&mut self, msg: AnswerQuestion, _: &mut Context<Self>) -> Self::Result {
-        use actix::WrapFuture;
         let answer = crate::store::moves::AnswerQuestion { answer: msg.0 };
         let apply = self
             .store_actor
@@ -195,7 +205,6 @@ impl Handler<DeliverEvent> for Supervisor {
     type Result = actix::ResponseActFuture<Self, Result<Delivered>>;
 
     fn handle(&mut self, msg: DeliverEvent, _: &mut Context<Self>) -> Self::Result {
-        use actix::WrapFuture;
         let delivery = crate::store::moves::DeliverEvent { delivery: msg.0 };
         let apply = self
             .store_actor

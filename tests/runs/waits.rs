@@ -480,3 +480,52 @@ fn a_parent_goes_on_as_soon_as_its_child_ends_on_the_same_supervisor() {
     }
     assert_eq!(last_tool_result(&parent), ToolResult::Ok(json!("found")));
 }
+
+/// Delivers run `e2`'s event as soon as its wait begins, before the loop that began it hears
+/// so, then holds the loop's answer long enough for a watch polling every few milliseconds to
+/// hear of the wake-up while the execution is still under way.
+struct DeliverOnWait(agentrt::Store);
+
+impl agentrt::MoveObserver for DeliverOnWait {
+    fn after_commit(&self, info: &agentrt::MoveInfo) {
+        if info.kind != agentrt::MoveKind::BeginWait || info.run_id.as_str() != "e2" {
+            return;
+        }
+        let delivery = Delivery {
+            run_id: info.run_id.clone(),
+            name: "payment".into(),
+            event_id: "evt-1".into(),
+            payload: json!({"amount": 5}),
+        };
+        assert_eq!(self.0.deliver_event(&delivery).unwrap(), Delivered::Woke);
+        // The window the race needs, not a wait for a result: the run must succeed however
+        // long the watch takes.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_wait_woken_while_the_execution_that_began_it_ends_is_resumed() {
+    let db = TempStore::new();
+    let model = one_call("wait_for_event", json!({"name": "payment"}), "paid");
+    let agent = Agent::new(model.clone()).wait_for_event();
+    let store = db.open();
+    // A watch and no recovery: no later pass over the ready waits would find the run.
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(5)))
+        .observer(DeliverOnWait(db.open()));
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), config, "a", agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("e2"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Event);
+        until_state(&store, &RunId::from("e2"), RunState::Succeeded).await;
+    });
+    assert_eq!(
+        last_tool_result(&model),
+        ToolResult::Ok(json!({"amount": 5}))
+    );
+}

@@ -529,3 +529,44 @@ fn a_wait_woken_while_the_execution_that_began_it_ends_is_resumed() {
         ToolResult::Ok(json!({"amount": 5}))
     );
 }
+
+#[test]
+fn more_timers_falling_due_together_than_one_pass_reads_are_all_woken() {
+    // A pass reads 256 ready waits; the next reads on after them.
+    const RUNS: usize = 300;
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call("sleep_until", json!({"seconds": 3600}), "woke");
+    let agent = Agent::new(model.clone()).sleep_until();
+    let store = db.open();
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(10)))
+        .clock(clock.clone());
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), config, "a", agent);
+        let starts: Vec<_> = (0..RUNS)
+            .map(|_| actix_rt::spawn(supervisor.send(StartRun::new("a", json!("go")))))
+            .collect();
+        for start in starts {
+            let reply = start.await.unwrap().unwrap().unwrap();
+            waiting(reply.outcome, WaitKind::Timer);
+        }
+        clock.advance(Duration::from_secs(3601));
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let counts = store.count_by_state().unwrap();
+            let succeeded = counts
+                .iter()
+                .find(|(state, _)| *state == RunState::Succeeded)
+                .map_or(0, |(_, n)| *n);
+            if succeeded == RUNS as u64 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{succeeded} of {RUNS} runs woke: {counts:?}"
+            );
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}

@@ -14,7 +14,8 @@ use crate::{
     types::{Answer, Delivered, Delivery, Outcome, RunId, RunReply, WaitKind},
 };
 
-/// The most ready waits one pass resumes: a full page makes another pass soon after.
+/// The most ready waits one pass resumes: a full page makes another pass at once, which reads
+/// on after the page's last wait.
 const PASS_LIMIT: usize = 256;
 
 /// The longest a supervisor that knows of a timer goes without a pass: a timer set by
@@ -28,6 +29,10 @@ pub(super) struct Waking {
     reading: bool,
     /// The next pass this supervisor set, and the time (by `Config::clock`) it is for.
     next: Option<(i64, SpawnHandle)>,
+    /// Where the next pass reads on, after a full page: the last wait it read (its ready time
+    /// and run). The runs of that page stay in the index until their resumes commit, so a
+    /// pass from the start would only read them again while the next ones wait.
+    after: Option<(i64, RunId)>,
 }
 
 impl Supervisor {
@@ -47,9 +52,11 @@ impl Supervisor {
         self.waking.reading = true;
         let agents: Vec<String> = self.agents.keys().cloned().collect();
         let now = to_millis(self.clock.now());
+        let after = self.waking.after.clone();
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
-            let ready = reads.ready_waits(now, &agents, PASS_LIMIT)?;
+            let after = after.as_ref().map(|(at, run_id)| (*at, run_id));
+            let ready = reads.ready_waits(now, &agents, after, PASS_LIMIT)?;
             let next = reads.next_ready_at(now, &agents)?;
             Ok((ready, next))
         }));
@@ -64,6 +71,12 @@ impl Supervisor {
                 Err(_) => return,
             };
             let full = ready.len() >= PASS_LIMIT;
+            // A page that is not full ends the reading on: the next pass starts over, and
+            // finds any wait left ready (a resume that failed, a run busy here).
+            this.waking.after = ready
+                .last()
+                .filter(|_| full)
+                .map(|(run_id, at)| (*at, run_id.clone()));
             for (run_id, _) in ready {
                 this.wake(run_id, ctx);
             }
@@ -79,6 +92,15 @@ impl Supervisor {
     /// Sets a pass for time `at` (by `Config::clock`), unless one is set before it; in any
     /// case within [`MAX_TIMER_SLEEP`].
     fn wake_at(&mut self, at: i64, ctx: &mut Context<Self>) {
+        // A timer due before where the reading on stands would be passed over: start over.
+        if self
+            .waking
+            .after
+            .as_ref()
+            .is_some_and(|(after, _)| at < *after)
+        {
+            self.waking.after = None;
+        }
         if self
             .waking
             .next

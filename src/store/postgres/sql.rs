@@ -520,14 +520,17 @@ impl Reads for PgTx<'_> {
         &mut self,
         until: i64,
         agents: &[&str],
+        after: Option<(i64, &RunId)>,
         limit: usize,
-    ) -> Result<Vec<(RunId, String)>> {
+    ) -> Result<Vec<(RunId, i64)>> {
         let agents: Vec<&str> = agents.to_vec();
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
         let rows = self.rows(
-            "SELECT run_id, agent FROM waits
-             WHERE ready_at IS NOT NULL AND ready_at <= $1 AND agent = ANY($2::text[])
-             ORDER BY ready_at LIMIT $3",
-            &[&until, &agents, &(limit as i64)],
+            "SELECT run_id, ready_at FROM waits
+             WHERE ready_at IS NOT NULL AND ready_at <= $1 AND (ready_at, run_id) > ($2, $3)
+               AND agent = ANY($4::text[])
+             ORDER BY ready_at, run_id LIMIT $5",
+            &[&until, &since, &id, &agents, &(limit as i64)],
         )?;
         rows.iter()
             .map(|row| Ok((RunId::from(get::<String>(row, 0)?), get(row, 1)?)))

@@ -253,19 +253,15 @@ impl Reads for Sql<'_> {
         &mut self,
         until: i64,
         agents: &[&str],
+        after: Option<(i64, &RunId)>,
         limit: usize,
-    ) -> Result<Vec<(RunId, String)>> {
+    ) -> Result<Vec<(RunId, i64)>> {
         let agents = serde_json::to_string(agents).expect("names serialize");
-        // A range of waits_ready up to `until`: the waits not due cost nothing.
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
         self.0
-            .prepare_cached(
-                "SELECT run_id, agent FROM waits
-                 WHERE ready_at IS NOT NULL AND ready_at <= ?1
-                   AND agent IN (SELECT value FROM json_each(?2))
-                 ORDER BY ready_at LIMIT ?3",
-            )
+            .prepare_cached(READY_WAITS)
             .db()?
-            .query_map(params![until, agents, limit as i64], |row| {
+            .query_map(params![until, since, id, agents, limit as i64], |row| {
                 Ok((RunId::from(row.get::<_, String>(0)?), row.get(1)?))
             })
             .db()?
@@ -1234,6 +1230,14 @@ const DECIDED_WAITING: &str = "FROM runs
      JOIN approvals ON approvals.run_id = steps.run_id AND approvals.step = steps.step
                    AND approvals.attempt = steps.attempt + 1
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
+
+/// A page of the ready waits: a range of waits_ready up to `until` (?1), after a run's
+/// (ready_at, run_id) (?2, ?3), in the index's order (a wait's key, the run's id, follows its
+/// ready_at in the index); the waits not due cost nothing.
+pub(crate) const READY_WAITS: &str = "SELECT run_id, ready_at FROM waits
+     WHERE ready_at IS NOT NULL AND ready_at <= ?1 AND (ready_at, run_id) > (?2, ?3)
+       AND agent IN (SELECT value FROM json_each(?4))
+     ORDER BY ready_at, run_id LIMIT ?5";
 
 /// The waits woken while nobody watched (their answer, event or child's end came): a range of
 /// `waits_ready` (a woken wait is ready from its waking), not a scan of every wait, which a

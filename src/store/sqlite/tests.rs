@@ -313,24 +313,34 @@ fn the_waiting_call_of_an_approval_is_found_through_its_index() {
 }
 
 #[test]
-fn the_woken_waits_are_read_through_the_index_of_ready_waits() {
+fn the_ready_and_woken_waits_are_read_through_the_index_of_ready_waits() {
     let store = Store::in_memory().unwrap();
     let sqlite = Sqlite::of(&store).unwrap();
     let conn = lock(&sqlite.writer);
-    let mut stmt = conn
-        .prepare(&format!("EXPLAIN QUERY PLAN {}", sql::WOKEN_WAITS))
-        .unwrap();
-    let plan: Vec<String> = stmt
-        .query_map([], |row| row.get::<_, String>(3))
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap();
-    // A range of the ready waits, never a scan of every waiting run's wait.
-    assert!(
-        plan.iter().any(|line| line.contains("INDEX waits_ready")),
-        "{plan:?}"
-    );
-    assert!(!plan.iter().any(|line| line.contains("SCAN")), "{plan:?}");
+    for query in [sql::WOKEN_WAITS, sql::READY_WAITS] {
+        let mut stmt = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {query}"))
+            .unwrap();
+        let mut rows = stmt.raw_query();
+        let mut plan = Vec::new();
+        while let Some(row) = rows.next().unwrap() {
+            plan.push(row.get::<_, String>(3).unwrap());
+        }
+        // A range of the ready waits in their order, never a scan of every waiting run's
+        // wait, nor a sort.
+        assert!(
+            plan[0].starts_with("SEARCH waits USING INDEX waits_ready "),
+            "{plan:?}"
+        );
+        assert!(
+            !plan.iter().any(|line| line.contains("SCAN waits")),
+            "{plan:?}"
+        );
+        assert!(
+            !plan.iter().any(|line| line.contains("TEMP B-TREE")),
+            "{plan:?}"
+        );
+    }
 }
 
 #[test]

@@ -90,15 +90,17 @@ pub(crate) trait Reads {
     /// The run's wait (answer, event, timer, child), with its call's id; `None` when it has
     /// none.
     fn wait(&mut self, run_id: &RunId) -> Result<Option<WaitRow>>;
-    /// The first `limit` runs of `agents` whose wait is ready by `until` (a due timer, or a
-    /// wait woken), by when they became ready: each with its agent. Read through the index of
+    /// At most `limit` runs of `agents` whose wait is ready by `until` (a due timer, or a wait
+    /// woken), by when they became ready and then by id, after `after` (that time and the id
+    /// of the last run of the previous page): each with that time. Read through the index of
     /// ready waits, whatever the number of runs that wait for later.
     fn ready_waits(
         &mut self,
         until: i64,
         agents: &[&str],
+        after: Option<(i64, &RunId)>,
         limit: usize,
-    ) -> Result<Vec<(RunId, String)>>;
+    ) -> Result<Vec<(RunId, i64)>>;
     /// The earliest time after `after` at which a wait of `agents` becomes ready (a timer).
     fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>>;
     /// At most `limit` waits (of `kind` when given) after (`since`, run id), by (since, run

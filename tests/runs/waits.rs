@@ -702,3 +702,127 @@ fn a_supervisor_nobody_holds_stops_though_it_knows_of_a_timer() {
         .await;
     });
 }
+
+#[test]
+fn a_parent_goes_on_as_soon_as_its_child_ends_on_the_same_supervisor() {
+    let db = TempStore::new();
+    let parent = ScriptedModel::new(vec![
+        ModelResponse::calls(vec![
+            ToolCall::new("c1", "research", json!({"task": "first"})),
+            ToolCall::new("c2", "research", json!({"task": "second"})),
+        ]),
+        ModelResponse::answer("both found"),
+    ]);
+    let child = ScriptedModel::new(vec![ModelResponse::answer("found")]);
+    let (parent_agent, child_agent) = family(&parent, &child);
+    let store = db.open();
+    with_system(|| async move {
+        // No watch and no recovery: nothing reads the change feed, so only the child's end,
+        // seen by the supervisor that executed it, can resume the parent.
+        let supervisor =
+            supervise_family(store.clone(), Config::default(), parent_agent, child_agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("p3"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Child);
+        until_state(&store, &RunId::from("p3"), RunState::Succeeded).await;
+    });
+    let store = db.open();
+    for child in ["p3/2", "p3/3"] {
+        let run = store.run(&RunId::from(child)).unwrap();
+        assert_eq!(run.state, RunState::Succeeded, "{child}");
+    }
+    assert_eq!(last_tool_result(&parent), ToolResult::Ok(json!("found")));
+}
+
+/// Delivers run `e2`'s event as soon as its wait begins, before the loop that began it hears
+/// so, then holds the loop's answer long enough for a watch polling every few milliseconds to
+/// hear of the wake-up while the execution is still under way.
+struct DeliverOnWait(agentrt::Store);
+
+impl agentrt::MoveObserver for DeliverOnWait {
+    fn after_commit(&self, info: &agentrt::MoveInfo) {
+        if info.kind != agentrt::MoveKind::BeginWait || info.run_id.as_str() != "e2" {
+            return;
+        }
+        let delivery = Delivery {
+            run_id: info.run_id.clone(),
+            name: "payment".into(),
+            event_id: "evt-1".into(),
+            payload: json!({"amount": 5}),
+        };
+        assert_eq!(self.0.deliver_event(&delivery).unwrap(), Delivered::Woke);
+        // The window the race needs, not a wait for a result: the run must succeed however
+        // long the watch takes.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_wait_woken_while_the_execution_that_began_it_ends_is_resumed() {
+    let db = TempStore::new();
+    let model = one_call("wait_for_event", json!({"name": "payment"}), "paid");
+    let agent = Agent::new(model.clone()).wait_for_event();
+    let store = db.open();
+    // A watch and no recovery: no later pass over the ready waits would find the run.
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(5)))
+        .observer(DeliverOnWait(db.open()));
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), config, "a", agent);
+        let reply = supervisor
+            .send(StartRun::new("a", json!("go")).with_id("e2"))
+            .await
+            .unwrap()
+            .unwrap();
+        waiting(reply.outcome, WaitKind::Event);
+        until_state(&store, &RunId::from("e2"), RunState::Succeeded).await;
+    });
+    assert_eq!(
+        last_tool_result(&model),
+        ToolResult::Ok(json!({"amount": 5}))
+    );
+}
+
+#[test]
+fn more_timers_falling_due_together_than_one_pass_reads_are_all_woken() {
+    // A pass reads 256 ready waits; the next reads on after them.
+    const RUNS: usize = 300;
+    let db = TempStore::new();
+    let clock = ManualClock::new();
+    let model = one_call("sleep_until", json!({"seconds": 3600}), "woke");
+    let agent = Agent::new(model.clone()).sleep_until();
+    let store = db.open();
+    let config = Config::default()
+        .watch(Watch::default().every(Duration::from_millis(10)))
+        .clock(clock.clone());
+    with_system(|| async move {
+        let supervisor = supervise(store.clone(), config, "a", agent);
+        let starts: Vec<_> = (0..RUNS)
+            .map(|_| actix_rt::spawn(supervisor.send(StartRun::new("a", json!("go")))))
+            .collect();
+        for start in starts {
+            let reply = start.await.unwrap().unwrap().unwrap();
+            waiting(reply.outcome, WaitKind::Timer);
+        }
+        clock.advance(Duration::from_secs(3601));
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let counts = store.count_by_state().unwrap();
+            let succeeded = counts
+                .iter()
+                .find(|(state, _)| *state == RunState::Succeeded)
+                .map_or(0, |(_, n)| *n);
+            if succeeded == RUNS as u64 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{succeeded} of {RUNS} runs woke: {counts:?}"
+            );
+            actix_rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message, SpawnHandle};
+use actix::{ActorFutureExt, AsyncContext, Context, Handler, Message, SpawnHandle, WrapFuture};
 
 use super::Supervisor;
 use crate::{
@@ -15,15 +15,13 @@ use crate::{
     types::{Answer, Delivered, Delivery, Outcome, RunId, RunReply, WaitKind},
 };
 
-/// The most ready waits one pass resumes: a full page makes another pass soon after.
+/// The most ready waits one pass resumes: a full page makes another pass at once, which reads
+/// on after the page's last wait.
 const PASS_LIMIT: usize = 256;
 
 /// The longest a supervisor that wakes runs goes without a pass: a timer set by another
 /// replica, or by a test clock that runs faster than time, is found by then.
 const MAX_TIMER_SLEEP: Duration = Duration::from_secs(1);
-
-/// How long a pass that found a full page of due waits lets them start before it reads more.
-const BACKLOG_PAUSE: Duration = Duration::from_millis(50);
 
 /// What a supervisor keeps of the waits it wakes.
 #[derive(Default)]
@@ -32,6 +30,10 @@ pub(super) struct Waking {
     reading: bool,
     /// The next pass this supervisor set, and the time (by `Config::clock`) it is for.
     next: Option<(i64, SpawnHandle)>,
+    /// Where the next pass reads on, after a full page: the last wait it read (its ready time
+    /// and run). The runs of that page stay in the index until their resumes commit, so a
+    /// pass from the start would only read them again while the next ones wait.
+    after: Option<(i64, RunId)>,
 }
 
 impl Supervisor {
@@ -73,9 +75,11 @@ impl Supervisor {
         self.waking.reading = true;
         let agents: Vec<String> = self.agents.keys().cloned().collect();
         let now = to_millis(self.clock.now());
+        let after = self.waking.after.clone();
         let read = self.store_actor.addr().send(ReadState::new(move |reads| {
             let agents: Vec<&str> = agents.iter().map(String::as_str).collect();
-            let ready = reads.ready_waits(now, &agents, PASS_LIMIT)?;
+            let after = after.as_ref().map(|(at, run_id)| (*at, run_id));
+            let ready = reads.ready_waits(now, &agents, after, PASS_LIMIT)?;
             let next = reads.next_ready_at(now, &agents)?;
             Ok((ready, next))
         }));
@@ -92,13 +96,18 @@ impl Supervisor {
                 Err(_) => return,
             };
             let full = ready.len() >= PASS_LIMIT;
+            // A page that is not full ends the reading on: the next pass starts over, and
+            // finds any wait left ready (a resume that failed, a run busy here).
+            this.waking.after = ready
+                .last()
+                .filter(|_| full)
+                .map(|(run_id, at)| (*at, run_id.clone()));
             for (run_id, _) in ready {
                 this.wake(run_id, ctx);
             }
             if full {
-                // More are due: read again once these have had a poll period to start, not
-                // at once (they would be read again while they wait for slots).
-                this.wake_at(now + BACKLOG_PAUSE.as_millis() as i64, ctx);
+                // More are due: read on, after this page's last.
+                this.wake_at(now, ctx);
             } else if let Some(next) = next {
                 this.wake_at(next, ctx);
             }
@@ -110,6 +119,15 @@ impl Supervisor {
     /// set keeps the supervisor alive until it runs: one is set at most [`MAX_TIMER_SLEEP`]
     /// ahead, and a timer further away is left to the ticker.
     fn wake_at(&mut self, at: i64, ctx: &mut Context<Self>) {
+        // A timer due before where the reading on stands would be passed over: start over.
+        if self
+            .waking
+            .after
+            .as_ref()
+            .is_some_and(|(after, _)| at < *after)
+        {
+            self.waking.after = None;
+        }
         let now = to_millis(self.clock.now());
         if at - now > MAX_TIMER_SLEEP.as_millis() as i64 {
             return;
@@ -169,29 +187,40 @@ impl Supervisor {
             }
             WaitKind::Child => {
                 let agent = wait.detail["agent"].as_str().unwrap_or_default();
-                if self.agents.contains_key(agent) && !self.draining.is_on() {
-                    let child = RunId::from(wait.key.as_str());
-                    self.start_child(child, ctx);
+                let child = RunId::from(wait.key.as_str());
+                // A parent resumed again by a wake-up heard late waits for a child that is
+                // under way here already.
+                let under_way = self.executing.contains_key(&child) || self.admission.holds(&child);
+                if self.agents.contains_key(agent) && !self.draining.is_on() && !under_way {
+                    self.start_child(wait.run_id.clone(), child, ctx);
                 }
             }
             _ => {}
         }
     }
 
-    /// Executes a child run just inserted by its parent's wait. A failure is left to
-    /// recovery, here or elsewhere: the child is a RUNNING run nobody holds.
-    fn start_child(&mut self, child: RunId, ctx: &mut Context<Self>) {
+    /// Executes a child run just inserted by its parent's wait. Its end, which woke the parent
+    /// in the same transaction, resumes the parent at once, not at the watch's next poll: a
+    /// tree of runs on one supervisor goes from child to parent without waiting. A failure is
+    /// left to recovery, here or elsewhere: the child is a RUNNING run nobody holds.
+    fn start_child(&mut self, parent: RunId, child: RunId, ctx: &mut Context<Self>) {
         let execution = self.execute(child.clone(), Job::Resume, ctx);
-        actix_rt::spawn(async move {
-            match execution.await {
-                Ok(reply) => {
-                    tracing::debug!(run_id = %child, outcome = ?reply.outcome, "child run returned")
-                }
-                Err(err) => {
-                    tracing::debug!(run_id = %child, %err, "child run stopped; recovery takes it up")
+        let ended = execution.into_actor(self).map(move |result, this, ctx| match result {
+            Ok(reply) => {
+                tracing::debug!(run_id = %child, outcome = ?reply.outcome, "child run returned");
+                let finished = matches!(
+                    reply.outcome,
+                    Outcome::Succeeded { .. } | Outcome::Failed { .. } | Outcome::Cancelled { .. }
+                );
+                if finished && !this.draining.is_on() {
+                    this.wake(parent, ctx);
                 }
             }
+            Err(err) => {
+                tracing::debug!(run_id = %child, %err, "child run stopped; recovery takes it up")
+            }
         });
+        ctx.spawn(ended);
     }
 }
 
@@ -222,7 +251,6 @@ impl Handler<AnswerQuestion> for Supervisor {
     type Result = actix::ResponseActFuture<Self, Result<()>>;
 
     fn handle(&mut self, msg: AnswerQuestion, _: &mut Context<Self>) -> Self::Result {
-        use actix::WrapFuture;
         let answer = crate::store::moves::AnswerQuestion { answer: msg.0 };
         let apply = self
             .store_actor
@@ -243,7 +271,6 @@ impl Handler<DeliverEvent> for Supervisor {
     type Result = actix::ResponseActFuture<Self, Result<Delivered>>;
 
     fn handle(&mut self, msg: DeliverEvent, _: &mut Context<Self>) -> Self::Result {
-        use actix::WrapFuture;
         let delivery = crate::store::moves::DeliverEvent { delivery: msg.0 };
         let apply = self
             .store_actor

@@ -352,8 +352,8 @@ impl Supervisor {
         );
     }
 
-    /// A call that executed `run_id` returned: a decision (or a wake-up) heard meanwhile may be
-    /// for the pause it returned with.
+    /// A call that executed `run_id` returned: a decision or a wake-up heard meanwhile may be
+    /// for the pause or the wait it returned with.
     pub(super) fn watched_execution_ended(
         &mut self,
         run_id: &RunId,
@@ -364,6 +364,8 @@ impl Supervisor {
             return;
         }
         match result {
+            // It may have paused again, for the call decided, or begun a wait that was woken
+            // before it returned (an event delivered at once): read, and resumed if so.
             Ok(RunReply {
                 outcome: Outcome::WaitingForApproval { .. } | Outcome::Waiting { .. },
                 ..

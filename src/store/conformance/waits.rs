@@ -280,17 +280,17 @@ pub(crate) fn a_timer_is_ready_at_its_time_through_the_index_of_ready_waits(
     let (due_now, due_later, next) = store
         .read(|reads| {
             Ok((
-                reads.ready_waits(now(), &["agent"], 10)?,
-                reads.ready_waits(at, &["agent", "other"], 10)?,
+                reads.ready_waits(now(), &["agent"], None, 10)?,
+                reads.ready_waits(at, &["agent", "other"], None, 10)?,
                 reads.next_ready_at(now(), &["agent"])?,
             ))
         })
         .unwrap();
     assert!(due_now.is_empty());
-    assert_eq!(due_later, [(r.clone(), "agent".to_owned())]);
+    assert_eq!(due_later, [(r.clone(), at)]);
     assert_eq!(next, Some(at));
     let other_agent = store
-        .read(|reads| reads.ready_waits(at, &["other"], 10))
+        .read(|reads| reads.ready_waits(at, &["other"], None, 10))
         .unwrap();
     assert!(other_agent.is_empty(), "read per agent");
 

@@ -521,18 +521,20 @@ impl Reads for PgTx<'_> {
         &mut self,
         until: i64,
         agents: &[&str],
+        after: Option<(i64, &RunId)>,
         limit: usize,
-    ) -> Result<Vec<(RunId, String)>> {
+    ) -> Result<Vec<(RunId, i64)>> {
         // A range of waits_ready per agent, up to `until`: the waits not due cost nothing.
         let agents: Vec<&str> = agents.to_vec();
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
         let rows = self.rows(
-            "SELECT found.run_id, found.agent FROM unnest($2::text[]) AS a(name)
-             CROSS JOIN LATERAL (SELECT run_id, agent, ready_at FROM waits
+            "SELECT found.run_id, found.ready_at FROM unnest($4::text[]) AS a(name)
+             CROSS JOIN LATERAL (SELECT run_id, ready_at FROM waits
                                  WHERE agent = a.name AND ready_at IS NOT NULL
-                                   AND ready_at <= $1
-                                 ORDER BY ready_at LIMIT $3) AS found
-             ORDER BY found.ready_at LIMIT $3",
-            &[&until, &agents, &(limit as i64)],
+                                   AND ready_at <= $1 AND (ready_at, run_id) > ($2::int8, $3::text)
+                                 ORDER BY ready_at, run_id LIMIT $5) AS found
+             ORDER BY found.ready_at, found.run_id LIMIT $5",
+            &[&until, &since, &id, &agents, &(limit as i64)],
         )?;
         rows.iter()
             .map(|row| Ok((RunId::from(get::<String>(row, 0)?), get(row, 1)?)))
@@ -1374,7 +1376,9 @@ impl crate::store::feed::Feed for PgTx<'_> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        // The waits woken while nobody watched (their answer, event or child's end came).
+        // The waits woken while nobody watched (their answer, event or child's end came): a
+        // range of waits_ready (a woken wait is ready from its waking), not a scan of every
+        // wait.
         let rows = self.rows(
             "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at",
             &[],

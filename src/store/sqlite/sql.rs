@@ -129,11 +129,12 @@ fn run_from_row(row: &Row<'_>) -> rusqlite::Result<Run> {
     })
 }
 
-/// An agent's (`?1`) waits ready by `?2`, the first `?3` by when they became ready: a range
-/// of `waits_ready`.
+/// An agent's (`?1`) waits ready by `?2` after (`?3`, `?4`), the first `?5` by when they
+/// became ready: a range of `waits_ready`.
 pub(crate) const READY_WAITS: &str = "SELECT run_id, ready_at FROM waits
      WHERE agent = ?1 AND ready_at IS NOT NULL AND ready_at <= ?2
-     ORDER BY ready_at LIMIT ?3";
+       AND (ready_at, run_id) > (?3, ?4)
+     ORDER BY ready_at, run_id LIMIT ?5";
 
 /// When an agent's (`?1`) next wait becomes ready after `?2`: one seek of `waits_ready`.
 pub(crate) const NEXT_READY: &str = "SELECT min(ready_at) FROM waits
@@ -301,26 +302,29 @@ impl Reads for Sql<'_> {
         &mut self,
         until: i64,
         agents: &[&str],
+        after: Option<(i64, &RunId)>,
         limit: usize,
-    ) -> Result<Vec<(RunId, String)>> {
-        // A range of waits_ready per agent, up to `until`: the waits not due cost nothing.
+    ) -> Result<Vec<(RunId, i64)>> {
+        // A range of waits_ready per agent, up to `until`, after the page before's last: the
+        // waits not due cost nothing.
+        let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
         let mut ready = Vec::new();
         let mut stmt = self.0.prepare_cached(READY_WAITS).db()?;
         for agent in agents {
             let rows = stmt
-                .query_map(params![agent, until, limit as i64], |row| {
+                .query_map(params![agent, until, since, id, limit as i64], |row| {
                     Ok((row.get::<_, i64>(1)?, row.get::<_, String>(0)?))
                 })
                 .db()?
                 .collect::<rusqlite::Result<Vec<_>>>()
                 .db()?;
-            ready.extend(rows.into_iter().map(|(at, id)| (at, id, agent.to_string())));
+            ready.extend(rows);
         }
         ready.sort();
         ready.truncate(limit);
         Ok(ready
             .into_iter()
-            .map(|(_, id, agent)| (RunId::from(id), agent))
+            .map(|(at, id)| (RunId::from(id), at))
             .collect())
     }
 
@@ -1414,6 +1418,12 @@ const DECIDED_WAITING: &str = "FROM runs
                    AND approvals.attempt = steps.attempt + 1
      WHERE runs.state = 'WAITING_FOR_APPROVAL'";
 
+/// The waits woken while nobody watched (their answer, event or child's end came): the
+/// `waits_woken` index, not a scan of every wait, which a watch's first poll would otherwise
+/// make however many runs wait.
+pub(crate) const WOKEN_WAITS: &str = "SELECT run_id, agent FROM waits
+     WHERE result IS NOT NULL ORDER BY ready_at";
+
 fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
     let mut changes: Vec<Change> = conn
         .prepare_cached(&format!(
@@ -1430,11 +1440,8 @@ fn decided_waiting_runs(conn: &Connection) -> Result<Vec<Change>> {
         .db()?
         .collect::<rusqlite::Result<_>>()
         .db()?;
-    // The waits woken while nobody watched (their answer, event or child's end came).
     let woken = conn
-        .prepare_cached(
-            "SELECT run_id, agent FROM waits WHERE result IS NOT NULL ORDER BY ready_at",
-        )
+        .prepare_cached(WOKEN_WAITS)
         .db()?
         .query_map([], |row| {
             Ok(Change {

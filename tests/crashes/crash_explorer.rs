@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 
 use agentrt::{
-    Agent, ApprovalReason, Decision, ModelResponse, MoveKind, RunId, RunState, ToolCall,
+    Agent, ApprovalReason, Decision, ModelResponse, MoveKind, RequireApprovalFor, RunId, RunState,
+    ToolCall,
     testkit::{Behaviour, CrashPoint, Explorer, ReconcileHook, RecordingTool, ScriptedModel},
 };
 use serde_json::json;
@@ -153,7 +154,8 @@ fn the_explorer_catches_a_side_effect_that_runs_twice() {
 }
 
 /// A parent that asks a person, sleeps on a timer, delegates to a `researcher` child (which
-/// calls `lookup`), and calls `notify` with the child's answer.
+/// calls `lookup` and waits for an event), and calls `notify`, once a person approves, with
+/// the child's answer.
 fn waiting_parent() -> Agent {
     let turn =
         |id: &str, tool: &str, args| ModelResponse::calls(vec![ToolCall::new(id, tool, args)]);
@@ -177,14 +179,22 @@ fn waiting_parent() -> Agent {
             "Hands a task to the research agent.",
         )
         .tool(RecordingTool::new("notify").reconcile_hook(ReconcileHook::FromLog))
+        .policy(RequireApprovalFor::tools(["notify"]))
 }
 
 fn researcher() -> Agent {
     let model = ScriptedModel::new(vec![
         ModelResponse::calls(vec![ToolCall::new("look", "lookup", json!({}))]),
+        ModelResponse::calls(vec![ToolCall::new(
+            "paid",
+            "wait_for_event",
+            json!({"name": "invoice.paid"}),
+        )]),
         ModelResponse::answer("invoice 42"),
     ]);
-    Agent::new(model).tool(RecordingTool::new("lookup").reconcile_hook(ReconcileHook::FromLog))
+    Agent::new(model)
+        .tool(RecordingTool::new("lookup").reconcile_hook(ReconcileHook::FromLog))
+        .wait_for_event()
 }
 
 #[test]
@@ -204,7 +214,8 @@ fn every_crash_point_of_a_parent_that_waits_and_its_child_wakes_both_and_runs_ea
     );
     exploration.assert_holds();
     // Every write of either run is a crash point: the parent's three waits begun, woken and
-    // resumed, the person's answer, and the child's moves.
+    // resumed, the person's answer and approval, and the child's moves, its event's delivery
+    // included.
     let (parent, child) = (RunId::from("explored"), RunId::from("explored/6"));
     let kinds = |run: &RunId| -> Vec<MoveKind> {
         let moves = exploration.committed.iter().filter(|m| m.run_id == *run);
@@ -219,7 +230,13 @@ fn every_crash_point_of_a_parent_that_waits_and_its_child_wakes_both_and_runs_ea
         1,
         "{of_parent:?}"
     );
-    assert!(of_child.len() >= 5, "{of_child:?}");
+    assert_eq!(
+        count(&of_parent, MoveKind::RecordApproval),
+        1,
+        "{of_parent:?}"
+    );
+    assert_eq!(count(&of_child, MoveKind::DeliverEvent), 1, "{of_child:?}");
+    assert_eq!(count(&of_child, MoveKind::ResumeWait), 1, "{of_child:?}");
     assert_eq!(of_parent.len() + of_child.len(), exploration.moves);
     for case in &exploration.cases {
         assert!(case.crashed, "{case:?}");

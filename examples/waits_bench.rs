@@ -19,6 +19,8 @@
 //!   `Store::deliver_event` from another thread while a supervisor watches: runs resumed per
 //!   second, against the same runs waiting for approvals recorded through
 //!   `Store::record_approval` (the watch's older path).
+//! - **events_door**: the same events delivered through the supervisor's `DeliverEvent`, all
+//!   sent at once, against `Store::deliver_event` from another thread.
 //! - **tree**: one parent whose model asks for `--children` delegating calls in one response
 //!   (each a child run that answers at once), from its start to its success; against the same
 //!   parent with `--children` ordinary tool calls.
@@ -37,10 +39,10 @@ use std::{
 
 use actix::{Actor, Context, Handler};
 use agentrt::{
-    Agent, Approval, ChatMessage, Config, Delivery, EventKind, Model, ModelError, ModelRequest,
-    ModelResponse, Outcome, Recovery, RequireApprovalFor, RunId, RunSettled, StartRun, Store,
-    SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError, WaitKind, Watch,
-    async_trait,
+    Agent, Approval, ChatMessage, Config, DeliverEvent, Delivered, Delivery, EventKind, Model,
+    ModelError, ModelRequest, ModelResponse, Outcome, Recovery, RequireApprovalFor, RunId,
+    RunSettled, StartRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError,
+    WaitKind, Watch, async_trait,
     sqlite::{Options, Synchronous},
 };
 use clap::Parser;
@@ -53,7 +55,7 @@ struct Args {
     /// Rounds; each measures both sides of each measurement once.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
-    /// Only these measurements (memory, timers, events, tree); all when empty.
+    /// Only these measurements (memory, timers, events, events_door, tree); all when empty.
     #[arg(long)]
     only: Vec<String>,
     /// Waiting runs of the memory measurement.
@@ -168,7 +170,7 @@ struct Comparison {
     figures: &'static [&'static str],
 }
 
-const COMPARISONS: [Comparison; 4] = [
+const COMPARISONS: [Comparison; 5] = [
     Comparison {
         name: "memory",
         sides: ["memory_waiting", "memory_none"],
@@ -196,6 +198,18 @@ const COMPARISONS: [Comparison; 4] = [
     Comparison {
         name: "events",
         sides: ["events", "approvals"],
+        ratio: |a, b| f(a, "resumed_per_s") / f(b, "resumed_per_s"),
+        figures: &[
+            "resumed_per_s",
+            "delivered_per_s",
+            "p50_ms",
+            "p99_ms",
+            "all_succeeded_ms",
+        ],
+    },
+    Comparison {
+        name: "events_door",
+        sides: ["events_message", "events"],
         ratio: |a, b| f(a, "resumed_per_s") / f(b, "resumed_per_s"),
         figures: &[
             "resumed_per_s",
@@ -294,6 +308,7 @@ fn measure(args: &Args, side: &str, location: &str) -> Value {
         "timers_one" => timers(location, 1),
         "events" => events(location, args.events, Door::Event),
         "approvals" => events(location, args.events, Door::Approval),
+        "events_message" => events(location, args.events, Door::Message),
         "tree" => tree(location, args.children, true),
         "calls" => tree(location, args.children, false),
         other => panic!("no side {other}"),
@@ -574,18 +589,30 @@ fn timers(location: &str, count: usize) -> Value {
 /// How the runs of `events` are woken.
 #[derive(Clone, Copy, PartialEq)]
 enum Door {
-    /// An event delivered through `Store::deliver_event`.
+    /// An event delivered through `Store::deliver_event`, from another thread.
     Event,
-    /// An approval recorded through `Store::record_approval`.
+    /// An approval recorded through `Store::record_approval`, from another thread.
     Approval,
+    /// An event delivered through the supervisor's `DeliverEvent`, all sent at once.
+    Message,
 }
 
-/// events: `count` waiting runs, each woken from another thread, one after the other, while
-/// the supervisor watches; how fast they resume.
+fn delivery(i: usize, run_id: RunId) -> Delivery {
+    Delivery {
+        run_id,
+        name: "go".into(),
+        event_id: format!("evt-{i}"),
+        payload: json!({ "n": i }),
+    }
+}
+
+/// events: `count` waiting runs, each woken (from another thread, one after the other,
+/// through the store; or through the supervisor) while the supervisor watches; how fast they
+/// resume.
 fn events(location: &str, count: usize, door: Door) -> Value {
     let store = open(location);
     let agent = match door {
-        Door::Event => event_waiter(),
+        Door::Event | Door::Message => event_waiter(),
         Door::Approval => Agent::new(CallsModel(|_| vec![ToolCall::new("c1", "noop", json!({}))]))
             .tool(Noop("noop"))
             .policy(RequireApprovalFor::tools(["noop"])),
@@ -595,32 +622,36 @@ fn events(location: &str, count: usize, door: Door) -> Value {
         let sup = supervisor(store.clone(), vec![("waiter", agent)]);
         let mut settled = settled(&sup).await;
         let expect = move |outcome: &Outcome| match door {
-            Door::Event => waits_for(WaitKind::Event)(outcome),
+            Door::Event | Door::Message => waits_for(WaitKind::Event)(outcome),
             Door::Approval => matches!(outcome, Outcome::WaitingForApproval { .. }),
         };
         let runs = start_all(&sup, "waiter", count, |i| json!({ "n": i }), expect).await;
+        if door == Door::Message {
+            let first = SystemTime::now();
+            let sends: Vec<_> = (runs.iter().cloned().enumerate())
+                .map(|(i, run_id)| actix_rt::spawn(sup.send(DeliverEvent(delivery(i, run_id)))))
+                .collect();
+            for send in sends {
+                let delivered = send.await.unwrap().expect("the supervisor runs");
+                assert_eq!(delivered.expect("the event is delivered"), Delivered::Woke);
+            }
+            let last = SystemTime::now();
+            until_succeeded(&mut settled, None, count).await;
+            return (runs, first, last);
+        }
         let sender = runs.clone();
         let delivering = std::thread::spawn(move || {
             let first = SystemTime::now();
             for (i, run_id) in sender.into_iter().enumerate() {
-                match door {
-                    Door::Event => {
-                        let delivery = Delivery {
-                            run_id,
-                            name: "go".into(),
-                            event_id: format!("evt-{i}"),
-                            payload: json!({ "n": i }),
-                        };
-                        store
-                            .deliver_event(&delivery)
-                            .expect("the event is delivered");
-                    }
-                    Door::Approval => {
-                        let approval = Approval::approve(run_id, "c1", "bench");
-                        store
-                            .record_approval(&approval)
-                            .expect("the approval is recorded");
-                    }
+                if door == Door::Approval {
+                    let approval = Approval::approve(run_id, "c1", "bench");
+                    store
+                        .record_approval(&approval)
+                        .expect("the approval is recorded");
+                } else {
+                    store
+                        .deliver_event(&delivery(i, run_id))
+                        .expect("the event is delivered");
                 }
             }
             (first, SystemTime::now())
@@ -635,7 +666,7 @@ fn events(location: &str, count: usize, door: Door) -> Value {
         &reader,
         &runs,
         match door {
-            Door::Event => EventKind::WaitWoken,
+            Door::Event | Door::Message => EventKind::WaitWoken,
             Door::Approval => EventKind::ApprovalRecorded,
         },
     );
@@ -645,7 +676,11 @@ fn events(location: &str, count: usize, door: Door) -> Value {
     late.sort_by(f64::total_cmp);
     json!({
         "bench": "events",
-        "door": match door { Door::Event => "deliver_event", Door::Approval => "record_approval" },
+        "door": match door {
+            Door::Event => "Store::deliver_event",
+            Door::Approval => "Store::record_approval",
+            Door::Message => "DeliverEvent",
+        },
         "runs": count,
         "resumed_per_s": count as f64 / ((last_resumed - first).max(1.0) / 1000.0),
         "delivered_per_s": count as f64 / ((millis(delivered) - first).max(1.0) / 1000.0),

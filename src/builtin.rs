@@ -146,17 +146,7 @@ pub(crate) fn parse_rfc3339(text: &str) -> Option<i64> {
         }
         _ => return None,
     };
-    // Days from the civil date (proleptic Gregorian), after Howard Hinnant's algorithm.
-    let (y, m) = if month <= 2 {
-        (year - 1, month + 9)
-    } else {
-        (year, month - 3)
-    };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * m + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
+    let days = crate::cron::days_from_civil(year, month as u32, day as u32);
     let seconds = days * 86_400 + hour * 3600 + minute * 60 + second - offset * 60;
     Some(seconds * 1000 + millis)
 }

@@ -290,7 +290,7 @@ impl Field {
 
 /// Days since the Unix epoch of a civil date (proleptic Gregorian), after Howard Hinnant's
 /// algorithm.
-fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+pub(crate) fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
     let (y, m) = if month <= 2 {
         (year - 1, i64::from(month) + 9)
     } else {

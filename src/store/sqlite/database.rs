@@ -208,13 +208,17 @@ impl Sqlite {
         lock(self.reader.as_ref().unwrap_or(&self.writer))
     }
 
-    /// Syncs the log after a read, unless this store does not ask for durability beyond a
-    /// crash of the process (`NORMAL`): what it read may be a commit not yet durable.
+    /// Syncs the log after a read if what it read may be a commit not yet durable (see
+    /// [`LogFile::may_hold_unsynced`]), unless this store does not ask for durability beyond
+    /// a crash of the process (`NORMAL`). Once a write failed, it fails as every write does.
     pub(crate) fn sync_after_read(&self) -> Result<()> {
         if self.options.synchronous == Synchronous::Normal {
             return Ok(());
         }
-        self.sync_log()
+        match &self.log {
+            Some(log) if !log.may_hold_unsynced() => self.failure.refuse_if_failed(),
+            _ => self.sync_log(),
+        }
     }
 
     /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection

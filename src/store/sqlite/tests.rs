@@ -252,6 +252,43 @@ fn after_a_failed_log_sync_the_store_refuses_to_write_or_vouch_for_reads() {
 }
 
 #[test]
+fn a_read_syncs_the_log_only_when_it_may_have_seen_a_commit_not_yet_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("db.sqlite");
+    let store = Store::open(&path).unwrap();
+    let sqlite = Sqlite::of(&store).unwrap();
+    let syncs = || sqlite.faults.syncs();
+    // The store's first read cannot tell what the log holds: it syncs, and knows from then on.
+    store.runs(None).unwrap();
+    let known = syncs();
+    store.runs(None).unwrap();
+    assert_eq!(syncs(), known, "nothing committed since the last sync");
+    // A move of the store's writer syncs in its commit: reading it syncs nothing again.
+    create_run(&store, &RunId::from("r"), "me/1", Duration::from_secs(30)).unwrap();
+    assert_eq!(store.runs(None).unwrap().len(), 1);
+    assert_eq!(syncs(), known, "the writer's commit synced its own log");
+    // Another connection's commit, left unsynced as another process's deferred group is: the
+    // read that sees it syncs, and the one after does not.
+    let other = rusqlite::Connection::open(&path).unwrap();
+    other
+        .execute_batch(
+            "PRAGMA synchronous = OFF; UPDATE runs SET updated_at = updated_at + 1 WHERE id = 'r'",
+        )
+        .unwrap();
+    store.runs(None).unwrap();
+    assert_eq!(syncs(), known + 1, "a read of an unsynced commit synced it");
+    store.runs(None).unwrap();
+    assert_eq!(syncs(), known + 1);
+    // Each later unsynced commit is caught the same way, by the header of the log's index.
+    other
+        .execute_batch("UPDATE runs SET updated_at = updated_at + 1 WHERE id = 'r'")
+        .unwrap();
+    drop(other);
+    store.runs(None).unwrap();
+    assert_eq!(syncs(), known + 2);
+}
+
+#[test]
 fn a_failed_store_closes_leaving_every_file_as_it_was() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("db.sqlite");

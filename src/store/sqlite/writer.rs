@@ -18,7 +18,7 @@ use rusqlite::{Connection, Transaction, TransactionBehavior};
 use super::error::{Db, db_error, is_io, noted_io_error, take_io_error};
 use super::{
     database::{Sqlite, lock},
-    log::log_pages,
+    log::{log_pages, take_commit_frames},
     options::Synchronous,
     renewal::RenewalPending,
     sql::Sql,
@@ -124,6 +124,8 @@ impl Sqlite {
         mut apply: impl FnMut(&mut T, &mut dyn Tx, Isolation) -> bool,
     ) -> Result<()> {
         let mut conn = self.writer()?;
+        // What an earlier use of the writer on this thread left is not this group's.
+        take_commit_frames();
         let defer = sync == LogSync::Deferred && self.defers_sync();
         if defer {
             // Set first: should anything below panic or fail, the next use of the writer puts
@@ -172,7 +174,22 @@ impl Sqlite {
             // writer tries again, and refuses to commit until it succeeds.
             tracing::error!(%err, "restoring the writer's synchronous setting failed");
         }
+        let frames = take_commit_frames();
+        if !defer && committed.is_ok() {
+            self.note_synced_commit(frames);
+        }
         committed
+    }
+
+    /// After a commit of the writer at the store's own setting that ended the log at `frames`
+    /// (`None`: it wrote nothing): at `FULL` and above it synced its log, which reads need not
+    /// do again.
+    fn note_synced_commit(&self, frames: Option<u32>) {
+        if let (Some(log), Some(frames)) = (&self.log, frames)
+            && self.options.synchronous != Synchronous::Normal
+        {
+            log.note_synced_commit(frames);
+        }
     }
 
     /// Copies what the write-ahead log holds into the database file, without waiting for
@@ -257,6 +274,7 @@ pub(super) fn transact(
 ) -> Result<()> {
     let committed = (|| {
         let mut conn = store.writer()?;
+        take_commit_frames();
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .db()?;
@@ -267,6 +285,10 @@ pub(super) fn transact(
         applied?;
         commit(tx)
     })();
+    let frames = take_commit_frames();
+    if committed.is_ok() {
+        store.note_synced_commit(frames);
+    }
     store.failure.fail_if_noted("an operator's move");
     committed
 }

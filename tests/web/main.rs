@@ -8,6 +8,7 @@ mod concurrent_starts;
 mod console_browser;
 mod draining;
 mod event_cursors;
+mod idle_reads;
 mod run_ids;
 mod schedules;
 mod service;

@@ -154,15 +154,26 @@ impl LogFile {
         }
     }
 
+    /// The log's generation now if no durable mark is known yet, for
+    /// [`note_synced_commit`](Self::note_synced_commit): read before a commit.
+    pub(crate) fn generation_if_unknown(&self) -> Option<[u32; 2]> {
+        match self.durable() {
+            Some(_) => None,
+            None => self.index.mark().map(|mark| mark.salt),
+        }
+    }
+
     /// After a commit of the writer that synced in its commit and ended the log at `frames`:
     /// the header is the durable mark if it still ends there, in the generation of the last
-    /// mark (a generation never comes back, so the header is that commit's, and not a later
-    /// generation's that happens to reach as far).
-    pub(crate) fn note_synced_commit(&self, frames: u32) {
+    /// mark or, with none, in `before`, the generation read before the commit. A generation
+    /// never comes back, so the header is then that commit's, and not a later generation's
+    /// that happens to reach as far.
+    pub(crate) fn note_synced_commit(&self, frames: u32, before: Option<[u32; 2]>) {
         let Some(now) = self.index.mark() else {
             return;
         };
-        if now.frames == frames && self.durable().is_some_and(|mark| mark.salt == now.salt) {
+        let generation = self.durable().map(|mark| mark.salt).or(before);
+        if now.frames == frames && generation == Some(now.salt) {
             self.note_durable(now);
         }
     }

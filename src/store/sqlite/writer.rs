@@ -127,6 +127,7 @@ impl Sqlite {
         // What an earlier use of the writer on this thread left is not this group's.
         take_commit_frames();
         let defer = sync == LogSync::Deferred && self.defers_sync();
+        let generation = self.generation_if_unknown(defer);
         if defer {
             // Set first: should anything below panic or fail, the next use of the writer puts
             // the setting back before it commits.
@@ -176,19 +177,32 @@ impl Sqlite {
         }
         let frames = take_commit_frames();
         if !defer && committed.is_ok() {
-            self.note_synced_commit(frames);
+            self.note_synced_commit(frames, generation);
         }
         committed
     }
 
+    /// The log's generation before a commit of the writer, while no durable mark is known and
+    /// the commit is to sync (see [`LogFile::note_synced_commit`]).
+    ///
+    /// [`LogFile::note_synced_commit`]: super::log::LogFile::note_synced_commit
+    fn generation_if_unknown(&self, deferred: bool) -> Option<[u32; 2]> {
+        match &self.log {
+            Some(log) if !deferred && self.options.synchronous != Synchronous::Normal => {
+                log.generation_if_unknown()
+            }
+            _ => None,
+        }
+    }
+
     /// After a commit of the writer at the store's own setting that ended the log at `frames`
-    /// (`None`: it wrote nothing): at `FULL` and above it synced its log, which reads need not
-    /// do again.
-    fn note_synced_commit(&self, frames: Option<u32>) {
+    /// (`None`: it wrote nothing), begun in `generation` of the log when no durable mark was
+    /// known: at `FULL` and above it synced its log, which reads need not do again.
+    fn note_synced_commit(&self, frames: Option<u32>, generation: Option<[u32; 2]>) {
         if let (Some(log), Some(frames)) = (&self.log, frames)
             && self.options.synchronous != Synchronous::Normal
         {
-            log.note_synced_commit(frames);
+            log.note_synced_commit(frames, generation);
         }
     }
 
@@ -272,9 +286,11 @@ pub(super) fn transact(
     clock: &dyn Clock,
     apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
 ) -> Result<()> {
+    let mut generation = None;
     let committed = (|| {
         let mut conn = store.writer()?;
         take_commit_frames();
+        generation = store.generation_if_unknown(false);
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .db()?;
@@ -287,7 +303,7 @@ pub(super) fn transact(
     })();
     let frames = take_commit_frames();
     if committed.is_ok() {
-        store.note_synced_commit(frames);
+        store.note_synced_commit(frames, generation);
     }
     store.failure.fail_if_noted("an operator's move");
     committed

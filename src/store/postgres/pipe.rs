@@ -63,9 +63,21 @@ impl PipeConn {
             let (client, connection) = runtime.block_on(config.connect(NoTls)).pg()?;
             // The connection's task reads the server's answers whenever the lane waits.
             runtime.spawn(connection);
-            runtime
-                .block_on(client.batch_execute(&session_settings(options)))
-                .pg()?;
+            // A lane's statements are the same few, each with arrays of the group's rows: a
+            // plan made for one set of values would be made again at every group (planning a
+            // group's held writes costs the server more than running them), while one plan
+            // for any values is made once per statement and kept until the tables' statistics
+            // change.
+            // And every statement of a lane finds rows by their keys, a few or a group's
+            // thousands: index lookups in nested loops are its plan whatever the statistics
+            // say. A new table has none, and the planner would scan it and hash it, at a cost
+            // that grows with the table for as long as the plan is kept.
+            let settings = format!(
+                "{} SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; \
+                 SET enable_hashjoin = off; SET enable_mergejoin = off;",
+                session_settings(options)
+            );
+            runtime.block_on(client.batch_execute(&settings)).pg()?;
             Ok(PipeConn {
                 runtime: Some(runtime),
                 client: Arc::new(client),
@@ -110,13 +122,14 @@ impl PipeConn {
             return !self.spoiled;
         }
         let sent = std::mem::take(&mut self.sent);
-        let answers = self.runtime().block_on(async move {
-            let mut answers = Vec::with_capacity(sent.len());
-            for sent in sent {
-                answers.push((sent.answer.await, sent.expect));
-            }
-            answers
-        });
+        let answers = self.runtime().block_on(answered(sent));
+        self.absorb(answers);
+        !self.spoiled
+    }
+
+    /// Takes the answers of writes sent: a write that failed or changed other rows than it
+    /// expected spoils the transaction.
+    fn absorb(&mut self, answers: Vec<(std::result::Result<u64, postgres::Error>, Option<u64>)>) {
         for (answer, expect) in answers {
             match answer {
                 Ok(changed) if expect.is_none_or(|expect| expect == changed) => {}
@@ -129,7 +142,6 @@ impl PipeConn {
                 }
             }
         }
-        !self.spoiled
     }
 
     /// Ends the open transaction with `sql` (`COMMIT` or `ROLLBACK`), once everything sent is
@@ -177,11 +189,26 @@ impl PipeConn {
         if self.settle() {
             Ok(())
         } else {
-            Err(Error::CommitFailed(
-                "an earlier write of this group was refused; the group is applied again".into(),
-            ))
+            Err(spoiled())
         }
     }
+}
+
+/// The answers of writes sent, in the order they were sent, each with the rows it expected.
+async fn answered(
+    sent: Vec<Sent>,
+) -> Vec<(std::result::Result<u64, postgres::Error>, Option<u64>)> {
+    let mut answers = Vec::with_capacity(sent.len());
+    for sent in sent {
+        answers.push((sent.answer.await, sent.expect));
+    }
+    answers
+}
+
+fn spoiled() -> Error {
+    Error::CommitFailed(
+        "an earlier write of this group was refused; the group is applied again".into(),
+    )
 }
 
 impl Drop for PipeConn {
@@ -234,10 +261,26 @@ impl Link for PipeConn {
     }
 
     fn query(&mut self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
-        self.waited()?;
-        self.runtime()
-            .block_on(self.client.query(statement, params))
-            .pg()
+        if self.direct || self.sent.is_empty() {
+            self.waited()?;
+            return self
+                .runtime()
+                .block_on(self.client.query(statement, params))
+                .pg();
+        }
+        // Sent behind the writes not yet answered (a group's `BEGIN`, say), in the same round
+        // trip; what it read is used only if every one of them stood.
+        let sent = std::mem::take(&mut self.sent);
+        let client = self.client.clone();
+        let (answers, rows) = self.runtime().block_on(futures_util::future::join(
+            answered(sent),
+            client.query(statement, params),
+        ));
+        self.absorb(answers);
+        if self.spoiled {
+            return Err(spoiled());
+        }
+        rows.pg()
     }
 
     fn execute(&mut self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {

@@ -63,21 +63,9 @@ impl PipeConn {
             let (client, connection) = runtime.block_on(config.connect(NoTls)).pg()?;
             // The connection's task reads the server's answers whenever the lane waits.
             runtime.spawn(connection);
-            // A lane's statements are the same few, each with arrays of the group's rows: a
-            // plan made for one set of values would be made again at every group (planning a
-            // group's held writes costs the server more than running them), while one plan
-            // for any values is made once per statement and kept until the tables' statistics
-            // change.
-            // And every statement of a lane finds rows by their keys, a few or a group's
-            // thousands: index lookups in nested loops are its plan whatever the statistics
-            // say. A new table has none, and the planner would scan it and hash it, at a cost
-            // that grows with the table for as long as the plan is kept.
-            let settings = format!(
-                "{} SET plan_cache_mode = force_generic_plan; SET enable_seqscan = off; \
-                 SET enable_hashjoin = off; SET enable_mergejoin = off;",
-                session_settings(options)
-            );
-            runtime.block_on(client.batch_execute(&settings)).pg()?;
+            runtime
+                .block_on(client.batch_execute(&session_settings(options)))
+                .pg()?;
             Ok(PipeConn {
                 runtime: Some(runtime),
                 client: Arc::new(client),

@@ -496,16 +496,16 @@ fn attempt_on(
     let written = batch
         .iter()
         .all(|pending| pending.durability() == Durability::Written);
-    let begin = if written {
-        "BEGIN; SET LOCAL synchronous_commit = off"
-    } else {
-        "BEGIN"
-    };
+    let mut begin = String::from("BEGIN;");
+    if written {
+        begin.push_str(" SET LOCAL synchronous_commit = off;");
+    }
+    begin.push_str(plans_for(batch.len()));
     take_noted();
     conn.direct = !pipelined;
     let mut isolation = Isolation::Shared;
     loop {
-        conn.begin(begin);
+        conn.begin(&begin);
         if conn.direct {
             // Unpipelined, the BEGIN is answered before the first statement is sent.
             conn.settle();
@@ -552,6 +552,25 @@ fn attempt_on(
                 CommitError::Failed(failure) => Attempt::Failed(failure),
             },
         };
+    }
+}
+
+/// Groups of at most this many moves run on plans made once per statement.
+const SMALL_GROUP: usize = 8;
+
+/// How the server plans a group's statements. A lane sends the same few statements, each with
+/// arrays of the group's rows. Planned anew for each group's values, the statements of a small
+/// group cost the server more to plan than to run, so a small group's run on one plan per
+/// statement, made once: index lookups in nested loops, which suit a few rows whatever the
+/// tables' statistics say (a new table has none, and a plan made from none would scan and
+/// hash it, at a cost growing with the table for as long as the plan is kept). A large group
+/// is planned as the server chooses, for its own rows, where hashing them may pay.
+fn plans_for(moves: usize) -> &'static str {
+    if moves <= SMALL_GROUP {
+        " SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; \
+         SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;"
+    } else {
+        ""
     }
 }
 

@@ -41,7 +41,11 @@ pub(super) struct PipeConn {
     /// Taken only when dropped.
     runtime: Option<Runtime>,
     client: Arc<tokio_postgres::Client>,
-    statements: HashMap<String, Statement>,
+    /// Prepared statements by their text and by whether they were prepared for small groups
+    /// (see [`PipeConn::small_groups`]).
+    statements: HashMap<(bool, String), Statement>,
+    /// Whether the open transaction is a small group's: its statements are prepared apart.
+    small: bool,
     sent: Vec<Sent>,
     /// Whether a write sent in the open transaction failed or changed other rows than it
     /// expected.
@@ -70,6 +74,7 @@ impl PipeConn {
                 runtime: Some(runtime),
                 client: Arc::new(client),
                 statements: HashMap::new(),
+                small: false,
                 sent: Vec::new(),
                 spoiled: false,
                 direct: false,
@@ -90,6 +95,14 @@ impl PipeConn {
     /// Marks the connection as not to be used again (it could not end a transaction).
     pub(super) fn discard(&mut self) {
         self.discarded = true;
+    }
+
+    /// Whether the transactions from now on are small groups'. A server keeps one plan of a
+    /// prepared statement for every use, whatever settings made it: a small group's statements
+    /// are prepared apart from a large one's (their text marked), so that the plans a small
+    /// group's settings make serve only small groups, and a large group's only large ones.
+    pub(super) fn small_groups(&mut self, small: bool) {
+        self.small = small;
     }
 
     /// Opens a transaction (sent, not waited for): `sql` is `BEGIN` and what goes with it.
@@ -239,12 +252,18 @@ impl Link for PipeConn {
     }
 
     fn statement(&mut self, sql: &str) -> Result<Statement> {
-        if let Some(statement) = self.statements.get(sql) {
+        let key = (self.small, sql.to_owned());
+        if let Some(statement) = self.statements.get(&key) {
             return Ok(statement.clone());
         }
         self.waited()?;
-        let statement = self.runtime().block_on(self.client.prepare(sql)).pg()?;
-        self.statements.insert(sql.to_owned(), statement.clone());
+        let text = if self.small {
+            format!("-- a small group's\n{sql}")
+        } else {
+            sql.to_owned()
+        };
+        let statement = self.runtime().block_on(self.client.prepare(&text)).pg()?;
+        self.statements.insert(key, statement.clone());
         Ok(statement)
     }
 

@@ -500,7 +500,9 @@ fn attempt_on(
     if written {
         begin.push_str(" SET LOCAL synchronous_commit = off;");
     }
-    begin.push_str(plans_for(batch.len()));
+    let small = batch.len() <= SMALL_GROUP;
+    begin.push_str(plans_for(small));
+    conn.small_groups(small);
     take_noted();
     conn.direct = !pipelined;
     let mut isolation = Isolation::Shared;
@@ -564,9 +566,10 @@ const SMALL_GROUP: usize = 8;
 /// statement, made once: index lookups in nested loops, which suit a few rows whatever the
 /// tables' statistics say (a new table has none, and a plan made from none would scan and
 /// hash it, at a cost growing with the table for as long as the plan is kept). A large group
-/// is planned as the server chooses, for its own rows, where hashing them may pay.
-fn plans_for(moves: usize) -> &'static str {
-    if moves <= SMALL_GROUP {
+/// is planned as the server chooses, for its own rows, where hashing them may pay. The two are
+/// prepared apart (see [`PipeConn::small_groups`]).
+fn plans_for(small: bool) -> &'static str {
+    if small {
         " SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL enable_seqscan = off; \
          SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;"
     } else {

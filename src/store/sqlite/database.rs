@@ -221,6 +221,12 @@ impl Sqlite {
         }
     }
 
+    /// Whether a read now would sync the log: it may see a commit not yet durable.
+    #[cfg(test)]
+    pub(crate) fn log_may_hold_unsynced(&self) -> bool {
+        self.log.as_ref().is_some_and(|log| log.may_hold_unsynced())
+    }
+
     /// Syncs the write-ahead log to disk: every commit written to it so far (by any connection
     /// or process) becomes durable, as if it had synced in its own commit. Nothing to do in
     /// memory. Once a sync failed (or any other write of this store), this and every later

@@ -154,26 +154,22 @@ impl LogFile {
         }
     }
 
-    /// The log's generation now if no durable mark is known yet, for
-    /// [`note_synced_commit`](Self::note_synced_commit): read before a commit.
-    pub(crate) fn generation_if_unknown(&self) -> Option<[u32; 2]> {
-        match self.durable() {
-            Some(_) => None,
-            None => self.index.mark().map(|mark| mark.salt),
-        }
+    /// The log's generation now, for [`note_synced_commit`](Self::note_synced_commit): read
+    /// before a commit.
+    pub(crate) fn generation(&self) -> Option<[u32; 2]> {
+        self.index.mark().map(|mark| mark.salt)
     }
 
-    /// After a commit of the writer that synced in its commit and ended the log at `frames`:
-    /// the header is the durable mark if it still ends there, in the generation of the last
-    /// mark or, with none, in `before`, the generation read before the commit. A generation
-    /// never comes back, so the header is then that commit's, and not a later generation's
-    /// that happens to reach as far.
+    /// After a commit of the writer that synced in its commit and ended the log at `frames`,
+    /// begun in generation `before` of the log: the header is the durable mark if it is still
+    /// in that generation and ends there. A generation never comes back, so the same one before
+    /// and after means the commit was in it, and the header is that commit's, not a later
+    /// generation's (another process's, unsynced) that happens to reach as far.
     pub(crate) fn note_synced_commit(&self, frames: u32, before: Option<[u32; 2]>) {
         let Some(now) = self.index.mark() else {
             return;
         };
-        let generation = self.durable().map(|mark| mark.salt).or(before);
-        if now.frames == frames && generation == Some(now.salt) {
+        if now.frames == frames && before == Some(now.salt) {
             self.note_durable(now);
         }
     }

@@ -127,7 +127,7 @@ impl Sqlite {
         // What an earlier use of the writer on this thread left is not this group's.
         take_commit_frames();
         let defer = sync == LogSync::Deferred && self.defers_sync();
-        let generation = self.generation_if_unknown(defer);
+        let generation = self.generation_before(defer);
         if defer {
             // Set first: should anything below panic or fail, the next use of the writer puts
             // the setting back before it commits.
@@ -182,22 +182,22 @@ impl Sqlite {
         committed
     }
 
-    /// The log's generation before a commit of the writer, while no durable mark is known and
-    /// the commit is to sync (see [`LogFile::note_synced_commit`]).
+    /// The log's generation before a commit of the writer that is to sync (see
+    /// [`LogFile::note_synced_commit`]).
     ///
     /// [`LogFile::note_synced_commit`]: super::log::LogFile::note_synced_commit
-    fn generation_if_unknown(&self, deferred: bool) -> Option<[u32; 2]> {
+    fn generation_before(&self, deferred: bool) -> Option<[u32; 2]> {
         match &self.log {
             Some(log) if !deferred && self.options.synchronous != Synchronous::Normal => {
-                log.generation_if_unknown()
+                log.generation()
             }
             _ => None,
         }
     }
 
     /// After a commit of the writer at the store's own setting that ended the log at `frames`
-    /// (`None`: it wrote nothing), begun in `generation` of the log when no durable mark was
-    /// known: at `FULL` and above it synced its log, which reads need not do again.
+    /// (`None`: it wrote nothing), begun in `generation` of the log: at `FULL` and above it
+    /// synced its log, which reads need not do again.
     fn note_synced_commit(&self, frames: Option<u32>, generation: Option<[u32; 2]>) {
         if let (Some(log), Some(frames)) = (&self.log, frames)
             && self.options.synchronous != Synchronous::Normal
@@ -290,7 +290,7 @@ pub(super) fn transact(
     let committed = (|| {
         let mut conn = store.writer()?;
         take_commit_frames();
-        generation = store.generation_if_unknown(false);
+        generation = store.generation_before(false);
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .db()?;

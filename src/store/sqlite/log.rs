@@ -39,6 +39,22 @@ pub(crate) struct Mark {
     frames: u32,
 }
 
+/// The version of the log's index that SQLite writes in its header.
+#[cfg(unix)]
+const INDEX_VERSION: u32 = 3_007_000;
+
+/// SQLite's checksum of the index header, over its words in the host's byte order.
+#[cfg(unix)]
+fn checksum(bytes: &[u8]) -> [u32; 2] {
+    let (mut s1, mut s2) = (0u32, 0u32);
+    for pair in bytes.chunks_exact(8) {
+        let word = |at: usize| u32::from_ne_bytes(pair[at..at + 4].try_into().expect("4 bytes"));
+        s1 = s1.wrapping_add(word(0)).wrapping_add(s2);
+        s2 = s2.wrapping_add(word(4)).wrapping_add(s1);
+    }
+    [s1, s2]
+}
+
 /// The log's index file, read for its header.
 struct Index {
     path: PathBuf,
@@ -63,8 +79,13 @@ impl Index {
         file.as_ref()?.read_exact_at(&mut both, 0).ok()?;
         let (first, second) = both.split_at(HEADER);
         let word = |at: usize| u32::from_ne_bytes(first[at..at + 4].try_into().expect("4 bytes"));
-        // Offset 12 is `isInit`: 1 once a connection has built the index.
-        (first == second && first[12] == 1).then(|| Mark {
+        // As SQLite's own reader checks it: the index's version, `isInit` (offset 12: 1 once a
+        // connection has built the index), and the checksum of the first 40 bytes.
+        let valid = first == second
+            && word(0) == INDEX_VERSION
+            && first[12] == 1
+            && checksum(&first[..40]) == [word(40), word(44)];
+        valid.then(|| Mark {
             salt: [word(32), word(36)],
             frames: word(16),
         })

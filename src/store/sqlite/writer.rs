@@ -237,13 +237,23 @@ impl Sqlite {
     }
 
     /// [`on_writer`](Self::on_writer) for a statement that commits alone: an I/O error leaves
-    /// its fate unknown.
+    /// its fate unknown. It syncs in its commit, at the store's setting (which the writer is
+    /// put back to first), as a group does.
     fn write_on_writer<R>(
         &self,
         what: &str,
         f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
     ) -> Result<R> {
-        self.on_writer(what, |sql| super::failure::of_unknown_fate(what, f(sql)))
+        self.on_writer(what, |sql| {
+            take_commit_frames();
+            let generation = self.generation_before(false);
+            let done = super::failure::of_unknown_fate(what, f(sql));
+            let frames = take_commit_frames();
+            if done.is_ok() {
+                self.note_synced_commit(frames, generation);
+            }
+            done
+        })
     }
 }
 

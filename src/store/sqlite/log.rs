@@ -102,18 +102,17 @@ impl LogFile {
     /// the first sync: so that the descriptor is there before the first write-back it must hear
     /// of.
     pub(crate) fn new(path: PathBuf) -> Self {
-        let mut index = path.clone().into_os_string();
-        if let Some(name) = path.file_name() {
-            // `…-wal` to `…-shm`: the same stem as SQLite's.
-            let stem = name.to_string_lossy();
-            let stem = stem.strip_suffix("-wal").unwrap_or(&stem).to_owned();
-            index = path.with_file_name(format!("{stem}-shm")).into_os_string();
-        }
+        // SQLite names the index as the log, `-shm` for `-wal`.
+        let index = path.to_string_lossy();
+        let index = PathBuf::from(format!(
+            "{}-shm",
+            index.strip_suffix("-wal").unwrap_or(&index)
+        ));
         let log = LogFile {
             path,
             file: Mutex::new(None),
             index: Index {
-                path: index.into(),
+                path: index,
                 file: Mutex::new(None),
             },
             durable: Mutex::new(None),

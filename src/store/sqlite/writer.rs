@@ -124,10 +124,7 @@ impl Sqlite {
         mut apply: impl FnMut(&mut T, &mut dyn Tx, Isolation) -> bool,
     ) -> Result<()> {
         let mut conn = self.writer()?;
-        // What an earlier use of the writer on this thread left is not this group's.
-        take_commit_frames();
         let defer = sync == LogSync::Deferred && self.defers_sync();
-        let generation = self.generation_before(defer);
         if defer {
             // Set first: should anything below panic or fail, the next use of the writer puts
             // the setting back before it commits.
@@ -137,7 +134,7 @@ impl Sqlite {
                 .execute([])
                 .db()?;
         }
-        let committed = (|| {
+        let committed = self.noting_synced_commit(defer, || {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .db()?;
@@ -169,23 +166,37 @@ impl Sqlite {
                 sql.release_savepoint("agentrt_move")?;
             }
             commit(tx)
-        })();
+        });
         if defer && let Err(err) = self.restore_synchronous(&conn) {
             // The group's own outcome stands (its sync is the caller's); the next use of the
             // writer tries again, and refuses to commit until it succeeds.
             tracing::error!(%err, "restoring the writer's synchronous setting failed");
         }
-        let frames = take_commit_frames();
-        if !defer && committed.is_ok() {
-            self.note_synced_commit(frames, generation);
-        }
         committed
     }
 
-    /// The log's generation before a commit of the writer that is to sync (see
+    /// Runs `commit`, a commit on the writer (held by the caller) that syncs its log in the
+    /// commit unless `deferred`, and then marks the log durable up to it if it did (see
     /// [`LogFile::note_synced_commit`]).
     ///
     /// [`LogFile::note_synced_commit`]: super::log::LogFile::note_synced_commit
+    fn noting_synced_commit<R>(
+        &self,
+        deferred: bool,
+        commit: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        // What an earlier use of the writer on this thread left is not this commit's.
+        take_commit_frames();
+        let generation = self.generation_before(deferred);
+        let done = commit();
+        let frames = take_commit_frames();
+        if !deferred && done.is_ok() {
+            self.note_synced_commit(frames, generation);
+        }
+        done
+    }
+
+    /// The log's generation before a commit of the writer that is to sync.
     fn generation_before(&self, deferred: bool) -> Option<[u32; 2]> {
         match &self.log {
             Some(log) if !deferred && self.options.synchronous != Synchronous::Normal => {
@@ -245,14 +256,7 @@ impl Sqlite {
         f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
     ) -> Result<R> {
         self.on_writer(what, |sql| {
-            take_commit_frames();
-            let generation = self.generation_before(false);
-            let done = super::failure::of_unknown_fate(what, f(sql));
-            let frames = take_commit_frames();
-            if done.is_ok() {
-                self.note_synced_commit(frames, generation);
-            }
-            done
+            self.noting_synced_commit(false, || super::failure::of_unknown_fate(what, f(sql)))
         })
     }
 }
@@ -296,25 +300,20 @@ pub(super) fn transact(
     clock: &dyn Clock,
     apply: &mut dyn FnMut(&mut dyn Tx, &mut Now<'_>) -> Result<()>,
 ) -> Result<()> {
-    let mut generation = None;
     let committed = (|| {
         let mut conn = store.writer()?;
-        take_commit_frames();
-        generation = store.generation_before(false);
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .db()?;
-        let applied = apply(&mut Sql(&tx), &mut Now::new(clock));
-        if let Some(err) = stopped_at_io(&tx) {
-            return Err(err);
-        }
-        applied?;
-        commit(tx)
+        store.noting_synced_commit(false, || {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .db()?;
+            let applied = apply(&mut Sql(&tx), &mut Now::new(clock));
+            if let Some(err) = stopped_at_io(&tx) {
+                return Err(err);
+            }
+            applied?;
+            commit(tx)
+        })
     })();
-    let frames = take_commit_frames();
-    if committed.is_ok() {
-        store.note_synced_commit(frames, generation);
-    }
     store.failure.fail_if_noted("an operator's move");
     committed
 }

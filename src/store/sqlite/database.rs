@@ -215,9 +215,19 @@ impl Sqlite {
         if self.options.synchronous == Synchronous::Normal {
             return Ok(());
         }
-        match &self.log {
-            Some(log) if !log.may_hold_unsynced() => self.failure.refuse_if_failed(),
-            _ => self.sync_log(),
+        let Some(log) = &self.log else {
+            return self.sync_log();
+        };
+        if !log.may_hold_unsynced() {
+            return self.failure.refuse_if_failed();
+        }
+        // Reads that saw the same commit share one sync: the later waits for the earlier's,
+        // then finds the commit covered.
+        let _turn = log.read_sync_turn();
+        if log.may_hold_unsynced() {
+            self.sync_log()
+        } else {
+            self.failure.refuse_if_failed()
         }
     }
 

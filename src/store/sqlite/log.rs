@@ -29,6 +29,8 @@ pub(crate) struct LogFile {
     index: Index,
     /// The header of the log's index up to which every commit is known durable.
     durable: Mutex<Option<Mark>>,
+    /// Held by a read from its check of the mark to the end of its sync.
+    read_sync: Mutex<()>,
 }
 
 /// Where the committed part of the log ends: the generation of the log (its two salts) and
@@ -116,6 +118,7 @@ impl LogFile {
                 file: Mutex::new(None),
             },
             durable: Mutex::new(None),
+            read_sync: Mutex::new(()),
         };
         drop(log.open());
         log
@@ -172,6 +175,12 @@ impl LogFile {
             Some(now) => !self.durable().is_some_and(|mark| mark.covers(now)),
             None => true,
         }
+    }
+
+    /// The turn of a read that found the log may hold an unsynced commit: held while it
+    /// checks again and syncs, so that reads racing for the same commit sync it once.
+    pub(crate) fn read_sync_turn(&self) -> MutexGuard<'_, ()> {
+        self.read_sync.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The log's generation now, for [`note_synced_commit`](Self::note_synced_commit): read

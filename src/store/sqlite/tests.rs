@@ -284,6 +284,24 @@ fn a_read_syncs_the_log_only_when_it_may_have_seen_a_commit_not_yet_durable() {
     drop(other);
     store.runs(None).unwrap();
     assert_eq!(syncs(), known + 2);
+    // Reads at once that each see the same unsynced commit sync it once between them.
+    let other = rusqlite::Connection::open(&path).unwrap();
+    other
+        .execute_batch(
+            "PRAGMA synchronous = OFF; UPDATE runs SET updated_at = updated_at + 1 WHERE id = 'r'",
+        )
+        .unwrap();
+    drop(other);
+    let together = std::sync::Barrier::new(8);
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                together.wait();
+                store.runs(None).unwrap();
+            });
+        }
+    });
+    assert_eq!(syncs(), known + 3, "racing reads shared one sync");
     // A store that has read nothing and written nothing yet cannot tell what the log holds:
     // its first read syncs.
     let reopened = Store::open(&path).unwrap();

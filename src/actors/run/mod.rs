@@ -166,7 +166,9 @@ impl Handler<Execute> for RunActor {
             );
             // A panic outside the model's and tools' calls (which are caught where they run)
             // still ends the call like an error: the lease is released below.
-            let result = AssertUnwindSafe(RunLoop::prepare(msg.job, msg.agents, env))
+            // Boxed, as its calls are in it: what a run holds while it waits on one is that
+            // call's state, not room for the largest of every path.
+            let result = AssertUnwindSafe(Box::pin(RunLoop::prepare(msg.job, msg.agents, env)))
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|panic| {

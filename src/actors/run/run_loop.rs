@@ -242,27 +242,29 @@ impl RunLoop {
 
     /// Brings the conversation up to date with step `index` if it is finished.
     pub(super) fn on_finished(&mut self, index: usize) {
-        let step = &self.steps[index];
+        let step = &mut self.steps[index];
         if step.state != StepState::Finished {
             return;
         }
-        let message = match (step.kind, &step.call, &step.result) {
-            (StepKind::Model, _, Some(result)) => {
-                serde_json::from_value::<ModelResponse>(result.clone())
+        // Folded into the conversation, the result is not kept a second time: a run holds
+        // its history once, as messages.
+        let Some(result) = step.result.take() else {
+            return;
+        };
+        let message =
+            match (step.kind, &step.call) {
+                (StepKind::Model, _) => serde_json::from_value::<ModelResponse>(result)
                     .ok()
-                    .map(ChatMessage::Assistant)
-            }
-            (StepKind::Tool, Some(call), Some(result)) => {
-                serde_json::from_value::<ToolResult>(result.clone())
+                    .map(ChatMessage::Assistant),
+                (StepKind::Tool, Some(call)) => serde_json::from_value::<ToolResult>(result)
                     .ok()
                     .map(|result| ChatMessage::Tool {
                         call_id: call.id.clone(),
                         name: call.name.clone(),
                         result,
-                    })
-            }
-            _ => None,
-        };
+                    }),
+                _ => None,
+            };
         self.messages.extend(message);
     }
 
@@ -312,23 +314,25 @@ impl RunLoop {
         loop {
             // A lost lease stops the loop before its next move: nothing more starts.
             if self.env.lease_lost.borrow().is_some() {
-                return self.stopped().await;
+                return Box::pin(self.stopped()).await;
             }
             let next = match self.plan() {
                 Err(err) => return Err(err),
                 // A drain hands the run over between two steps: nothing is in flight. A model
                 // step about to be tried again keeps its failed attempt counted.
                 Ok(Some(Planned::BeginAttempt { .. })) if self.draining() => {
-                    return self.hand_over_backing_off().await;
+                    return Box::pin(self.hand_over_backing_off()).await;
                 }
-                Ok(Some(_)) if self.draining() => return self.hand_over().await,
+                Ok(Some(_)) if self.draining() => return Box::pin(self.hand_over()).await,
                 Ok(Some(planned)) => {
                     if planned.starts() {
                         self.wait_for_margin().await?;
                         if self.draining() {
                             return match planned {
-                                Planned::BeginAttempt { .. } => self.hand_over_backing_off().await,
-                                _ => self.hand_over().await,
+                                Planned::BeginAttempt { .. } => {
+                                    Box::pin(self.hand_over_backing_off()).await
+                                }
+                                _ => Box::pin(self.hand_over()).await,
                             };
                         }
                     }
@@ -347,13 +351,15 @@ impl RunLoop {
                         (StepKind::Model, StepState::InFlight) | (_, StepState::Interrupted)
                             if self.draining() =>
                         {
-                            return self.hand_over().await;
+                            return Box::pin(self.hand_over()).await;
                         }
                         (StepKind::Model, StepState::InFlight) => {
-                            self.call_model(step.step, step.attempt).await?
+                            Box::pin(self.call_model(step.step, step.attempt)).await?
                         }
-                        (StepKind::Tool, StepState::InFlight) => self.call_tool(&step).await?,
-                        (_, StepState::Interrupted) => self.reconcile(&step).await?,
+                        (StepKind::Tool, StepState::InFlight) => {
+                            Box::pin(self.call_tool(&step)).await?
+                        }
+                        (_, StepState::Interrupted) => Box::pin(self.reconcile(&step)).await?,
                         (kind, state) => {
                             return Err(Error::Corrupt(format!(
                                 "run {} is RUNNING with {kind:?} step {} {state:?}",

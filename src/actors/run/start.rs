@@ -47,13 +47,13 @@ impl RunLoop {
                     // Answered once durable: the loop plans its first model call after.
                     // A failed insert drops `started`: the caller reads the error from the call.
                     Some(started) => {
-                        run.store().apply(create, Durability::Durable).await?;
+                        Box::pin(run.store().apply(create, Durability::Durable)).await?;
                         let _ = started.send(());
                     }
                     None => {
                         // The first model step's reservation commits with the insert.
                         let next = run.plan();
-                        let (_, next) = run.commit_with(create, next, |_| true).await?;
+                        let (_, next) = Box::pin(run.commit_with(create, next, |_| true)).await?;
                         first_next = next;
                     }
                 }
@@ -80,7 +80,7 @@ impl RunLoop {
                 match snapshot.run.state {
                     RunState::WaitingForApproval => {
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
-                        if let Some(outcome) = run.resume_waiting(&snapshot).await? {
+                        if let Some(outcome) = Box::pin(run.resume_waiting(&snapshot)).await? {
                             // Nothing was decided: it waits as it did.
                             run.ended(&Ok(outcome.clone()));
                             return Ok(outcome);
@@ -89,7 +89,7 @@ impl RunLoop {
                     }
                     state if state.waits_for().is_some() => {
                         let mut run = RunLoop::from_snapshot(&snapshot, agent, env);
-                        if let Some(outcome) = run.resume_wait(&snapshot).await? {
+                        if let Some(outcome) = Box::pin(run.resume_wait(&snapshot)).await? {
                             // Not over: it waits as it did.
                             run.ended(&Ok(outcome.clone()));
                             return Ok(outcome);
@@ -100,7 +100,7 @@ impl RunLoop {
                         let take = TakeOver {
                             by: Leased::new(&run_id, &env.grant),
                         };
-                        let taken = env.store.apply(take, Durability::Durable).await?;
+                        let taken = Box::pin(env.store.apply(take, Durability::Durable)).await?;
                         let (interrupted, previous, snapshot) = (
                             taken.interrupted.len(),
                             taken.previous_owner,
@@ -153,7 +153,7 @@ impl RunLoop {
             Err(Error::RunState {
                 state: RunState::Cancelled,
                 ..
-            }) => run.cancelled().await,
+            }) => Box::pin(run.cancelled()).await,
             // Another owner took the run over while this loop was between writes.
             Err(Error::RunLeased { run_id, owner, .. }) => Err(Error::LeaseLost {
                 run_id,

@@ -994,8 +994,13 @@ pub(crate) fn a_handover_releases_the_lease_and_its_taker_interrupts_nothing(f: 
     create(&store, &run("r"), &old);
     // A model call in flight when the drain came: abandoned, its attempt not counted.
     on(&store, &run("r"), |m| m.begin_model_step(&old, 1)).unwrap();
+    let mut watcher = store.watcher().unwrap();
+    watcher.poll().unwrap();
     let abandoned = on(&store, &run("r"), |m| m.hand_over(&old, false)).unwrap();
     assert_eq!(abandoned, Some((1, 1)));
+    // The change feed tells a replica with the run's agent, which takes it up at once.
+    let polled = watcher.poll().unwrap().expect("the release is a change");
+    assert_eq!(changed(&polled), [(run("r"), ChangeKind::Released)]);
     assert!(store.lease(&run("r")).unwrap().is_none(), "released");
     let steps = store.read(|reads| reads.steps(&run("r"))).unwrap();
     assert_eq!((steps[0].state, steps[0].attempt), (StepState::Pending, 0));

@@ -5,6 +5,7 @@
 mod support;
 
 mod checkpoint;
+mod events_migration;
 mod first_open;
 mod group_commit;
 mod io_errors_are_sticky;

@@ -29,6 +29,10 @@ const MIGRATIONS: &[(u32, &str)] = &[
         12,
         include_str!("../../../migrations/postgres/0012_waits.sql"),
     ),
+    (
+        13,
+        include_str!("../../../migrations/postgres/0013_events_by_append.sql"),
+    ),
 ];
 
 /// How many migrations opening a schema at version `found` applies: an empty schema (0) goes

@@ -39,6 +39,7 @@ const REBUILDS: &[(&str, &[&str])] = &[
     ("0006_steps_state_check.sql", &["steps", "approvals"]),
     ("0007_steps_waiting_call_index.sql", &["steps", "approvals"]),
     ("0012_waits.sql", &["steps"]),
+    ("0013_events_by_append.sql", &["events"]),
 ];
 
 /// Fails the migration if a row of `tables` refers to nothing.

@@ -1272,6 +1272,17 @@ impl Tx for Sql<'_> {
                 payload.to_string()
             ])
             .db()?;
+        if kind == EventKind::RunReleased {
+            // The change feed's: a replica with the run's agent takes it up.
+            self.0
+                .prepare_cached(
+                    "INSERT INTO run_changes (run_id, agent, kind)
+                     SELECT id, agent, 'released' FROM runs WHERE id = ?1",
+                )
+                .db()?
+                .execute([run_id.as_str()])
+                .db()?;
+        }
         Ok(())
     }
 

@@ -1,0 +1,171 @@
+//! Migration 13 rebuilds the event log as a table appended at its end, with no trigger on an
+//! insert: every event keeps its run, place, kind, time and payload, the log's rules still hold
+//! (append-only, kept while the run has not finished, one event per place, none of a run that
+//! does not exist), and a run's next event follows its last.
+
+use agentrt::{Approval, EventKind, RunId, RunState, SCHEMA_VERSION, Store, testkit::TempStore};
+
+use crate::support::migrations;
+
+/// A schema-12 database: run `r1` waits for a decision on its step 2, with three events, and
+/// `r2` has finished, with two; their events were written interleaved in time.
+fn schema_12_with_two_logs(db: &TempStore) {
+    let rows = r#"
+        INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, waiting_for)
+        VALUES ('r1', 2, 'tool', 'waiting', 0, 'c1', 'pay', '{"amount":5}', 'policy');
+        INSERT INTO runs (id, agent, input, state, output, created_at, updated_at)
+        VALUES ('r2', 'a', '{}', 'SUCCEEDED', 'done', 1, 4);
+        INSERT INTO events (run_id, seq, kind, at, payload)
+        VALUES ('r2', 1, 'run.started', 1, '{"agent":"a"}');
+        INSERT INTO events (run_id, seq, kind, at, step, payload)
+        VALUES ('r1', 2, 'step.model_finished', 3, 1, '{"tool_calls":[{"id":"c1"}]}');
+        INSERT INTO events (run_id, seq, kind, at, payload)
+        VALUES ('r2', 2, 'run.finished', 4, '{"state":"SUCCEEDED"}');
+        INSERT INTO events (run_id, seq, kind, at, step, payload)
+        VALUES ('r1', 3, 'policy.decided', 5, 2, '{"decision":"approve"}');
+    "#;
+    migrations::waiting_run_at_schema(&db.path(), 12, rows);
+}
+
+fn log(store: &Store, run: &str) -> Vec<(u64, String, Option<u32>, String)> {
+    store
+        .events(&RunId::from(run))
+        .unwrap()
+        .into_iter()
+        .map(|e| {
+            (
+                e.seq,
+                e.kind.as_str().to_owned(),
+                e.step,
+                e.payload.to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn every_event_keeps_its_run_place_and_payload_and_the_next_follows_the_last() {
+    let db = TempStore::sqlite();
+    schema_12_with_two_logs(&db);
+    let store = Store::open(db.path()).unwrap();
+    assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
+    assert_eq!(
+        log(&store, "r1"),
+        vec![
+            (1, "run.started".into(), None, "{}".into()),
+            (
+                2,
+                "step.model_finished".into(),
+                Some(1),
+                r#"{"tool_calls":[{"id":"c1"}]}"#.into()
+            ),
+            (
+                3,
+                "policy.decided".into(),
+                Some(2),
+                r#"{"decision":"approve"}"#.into()
+            ),
+        ]
+    );
+    assert_eq!(
+        log(&store, "r2"),
+        vec![
+            (1, "run.started".into(), None, r#"{"agent":"a"}"#.into()),
+            (
+                2,
+                "run.finished".into(),
+                None,
+                r#"{"state":"SUCCEEDED"}"#.into()
+            ),
+        ]
+    );
+    assert_eq!(
+        store.run(&RunId::from("r1")).unwrap().state,
+        RunState::WaitingForApproval
+    );
+    // A decision appends to the waiting run's log, after its last event.
+    store
+        .record_approval(&Approval::approve(RunId::from("r1"), "c1", "bob"))
+        .unwrap();
+    let events = store.events(&RunId::from("r1")).unwrap();
+    assert_eq!(events.len(), 4);
+    assert_eq!(events[3].seq, 4);
+    assert_eq!(events[3].kind, EventKind::ApprovalRecorded);
+}
+
+#[test]
+fn the_rebuilt_log_refuses_what_the_old_one_refused() {
+    let db = TempStore::sqlite();
+    schema_12_with_two_logs(&db);
+    drop(Store::open(db.path()).unwrap());
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    conn.pragma_update(None, "foreign_keys", true).unwrap();
+    let violations: i64 = conn
+        .query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(violations, 0);
+    let refused = |sql: &str, why: &str| {
+        let err = conn.execute(sql, []).unwrap_err();
+        assert!(err.to_string().contains(why), "{sql}: {err}");
+    };
+    refused(
+        "UPDATE events SET payload = '{}' WHERE run_id = 'r2'",
+        "append-only",
+    );
+    refused(
+        "DELETE FROM events WHERE run_id = 'r1'",
+        "append-only while their run has not finished",
+    );
+    refused(
+        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('r1', 3, 'x', 9, '{}')",
+        "UNIQUE",
+    );
+    refused(
+        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('nobody', 1, 'x', 9, '{}')",
+        "FOREIGN KEY",
+    );
+    refused(
+        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('r1', 9, 'x', 9, 'not json')",
+        "CHECK",
+    );
+    // A finished run's events may still be purged.
+    assert_eq!(
+        conn.execute("DELETE FROM events WHERE run_id = 'r2'", [])
+            .unwrap(),
+        2
+    );
+    // No trigger is left on an insert: the store writes the change of a release itself.
+    let on_insert: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'trigger' AND tbl_name = 'events'
+             AND sql LIKE '%INSERT ON events%'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(on_insert, 0);
+}
+
+#[test]
+fn an_event_of_a_run_that_does_not_exist_stops_the_migration_and_leaves_the_file_at_12() {
+    let db = TempStore::sqlite();
+    schema_12_with_two_logs(&db);
+    // Written behind agentrt's back, with foreign keys off.
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    conn.pragma_update(None, "foreign_keys", false).unwrap();
+    conn.execute(
+        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('ghost', 1, 'x', 1, '{}')",
+        [],
+    )
+    .unwrap();
+    drop(conn);
+    let err = Store::open(db.path()).unwrap_err();
+    assert!(err.to_string().contains("events"), "{err}");
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    let found: u32 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(found, 12);
+}

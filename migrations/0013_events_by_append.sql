@@ -25,7 +25,7 @@ CREATE TABLE events_v13 (
     payload TEXT    NOT NULL CHECK (json_valid(payload))
 ) STRICT;
 INSERT INTO events_v13 (run_id, seq, kind, at, step, payload)
-    SELECT run_id, seq, kind, at, step, payload FROM events ORDER BY at, run_id, seq;
+    SELECT run_id, seq, kind, at, step, payload FROM events;
 DROP TABLE events;
 ALTER TABLE events_v13 RENAME TO events;
 CREATE UNIQUE INDEX events_of_run ON events (run_id, seq);

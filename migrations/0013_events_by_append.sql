@@ -1,5 +1,6 @@
--- The event log as SQLite appends fastest: each row at the end of the table, under a rowid in
--- the order it was written, and a run's events found by a unique index of (run, sequence)
+-- The event log as SQLite appends fastest: each new row at the end of the table, under a rowid
+-- in the order it was written (the events copied here come first, by run), and a run's events
+-- found by a unique index of (run, sequence)
 -- whose entries are small. Keyed by run and sequence, as before, a row was inserted wherever
 -- its run's events were, splitting full pages across the whole table and keeping each active
 -- run's page in the cache.

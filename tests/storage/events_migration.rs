@@ -100,12 +100,7 @@ fn the_rebuilt_log_refuses_what_the_old_one_refused() {
     drop(Store::open(db.path()).unwrap());
     let conn = rusqlite::Connection::open(db.path()).unwrap();
     conn.pragma_update(None, "foreign_keys", true).unwrap();
-    let violations: i64 = conn
-        .query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
-            r.get(0)
-        })
-        .unwrap();
-    assert_eq!(violations, 0);
+    assert_eq!(migrations::foreign_key_violations(&conn), 0);
     let refused = |sql: &str, why: &str| {
         let err = conn.execute(sql, []).unwrap_err();
         assert!(err.to_string().contains(why), "{sql}: {err}");
@@ -152,20 +147,10 @@ fn the_rebuilt_log_refuses_what_the_old_one_refused() {
 fn an_event_of_a_run_that_does_not_exist_stops_the_migration_and_leaves_the_file_at_12() {
     let db = TempStore::sqlite();
     schema_12_with_two_logs(&db);
-    // Written behind agentrt's back, with foreign keys off.
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    conn.pragma_update(None, "foreign_keys", false).unwrap();
-    conn.execute(
+    migrations::a_dangling_row_stops_the_migration(
+        &db.path(),
+        12,
+        "events",
         "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('ghost', 1, 'x', 1, '{}')",
-        [],
-    )
-    .unwrap();
-    drop(conn);
-    let err = Store::open(db.path()).unwrap_err();
-    assert!(err.to_string().contains("events"), "{err}");
-    let conn = rusqlite::Connection::open(db.path()).unwrap();
-    let found: u32 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(found, 12);
+    );
 }

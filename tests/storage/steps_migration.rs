@@ -38,12 +38,7 @@ fn the_steps_table_is_rebuilt_with_every_row_and_reference_kept() {
         .unwrap();
     let conn = rusqlite::Connection::open(db.path()).unwrap();
     conn.pragma_update(None, "foreign_keys", true).unwrap();
-    let violations: i64 = conn
-        .query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
-            r.get(0)
-        })
-        .unwrap();
-    assert_eq!(violations, 0);
+    assert_eq!(migrations::foreign_key_violations(&conn), 0);
     let refused = conn.execute(
         "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
          VALUES ('r1', 9, 1, 1, 'eve', 3)",

@@ -96,12 +96,7 @@ fn the_call_id_constraint_gives_way_to_an_index_of_waiting_calls_with_every_row_
         )
         .unwrap();
     assert_eq!((step, attempt), (4, 1));
-    let violations: i64 = conn
-        .query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
-            r.get(0)
-        })
-        .unwrap();
-    assert_eq!(violations, 0);
+    assert_eq!(migrations::foreign_key_violations(&conn), 0);
 }
 
 fn assert_refused_as_a_repeated_waiting_call(result: rusqlite::Result<usize>) {

@@ -9,23 +9,45 @@ use agentrt::{Store, testkit::database_at_schema};
 /// approvals table and leaves the file at schema `version`. Returns a connection to the file,
 /// for checks of what the migration left as it was.
 pub fn a_dangling_approval_stops_the_migration(path: &Path, version: u32) -> rusqlite::Connection {
-    let conn = rusqlite::Connection::open(path).unwrap();
-    conn.pragma_update(None, "foreign_keys", false).unwrap();
-    conn.execute(
+    a_dangling_row_stops_the_migration(
+        path,
+        version,
+        "approvals",
         "INSERT INTO approvals (run_id, step, attempt, approved, decided_by, at)
          VALUES ('r1', 7, 1, 1, 'eve', 3)",
-        [],
     )
-    .unwrap();
+}
+
+/// Writes `insert`, a row of `table` that refers to nothing, into the database at `path`
+/// behind agentrt's back (foreign keys off), then checks that opening it is refused with an
+/// error naming `table` and leaves the file at schema `version`. Returns a connection to the
+/// file, for checks of what the migration left as it was.
+pub fn a_dangling_row_stops_the_migration(
+    path: &Path,
+    version: u32,
+    table: &str,
+    insert: &str,
+) -> rusqlite::Connection {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.pragma_update(None, "foreign_keys", false).unwrap();
+    conn.execute(insert, []).unwrap();
     drop(conn);
     let err = Store::open(path).unwrap_err();
-    assert!(err.to_string().contains("approvals"), "{err}");
+    assert!(err.to_string().contains(table), "{err}");
     let conn = rusqlite::Connection::open(path).unwrap();
     let found: u32 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
     assert_eq!(found, version);
     conn
+}
+
+/// How many rows of the database of `conn` refer to a row that does not exist.
+pub fn foreign_key_violations(conn: &rusqlite::Connection) -> i64 {
+    conn.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| {
+        r.get(0)
+    })
+    .unwrap()
 }
 
 /// Makes the database at `path` one at schema `version` (as that version left it) holding run

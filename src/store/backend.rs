@@ -213,6 +213,21 @@ pub(crate) trait Tx: LeaseWrites {
         token: u64,
         unexpired_at: Option<i64>,
     ) -> Result<bool>;
+    /// Stamps a RUNNING run as [`Tx::touch_run`] does, only if its lease outlasts the clock by
+    /// `margin` milliseconds, the clock as read once the run's row is this transaction's. A
+    /// backend whose server reads its own clock as the guard is written needs no reading here.
+    fn touch_run_with_margin(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        token: u64,
+        margin: i64,
+    ) -> Result<bool> {
+        self.lock_run(run_id)?;
+        let unexpired_at = self.lease_wall()? + margin;
+        self.touch_run(run_id, at, owner, token, Some(unexpired_at))
+    }
     /// Moves a run between states; the run's fencing token after the move, or `None` when the
     /// guard did not match.
     fn update_run(&mut self, run_id: &RunId, update: &RunUpdate<'_>) -> Result<Option<u64>>;

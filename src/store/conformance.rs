@@ -55,6 +55,7 @@ macro_rules! conformance_suite {
                 a_model_call_starts_only_under_an_unexpired_lease_of_its_own,
                 a_refused_move_writes_nothing,
                 a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
+                a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
                 the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
                 a_failed_model_call_fails_the_run_and_releases_the_lease,
                 an_allowed_call_starts_with_its_idempotency_key,
@@ -683,6 +684,83 @@ pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &d
     );
     assert_eq!(store.run(&run("r1")).unwrap().state, RunState::Running);
     assert_eq!(store.run(&run("r3")).unwrap().state, RunState::Running);
+}
+
+/// A group of loop steps (which a writer may commit without waiting for its writes' answers)
+/// refused by a guard keeps nothing of the refused move, which is answered with its own
+/// refusal, and commits the others.
+pub(crate) fn a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let them = holder(OTHER, Duration::from_secs(30));
+    create(&store, &run("r"), &them);
+    model_answered_by(&store, &run("r"), &them, vec![call("c1"), call("c2")]);
+    let mine = me();
+    let alone = |mv: moves::DecideTool| {
+        let session = store
+            .session(Arc::new(SystemClock), None)
+            .expect("a writer session");
+        let mut writer = session.writer;
+        let (pending, answer) = super::queue::pending(mv, super::backend::Durability::Durable);
+        writer.commit(vec![pending], false);
+        let answer = answer.blocking_recv().expect("an answer");
+        writer.idle();
+        answer
+    };
+
+    // A step guard: the call was decided already, so its step is no longer pending.
+    on(&store, &run("r"), |m| {
+        m.decide_tool(&them, 2, &call("c1"), &allow())
+    })
+    .unwrap();
+    let before = store.events(&run("r")).unwrap();
+    let err = alone(decide_tool(&run("r"), &them, 2, &call("c1"), &allow())).unwrap_err();
+    assert!(err.is_run_state(), "{err}");
+    assert_eq!(
+        store.events(&run("r")).unwrap(),
+        before,
+        "nothing was written"
+    );
+
+    // The lease's guard: the run was taken over meanwhile.
+    f.expire_lease(&store, &run("r"));
+    on(&store, &run("r"), |m| m.take_over(&mine)).unwrap();
+    let before = (
+        store.events(&run("r")).unwrap(),
+        store.run(&run("r")).unwrap(),
+    );
+    let err = alone(decide_tool(&run("r"), &them, 3, &call("c2"), &allow())).unwrap_err();
+    assert!(
+        matches!(&err, Error::RunLeased { owner, .. } if owner == OWNER),
+        "{err}"
+    );
+    let after = (
+        store.events(&run("r")).unwrap(),
+        store.run(&run("r")).unwrap(),
+    );
+    assert_eq!(after, before, "nothing was written");
+
+    // With another run's step in the same group: that one commits.
+    create(&store, &run("s"), &mine);
+    model_answered_by(&store, &run("s"), &mine, vec![call("c3")]);
+    let committed = in_one_group(
+        &store,
+        vec![
+            queued(decide_tool(&run("s"), &mine, 2, &call("c3"), &allow())),
+            queued(decide_tool(&run("r"), &them, 3, &call("c2"), &allow())),
+        ],
+    );
+    assert_eq!(committed, [true, false]);
+    let after = (
+        store.events(&run("r")).unwrap(),
+        store.run(&run("r")).unwrap(),
+    );
+    assert_eq!(after, before, "nothing of the refused move was written");
+    assert_eq!(
+        kinds(&store, &run("s")).last(),
+        Some(&EventKind::ToolStarted)
+    );
 }
 
 pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &dyn Fixture) {

@@ -144,9 +144,9 @@ impl Holder {
         wall + self.ttl.as_millis() as i64
     }
 
-    /// The wall-clock time a lease must outlast for a side effect to start at `wall`.
-    pub(crate) fn start_by(&self, wall: i64) -> i64 {
-        wall + self.margin.as_millis() as i64
+    /// How long, in milliseconds, a lease must outlast the clock for a side effect to start.
+    pub(crate) fn margin_millis(&self) -> i64 {
+        self.margin.as_millis() as i64
     }
 }
 

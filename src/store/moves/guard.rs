@@ -147,20 +147,20 @@ impl<'a, 'c> Cx<'a, 'c> {
     /// start margin is left by the grant's deadline, before anything is written: the loop
     /// waits for a renewal, or stops.
     pub(super) fn touch_held(&mut self, grant: &Grant, need: Need, what: &str) -> Result<()> {
-        let unexpired_at = match need {
-            Need::Held => None,
-            Need::Margin if !grant.has_margin() => return Err(self.short_of_margin(grant, what)),
-            Need::Margin => {
-                self.tx.lock_run(self.run_id)?;
-                Some(grant.holder.start_by(self.tx.lease_wall()?))
-            }
-        };
+        if need == Need::Margin && !grant.has_margin() {
+            return Err(self.short_of_margin(grant, what));
+        }
         let at = self.now.millis();
         let (owner, token) = (&grant.holder.owner, grant.token());
-        if self
-            .tx
-            .touch_run(self.run_id, at, owner, token, unexpired_at)?
-        {
+        let touched = match need {
+            Need::Held => self.tx.touch_run(self.run_id, at, owner, token, None)?,
+            Need::Margin => {
+                let margin = grant.holder.margin_millis();
+                self.tx
+                    .touch_run_with_margin(self.run_id, at, owner, token, margin)?
+            }
+        };
+        if touched {
             Ok(())
         } else {
             Err(self.refused(Some(grant), what))

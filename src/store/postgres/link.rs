@@ -36,8 +36,9 @@ pub(super) trait Link {
         expect: Option<u64>,
     ) -> Result<bool>;
 
-    /// Like [`Link::write`], for a statement that answers one row of counts: whether it is
-    /// `counts`.
+    /// Like [`Link::write`], for a statement that answers one row of counts and fails on the
+    /// server when they are not `counts` (see [`super::held`]): whether it answered them. A
+    /// pipeline may send its `COMMIT` behind such a write before its answer.
     fn check(
         &mut self,
         statement: &Statement,

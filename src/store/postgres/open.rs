@@ -33,6 +33,10 @@ const MIGRATIONS: &[(u32, &str)] = &[
         13,
         include_str!("../../../migrations/postgres/0013_events_by_append.sql"),
     ),
+    (
+        14,
+        include_str!("../../../migrations/postgres/0014_guarded_pipelines.sql"),
+    ),
 ];
 
 /// How many migrations opening a schema at version `found` applies: an empty schema (0) goes

@@ -5,10 +5,15 @@
 //! trips of its reads and its commit rather than one per statement.
 //!
 //! A move whose write is answered with an error, or changed other than the rows it expected,
-//! would have been refused: that is found the next time the lane waits (at the latest before
-//! the commit), the transaction is rolled back, and the group is applied again statement by
-//! statement, as an unpipelined connection applies it. Nothing of a spoiled transaction is
-//! committed, and no move reads past its spoiling.
+//! would have been refused: that is found the next time the lane waits, the transaction is
+//! rolled back, and the group is applied again statement by statement, as an unpipelined
+//! connection applies it. Nothing of a spoiled transaction is committed, and no move reads past
+//! its spoiling.
+//!
+//! When every write that expects a count is guarded on the server (it fails, rather than
+//! changing other rows than expected), the lane sends its `COMMIT` behind them without waiting:
+//! a write that did not stand has aborted the transaction by then, and the server answers that
+//! `COMMIT` by rolling it back. A group with nothing to read then costs one round trip.
 
 use std::{
     collections::HashMap,
@@ -30,6 +35,19 @@ use crate::error::{Error, Result};
 
 type Answer = Pin<Box<dyn Future<Output = std::result::Result<u64, postgres::Error>> + Send>>;
 
+/// What became of a transaction whose `COMMIT` was sent behind its writes.
+pub(super) enum Behind {
+    /// Every write stood, and the transaction committed.
+    Committed,
+    /// A write failed on the server, which rolled the whole transaction back.
+    RolledBack,
+    /// The `COMMIT` failed (its error says whether it rolled back).
+    Failed(postgres::Error),
+    /// The `COMMIT` was answered though a write had been refused: whether it committed is
+    /// not known to be right.
+    Unknown,
+}
+
 /// A write sent and not yet answered, with the rows it must change.
 struct Sent {
     answer: Answer,
@@ -50,6 +68,12 @@ pub(super) struct PipeConn {
     /// Whether a write sent in the open transaction failed or changed other rows than it
     /// expected.
     spoiled: bool,
+    /// Whether a write sent in the open transaction expects a count that only this side
+    /// checks: its `COMMIT` must then wait for the answers.
+    unguarded: bool,
+    /// Whether a write sent in the open transaction failed on the server: the server aborted
+    /// the transaction, and nothing of it can commit.
+    aborted: bool,
     /// Whether writes wait for their answers (a group applied again after a spoiled try).
     pub(super) direct: bool,
     /// Set when the connection is not to be used again.
@@ -77,6 +101,8 @@ impl PipeConn {
                 small: false,
                 sent: Vec::new(),
                 spoiled: false,
+                unguarded: false,
+                aborted: false,
                 direct: false,
                 discarded: false,
             })
@@ -108,6 +134,8 @@ impl PipeConn {
     /// Opens a transaction (sent, not waited for): `sql` is `BEGIN` and what goes with it.
     pub(super) fn begin(&mut self, sql: &str) {
         self.spoiled = false;
+        self.unguarded = false;
+        self.aborted = false;
         let client = self.client.clone();
         let sql = sql.to_owned();
         self.send(
@@ -136,12 +164,45 @@ impl PipeConn {
                 Ok(changed) if expect.is_none_or(|expect| expect == changed) => {}
                 Ok(_) => self.spoiled = true,
                 Err(err) => {
+                    self.aborted |= err.code().is_some();
                     // Noted for the lane when it asks for the group again (a conflict, a
                     // broken connection).
                     pg_error(err);
                     self.spoiled = true;
                 }
             }
+        }
+    }
+
+    /// Whether the open transaction's `COMMIT` may be sent before its writes are answered:
+    /// none has been found to fail, and each that expects a count fails on the server when
+    /// it does not change it.
+    pub(super) fn may_commit_behind(&self) -> bool {
+        !self.direct && !self.spoiled && !self.unguarded
+    }
+
+    /// Sends `COMMIT` behind the writes not yet answered and waits for every answer.
+    pub(super) fn commit_behind(&mut self) -> Behind {
+        debug_assert!(self.may_commit_behind());
+        let sent = std::mem::take(&mut self.sent);
+        let client = self.client.clone();
+        let (answers, commit) = self.runtime().block_on(futures_util::future::join(
+            answered(sent),
+            client.batch_execute("COMMIT"),
+        ));
+        self.absorb(answers);
+        match commit {
+            // The server found the transaction aborted by a write that failed, and rolled it
+            // back; or the connection broke after such a failure, with the same outcome.
+            _ if self.aborted => Behind::RolledBack,
+            Err(err) => Behind::Failed(err),
+            Ok(()) if self.spoiled => {
+                // Every write that expects a count is guarded, so none can have been refused
+                // without failing: this is not expected to happen.
+                tracing::error!("a pipelined write was refused without failing on the server");
+                Behind::Unknown
+            }
+            Ok(()) => Behind::Committed,
         }
     }
 
@@ -316,6 +377,7 @@ impl Link for PipeConn {
                 .pg()?;
             return Ok(expect.is_none_or(|expect| expect == changed));
         }
+        self.unguarded |= expect.is_some();
         let client = self.client.clone();
         let statement = statement.clone();
         self.send(

@@ -5,7 +5,7 @@ use postgres::{Row, types::ToSql};
 use serde_json::Value;
 
 use super::{
-    held::{Expect, Held, NewEvent, NewStep, StepMove, Tables, Touch},
+    held::{self, Held, NewEvent, NewStep, StepMove, Tables, Touch},
     link::{Link, Owned},
 };
 use crate::{
@@ -43,21 +43,24 @@ pub(super) struct PgTx<'a> {
     locked_at: Option<i64>,
 }
 
-/// What a group found when it locked its runs' rows.
+/// The rows a group locked, and what it read as it locked them.
 struct Group {
     /// The runs of its moves, sorted.
     runs: Vec<String>,
-    /// Those of them that exist (found, or inserted since), sorted.
-    existing: Vec<String>,
-    /// The server's clock, as read once the rows were held.
-    wall: i64,
+    /// Those of them that exist (found, or inserted since), sorted; `None` when the lock was
+    /// sent without waiting for its answer.
+    existing: Option<Vec<String>>,
+    /// The server's clock, as read once the rows were held (when the lock was waited for).
+    wall: Option<i64>,
 }
 
 impl Group {
     /// Whether the group knows `run_id` does not exist, without reading it.
     fn knows_absent(&self, run_id: &str) -> bool {
         let find = |ids: &[String]| ids.binary_search_by(|id| id.as_str().cmp(run_id)).is_ok();
-        find(&self.runs) && !find(&self.existing)
+        self.existing
+            .as_ref()
+            .is_some_and(|existing| find(&self.runs) && !find(existing))
     }
 
     fn locked(&self, run_id: &str) -> bool {
@@ -99,8 +102,27 @@ impl<'a> PgTx<'a> {
         existing.sort();
         self.group = Some(Group {
             runs,
-            existing,
-            wall,
+            existing: Some(existing),
+            wall: Some(wall),
+        });
+        Ok(())
+    }
+
+    /// Locks the rows of `runs` (sorted, each once) as [`PgTx::lock_group`] does, without
+    /// waiting for the lock's answer: for a group of moves that need neither the clock nor to
+    /// know which runs exist (a guard that compares the lease with the clock reads the
+    /// server's own as it runs, after the lock, which was sent first).
+    pub(super) fn lock_group_behind(&mut self, runs: Vec<String>) -> Result<()> {
+        self.write(
+            Tables::NONE,
+            "SELECT 1 FROM runs WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE",
+            vec![Box::new(runs.clone()) as Owned],
+            None,
+        )?;
+        self.group = Some(Group {
+            runs,
+            existing: None,
+            wall: None,
         });
         Ok(())
     }
@@ -117,11 +139,7 @@ impl<'a> PgTx<'a> {
         };
         for batch in held.take(tables) {
             let statement = self.link.statement(&batch.sql)?;
-            let stands = match batch.expect {
-                Expect::Changed(rows) => self.link.write(&statement, batch.params, Some(rows))?,
-                Expect::Counts(counts) => self.link.check(&statement, batch.params, counts)?,
-            };
-            if !stands {
+            if !self.link.check(&statement, batch.params, batch.counts)? {
                 return Err(Error::CommitFailed(
                     "a write held back was refused; the group is applied again".into(),
                 ));
@@ -173,7 +191,9 @@ impl PgTx<'_> {
         self.link.execute(&statement, params)
     }
 
-    /// A write the link may send without waiting: whether it changed `expect` rows.
+    /// A write the link may send without waiting: whether it changed `expect` rows. On a link
+    /// that pipelines, a write that expects a count is guarded on the server, as held writes
+    /// are, so that the lane may send its `COMMIT` before the answer.
     fn write(
         &mut self,
         tables: Tables,
@@ -182,6 +202,11 @@ impl PgTx<'_> {
         expect: Option<u64>,
     ) -> Result<bool> {
         self.send(tables)?;
+        if let (true, Some(rows)) = (self.link.pipelines(), expect) {
+            let batch = held::guarded_write(sql, params, rows);
+            let statement = self.link.statement(&batch.sql)?;
+            return self.link.check(&statement, batch.params, batch.counts);
+        }
         let statement = self.link.statement(sql)?;
         self.link.write(&statement, params, expect)
     }
@@ -268,6 +293,57 @@ fn in_order(ids: &[RunId], found: Vec<String>) -> Vec<RunId> {
         .filter(|id| found.contains(id.as_str()))
         .cloned()
         .collect()
+}
+
+impl PgTx<'_> {
+    /// Stamps a RUNNING run under `owner`'s lease of fencing token `token` as moved at `at`, if
+    /// the lease expires after `unexpired_at` and `beyond` milliseconds after the server's
+    /// clock as the statement runs (each bound when given).
+    fn touch(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        token: u64,
+        unexpired_at: Option<i64>,
+        beyond: Option<i64>,
+    ) -> Result<bool> {
+        if let Some(held) = &mut self.held {
+            let touch = Touch {
+                run_id: run_id.as_str().to_owned(),
+                at,
+                owner: owner.to_owned(),
+                unexpired_at,
+                token: token as i64,
+                beyond,
+            };
+            if let Err(touch) = held.touch(touch) {
+                self.send(Tables::RUNS)?;
+                let held = self.held.as_mut().expect("held writes");
+                held.touch(touch)
+                    .ok()
+                    .expect("no touch held after sending them");
+            }
+            return Ok(true);
+        }
+        self.write(
+            Tables::RUNS,
+            "UPDATE runs SET updated_at = $2
+             WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
+               AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)
+               AND ($6::int8 IS NULL OR lease_expires_at >
+                    floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 + $6::int8)",
+            owned![
+                run_id.as_str().to_owned(),
+                at,
+                owner.to_owned(),
+                unexpired_at,
+                token as i64,
+                beyond,
+            ],
+            Some(1),
+        )
+    }
 }
 
 impl Reads for PgTx<'_> {
@@ -727,13 +803,14 @@ impl Tx for PgTx<'_> {
         if let Some(group) = &self.group
             && group.locked(run_id.as_str())
         {
-            self.locked_at = Some(group.wall);
+            self.locked_at = group.wall;
             return Ok(());
         }
         // Nothing waits for it: the clock is read after it, and the touch that follows
-        // refuses a run that is not there.
+        // refuses a run that is not there. It reads nothing, so the writes held on the runs
+        // stay held.
         self.write(
-            Tables::RUNS,
+            Tables::NONE,
             "SELECT 1 FROM runs WHERE id = $1 FOR UPDATE",
             owned![run_id.as_str().to_owned()],
             None,
@@ -742,12 +819,13 @@ impl Tx for PgTx<'_> {
     }
 
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
-        if let Some(group) = &mut self.group
-            && let Err(at) = group
-                .existing
-                .binary_search_by(|id| id.as_str().cmp(run.run_id.as_str()))
+        if let Some(existing) = self
+            .group
+            .as_mut()
+            .and_then(|group| group.existing.as_mut())
+            && let Err(at) = existing.binary_search_by(|id| id.as_str().cmp(run.run_id.as_str()))
         {
-            group.existing.insert(at, run.run_id.as_str().to_owned());
+            existing.insert(at, run.run_id.as_str().to_owned());
         }
         let token: i64 = if run.lease.is_some() {
             FIRST_TOKEN as i64
@@ -787,41 +865,33 @@ impl Tx for PgTx<'_> {
         let beyond = unexpired_at
             .zip(self.last_wall)
             .map(|(unexpired_at, wall)| unexpired_at - wall);
-        if let Some(held) = &mut self.held {
-            let touch = Touch {
-                run_id: run_id.as_str().to_owned(),
-                at,
-                owner: owner.to_owned(),
-                unexpired_at,
-                token: token as i64,
-                beyond,
-            };
-            if let Err(touch) = held.touch(touch) {
-                self.send(Tables::RUNS)?;
-                let held = self.held.as_mut().expect("held writes");
-                held.touch(touch)
-                    .ok()
-                    .expect("no touch held after sending them");
-            }
-            return Ok(true);
+        self.touch(run_id, at, owner, token, unexpired_at, beyond)
+    }
+
+    fn touch_run_with_margin(
+        &mut self,
+        run_id: &RunId,
+        at: i64,
+        owner: &str,
+        token: u64,
+        margin: i64,
+    ) -> Result<bool> {
+        let wall_read = self
+            .group
+            .as_ref()
+            .is_some_and(|group| group.wall.is_some() && group.locked(run_id.as_str()));
+        if wall_read || self.held.is_none() {
+            self.lock_run(run_id)?;
+            let unexpired_at = self.lease_wall()? + margin;
+            return self.touch_run(run_id, at, owner, token, Some(unexpired_at));
         }
-        self.write(
-            Tables::RUNS,
-            "UPDATE runs SET updated_at = $2
-             WHERE id = $1 AND state = 'RUNNING' AND lease_owner = $3 AND lease_epoch = $5
-               AND ($4::int8 IS NULL OR lease_expires_at > $4::int8)
-               AND ($6::int8 IS NULL OR lease_expires_at >
-                    floor(extract(epoch FROM clock_timestamp()) * 1000)::int8 + $6::int8)",
-            owned![
-                run_id.as_str().to_owned(),
-                at,
-                owner.to_owned(),
-                unexpired_at,
-                token as i64,
-                beyond,
-            ],
-            Some(1),
-        )
+        // On a lane, with no reading of the clock at hand: the run's row is locked by a
+        // statement sent before the touch (the group's lock, or its own), and the touch's guard
+        // compares the lease with the server's clock as it runs, once that lock is held, so
+        // that nothing is waited for before the commit.
+        self.lock_run(run_id)?;
+        let beyond = margin + crate::clock::wall_shift();
+        self.touch(run_id, at, owner, token, None, Some(beyond))
     }
 
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
@@ -931,6 +1001,8 @@ impl Tx for PgTx<'_> {
                 call_id: call.map(|call| call.id.clone()),
                 tool: call.map(|call| call.name.clone()),
                 args: call.map(|call| call.args.clone()),
+                result: None,
+                waiting_for: None,
             });
             return Ok(());
         }

@@ -19,7 +19,7 @@ use super::{
     Postgres,
     conn::{Conn, Noted, Pg, off_runtime, take_noted},
     link::{Direct, Link},
-    pipe::PipeConn,
+    pipe::{Behind, PipeConn},
     sql::PgTx,
 };
 use crate::{
@@ -28,8 +28,8 @@ use crate::{
     metrics,
     store::{
         backend::{
-            Durability, GroupFailure, Isolation, LeaseWrites, MoveObserver, Pending, Reads,
-            Renewer, Session, Tx, Writer,
+            Durability, GroupFailure, Isolation, LeaseWrites, MoveKind, MoveObserver, Pending,
+            Reads, Renewer, Session, Tx, Writer,
         },
         model::{Now, Renewal},
         moves,
@@ -513,6 +513,35 @@ fn attempt_on(
             conn.settle();
         }
         let (stands, failed) = apply_group(conn, batch, clock, isolation);
+        if stands && failed.is_none() && conn.may_commit_behind() {
+            // Every write sent fails on the server should it not stand: the COMMIT goes
+            // behind them, and one wait answers all.
+            match conn.commit_behind() {
+                Behind::Committed => return Attempt::Committed,
+                Behind::Failed(err) => {
+                    return match commit_failure(err) {
+                        CommitError::Again(err) => Attempt::Again(err.to_string()),
+                        CommitError::Failed(failure) => Attempt::Failed(failure),
+                    };
+                }
+                Behind::Unknown => {
+                    let why = "a write was refused without failing, and the COMMIT was answered";
+                    return Attempt::Failed(GroupFailure::Unknown(why.into()));
+                }
+                Behind::RolledBack => match take_noted() {
+                    noted @ (Noted::Broken | Noted::Conflict) => {
+                        return Attempt::Again(format!("{noted:?} while applying the group"));
+                    }
+                    // A write was refused: each move in a savepoint of its own now, every
+                    // statement answered at once.
+                    Noted::Nothing => {
+                        isolation = Isolation::Savepoint;
+                        conn.direct = true;
+                        continue;
+                    }
+                },
+            }
+        }
         // Every write sent is answered: a failed or refused one spoils the transaction.
         let settled = conn.settle();
         let noted = take_noted();
@@ -605,7 +634,12 @@ fn apply_group(
                 runs.extend(parents);
                 runs.sort();
                 runs.dedup();
-                if pg.lock_group(runs).is_err() {
+                let locked = if steady(batch) {
+                    pg.lock_group_behind(runs)
+                } else {
+                    pg.lock_group(runs)
+                };
+                if locked.is_err() {
                     // Applied again move by move, where such an error refuses one move only
                     // (a conflict or a broken connection is noted: the group is tried again).
                     return (false, None);
@@ -635,6 +669,31 @@ fn apply_group(
             (true, None)
         }
     }
+}
+
+/// Whether every move of `batch` is one of a loop's steps under its lease: such moves need
+/// neither the clock nor to know which runs exist, so their group's lock is sent without
+/// waiting for it and, with nothing else to read, the group costs one round trip. A group with
+/// a move that takes a lease or makes a run waits for its lock, which reads both at once.
+fn steady(batch: &[Box<dyn Pending>]) -> bool {
+    batch
+        .iter()
+        .flat_map(|pending| pending.infos())
+        .all(|info| {
+            matches!(
+                info.kind,
+                MoveKind::BeginModelStep
+                    | MoveKind::FinishModelStep
+                    | MoveKind::FailModelAttempt
+                    | MoveKind::BeginModelAttempt
+                    | MoveKind::DecideTool
+                    | MoveKind::RejectTool
+                    | MoveKind::FinishTool
+                    | MoveKind::RecordProgress
+                    | MoveKind::TimeOutTool
+                    | MoveKind::FailRun
+            )
+        })
 }
 
 /// Rolls the open transaction back; a connection that cannot is not trusted with another.

@@ -95,7 +95,7 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 13);
+    assert_eq!(SCHEMA_VERSION, 14);
 }
 
 #[test]

@@ -1,0 +1,3 @@
+-- Schema 14 adds a function to PostgreSQL's schema that its writer lanes call (see
+-- migrations/postgres/0014_guarded_pipelines.sql); SQLite's writer answers each statement
+-- before the next, so nothing changes here.

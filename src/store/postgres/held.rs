@@ -242,6 +242,12 @@ impl Held {
 /// One write of a move's (an `INSERT`, `UPDATE` or `DELETE`), guarded as held writes are: the
 /// statement fails unless it changed `rows` rows.
 pub(super) fn guarded_write(sql: &str, params: Vec<Owned>, rows: u64) -> Batch {
+    debug_assert!(
+        ["INSERT", "UPDATE", "DELETE"]
+            .iter()
+            .any(|verb| sql.trim_start().to_ascii_uppercase().starts_with(verb)),
+        "only a data-modifying statement can be a part: {sql}"
+    );
     guarded(vec![Part {
         sql: Cow::Owned(sql.to_owned()),
         params,
@@ -260,11 +266,13 @@ fn guarded(parts: Vec<Part>) -> Batch {
     let mut params = Vec::new();
     let mut counts = Vec::new();
     for (index, part) in parts.into_iter().enumerate() {
-        let returning = if part.sql.contains("RETURNING") {
-            ""
-        } else {
-            " RETURNING 1"
-        };
+        // A part counts the rows it returns: one that returns none of its own returns one per
+        // row it changed.
+        let returns_rows = part
+            .sql
+            .split_whitespace()
+            .any(|word| word.eq_ignore_ascii_case("RETURNING"));
+        let returning = if returns_rows { "" } else { " RETURNING 1" };
         queries.push(format!(
             "part{index} AS ({}{returning})",
             renumbered(&part.sql, params.len())

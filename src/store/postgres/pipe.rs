@@ -191,6 +191,9 @@ impl PipeConn {
             client.batch_execute("COMMIT"),
         ));
         self.absorb(answers);
+        // A statement that failed on the server has aborted the transaction: the `BEGIN` that
+        // opened it heads the first batch sent, and cannot fail on its own (the settings sent
+        // with it abort the transaction they are in if they fail).
         match commit {
             // The server found the transaction aborted by a write that failed, and rolled it
             // back; or the connection broke after such a failure, with the same outcome.

@@ -808,7 +808,9 @@ impl Tx for PgTx<'_> {
         }
         // Nothing waits for it: the clock is read after it, and the touch that follows
         // refuses a run that is not there. It reads nothing, so the writes held on the runs
-        // stay held.
+        // stay held (a run locked so, outside its group's lock, may then be locked before a
+        // held touch of a run whose id sorts first: a deadlock that order could meet is
+        // applied again as a conflict).
         self.write(
             Tables::NONE,
             "SELECT 1 FROM runs WHERE id = $1 FOR UPDATE",

@@ -673,8 +673,9 @@ fn apply_group(
 
 /// Whether every move of `batch` is one of a loop's steps under its lease: such moves need
 /// neither the clock nor to know which runs exist, so their group's lock is sent without
-/// waiting for it and, with nothing else to read, the group costs one round trip. A group with
-/// a move that takes a lease or makes a run waits for its lock, which reads both at once.
+/// waiting for it and, with nothing else to read, the group usually costs one round trip. A
+/// group with any other move (one that takes a lease or makes a run, an operator's) waits for
+/// its lock, which reads both at once.
 fn steady(batch: &[Box<dyn Pending>]) -> bool {
     batch
         .iter()

@@ -167,11 +167,10 @@ fn a_decision_refused_by_decide_and_resume_resumes_nothing() {
 fn a_spawned_run_survives_a_crash_of_its_supervisor() {
     let db = TempStore::new();
     let pay = RecordingTool::new("pay").behaviour(Behaviour::Block);
-    let lease = Config::default().lease_ttl(Duration::from_millis(600));
     let (store, agent, config, blocked) = (
         db.open(),
         Agent::new(pay_then_answer()).tool(pay.clone()),
-        lease.clone(),
+        Config::default().lease_ttl(Duration::from_millis(600)),
         pay.clone(),
     );
     let run_id = with_system(|| async move {
@@ -194,8 +193,11 @@ fn a_spawned_run_survives_a_crash_of_its_supervisor() {
         Agent::new(pay_then_answer()).tool(done.clone()),
         run_id.clone(),
     );
+    // The crashed system's short lease is what the takeover waits for; the run's new owner
+    // holds a long one, so that a loaded machine's late renewal cannot end its lease.
+    let long = Config::default().lease_ttl(Duration::from_secs(30));
     let reply = with_system(|| async move {
-        let supervisor = supervise(store, lease, "billing", agent);
+        let supervisor = supervise(store, long, "billing", agent);
         resume_when_free(&supervisor, &id, Duration::from_secs(10)).await
     })
     .unwrap();

@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 
 use super::{
     lease_keeper::{HeldLeases, LeaseKeeper, Renewer, SubscribeLeaseLost},
-    run::{Agents, Execute, Job, RunActor},
+    run::{Agents, Done, Execute, Job, RunActor},
     store::{ReadState, StoreActor, StoreHandle},
 };
 use crate::{
@@ -241,7 +241,21 @@ impl Supervisor {
         self.executing
             .insert(run_id.clone(), (call, cancellation.clone()));
         let actor = RunActor::new(cancellation).start();
-        let msg = Execute {
+        let (reply, ended) = oneshot::channel();
+        let supervisor = ctx.address();
+        let done = Done::new({
+            let run_id = run_id.clone();
+            move |result| {
+                supervisor.do_send(Ended {
+                    run_id,
+                    call,
+                    result,
+                    reply,
+                })
+            }
+        });
+        actor.do_send(Execute {
+            done,
             run_id: run_id.clone(),
             job,
             agents: self.agents.clone(),
@@ -250,17 +264,6 @@ impl Supervisor {
             holder: self.holder.clone(),
             draining: self.draining.signal.clone(),
             clock: self.clock.clone(),
-        };
-        let (reply, ended) = oneshot::channel();
-        let supervisor = ctx.address();
-        actix_rt::spawn(async move {
-            let result = actor.send(msg).await.map_err(|_| Error::StoreUnavailable);
-            supervisor.do_send(Ended {
-                run_id,
-                call,
-                result: result.and_then(|result| result),
-                reply,
-            });
         });
         // A supervisor that stopped meanwhile answers nothing: its store is gone with it.
         Box::pin(async move { ended.await.unwrap_or(Err(Error::StoreUnavailable)) })

@@ -96,10 +96,12 @@ pub(crate) enum Job {
     Turn,
 }
 
-/// Execute the run; the reply is the call's outcome.
+/// Execute the run; `done` hears the call's outcome.
 #[derive(Message)]
-#[rtype(result = "Result<RunReply>")]
+#[rtype(result = "()")]
 pub(crate) struct Execute {
+    /// Told the call's outcome when the run's actor is done with it.
+    pub done: Done,
     pub run_id: RunId,
     pub job: Job,
     pub agents: Agents,
@@ -112,6 +114,31 @@ pub(crate) struct Execute {
     pub clock: Arc<dyn crate::clock::Clock>,
 }
 
+/// Hears how a call of a run's actor ended, once: from the actor, or, if the actor is gone
+/// without telling (stopped before it took the call), when dropped, as the store's loss.
+/// The actor tells it itself, so that no task of its own waits for each run's reply.
+pub(crate) struct Done(Option<Box<dyn FnOnce(Result<RunReply>) + Send>>);
+
+impl Done {
+    pub(crate) fn new(tell: impl FnOnce(Result<RunReply>) + Send + 'static) -> Self {
+        Done(Some(Box::new(tell)))
+    }
+
+    fn tell(mut self, result: Result<RunReply>) {
+        if let Some(tell) = self.0.take() {
+            tell(result);
+        }
+    }
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        if let Some(tell) = self.0.take() {
+            tell(Err(Error::StoreUnavailable));
+        }
+    }
+}
+
 /// What a draining supervisor tells its runs: `started` when the drain begins (each run is
 /// handed over at its next step boundary), `cut` at its deadline (the tool calls still
 /// running get their cancellation signal).
@@ -122,9 +149,10 @@ pub(crate) struct DrainSignal {
 }
 
 impl Handler<Execute> for RunActor {
-    type Result = ResponseActFuture<Self, Result<RunReply>>;
+    type Result = ResponseActFuture<Self, ()>;
 
     fn handle(&mut self, msg: Execute, ctx: &mut Context<Self>) -> Self::Result {
+        let done = msg.done;
         // A resumed run's agent is known once the run is read, and recorded then: the field
         // is declared empty so that it is written once either way. So is the execution's
         // kind (start, resume, takeover) and the fencing token it takes.
@@ -157,18 +185,20 @@ impl Handler<Execute> for RunActor {
             draining: msg.draining,
             clock: msg.clock,
         };
+        let (run_id, store, keeper, grant) = (
+            env.run_id.clone(),
+            env.store.clone(),
+            env.keeper.clone(),
+            env.grant.clone(),
+        );
+        // Boxed, as its calls are in it: what a run holds while it waits on one is that call's
+        // state, not room for the largest of every path. Made out here, so that what it takes
+        // is not also kept in the future below.
+        let execute = Box::pin(RunLoop::execute(msg.job, msg.agents, env));
         let work = async move {
-            let (run_id, store, keeper, grant) = (
-                env.run_id.clone(),
-                env.store.clone(),
-                env.keeper.clone(),
-                env.grant.clone(),
-            );
             // A panic outside the model's and tools' calls (which are caught where they run)
             // still ends the call like an error: the lease is released below.
-            // Boxed, as its calls are in it: what a run holds while it waits on one is that
-            // call's state, not room for the largest of every path.
-            let result = AssertUnwindSafe(Box::pin(RunLoop::prepare(msg.job, msg.agents, env)))
+            let result = AssertUnwindSafe(execute)
                 .catch_unwind()
                 .await
                 .unwrap_or_else(|panic| {
@@ -188,7 +218,7 @@ impl Handler<Execute> for RunActor {
                         token: grant.token(),
                         reason: reason.clone(),
                     };
-                    let reason = keeper.send(lost).await.unwrap_or(reason);
+                    let reason = Box::pin(keeper.send(lost)).await.unwrap_or(reason);
                     Err(Error::LeaseLost { run_id, reason })
                 }
                 other => other,
@@ -201,14 +231,12 @@ impl Handler<Execute> for RunActor {
             if result.is_err() && grant.token() != 0 && !released {
                 // Paused and finished runs released the lease in their move; any other return
                 // releases it here, so another process need not wait out the TTL.
-                let released = store
-                    .addr()
-                    .send(ReleaseLease {
-                        run_id: run_id.clone(),
-                        owner: grant.holder.owner.clone(),
-                        token: grant.token(),
-                    })
-                    .await;
+                let released = Box::pin(store.addr().send(ReleaseLease {
+                    run_id: run_id.clone(),
+                    owner: grant.holder.owner.clone(),
+                    token: grant.token(),
+                }))
+                .await;
                 if let Ok(Err(err)) | Err(err) = released.map_err(Error::from) {
                     tracing::warn!(%err, "could not release the lease; it will expire");
                 }
@@ -222,15 +250,15 @@ impl Handler<Execute> for RunActor {
         #[cfg(feature = "otel")]
         let work = async move {
             if let Some((run_id, store)) = &joins {
-                join_trace(&span, run_id, store).await;
+                Box::pin(join_trace(&span, run_id, store)).await;
             }
             work.instrument(span).await
         };
         #[cfg(not(feature = "otel"))]
         let work = work.instrument(span);
-        Box::pin(work.into_actor(self).map(|result, _, ctx| {
+        Box::pin(work.into_actor(self).map(move |result, _, ctx| {
             ctx.stop();
-            result
+            done.tell(result);
         }))
     }
 }

@@ -55,11 +55,13 @@ pub(super) struct RunLoop {
     run_id: RunId,
     agent: Arc<Agent>,
     input: Value,
+    /// The steps after the first `finished`, in order: a finished step is dropped once every
+    /// step before it is finished too, as the conversation holds all the loop needs of it.
     steps: Vec<StepRow>,
     /// What the model sees: built from the finished steps, in order.
     messages: Vec<ChatMessage>,
-    /// Every step before this index is finished.
-    cursor: usize,
+    /// How many steps, from the first, are finished and dropped from `steps`.
+    finished: usize,
     /// The ids of the run's tool calls, kept unique.
     call_ids: HashSet<String>,
 }
@@ -171,7 +173,7 @@ impl RunLoop {
 
     /// How many steps the run has.
     pub(super) fn step_count(&self) -> usize {
-        self.steps.len()
+        self.finished + self.steps.len()
     }
 
     /// What the model is asked at attempt `attempt` of step `step`: the conversation so far.
@@ -213,7 +215,7 @@ impl RunLoop {
             input,
             steps: Vec::new(),
             messages,
-            cursor: 0,
+            finished: 0,
             call_ids: HashSet::new(),
         };
         for step in steps {
@@ -268,9 +270,12 @@ impl RunLoop {
         self.messages.extend(message);
     }
 
+    /// Where step `step` is in `steps`: a step the loop changes is never one it dropped.
     pub(super) fn index_of(&self, step: u32) -> usize {
         // Steps are numbered from 1 without gaps, and kept in order.
-        let index = step as usize - 1;
+        let index = (step as usize - 1)
+            .checked_sub(self.finished)
+            .expect("a dropped step is finished and never changed again");
         debug_assert_eq!(self.steps[index].step, step);
         index
     }
@@ -344,7 +349,7 @@ impl RunLoop {
                     }
                 }
                 Ok(None) => {
-                    let step = self.steps[self.cursor].clone();
+                    let step = self.steps[0].clone();
                     match (step.kind, step.state) {
                         // A reserved model call is abandoned (it has no side effect), and an
                         // interrupted step is left to the next owner's one reconciliation.
@@ -380,16 +385,16 @@ impl RunLoop {
     /// is asked now). `None` when the next step is a side effect (a call in flight) or a
     /// reconciliation.
     pub(super) fn plan(&mut self) -> Result<Option<Planned>> {
-        // Finished steps stay finished: start the search where the last one left off.
-        while self
+        // Finished steps stay finished, and the conversation holds them: drop them.
+        let done = self
             .steps
-            .get(self.cursor)
-            .is_some_and(|s| s.state == StepState::Finished)
-        {
-            self.cursor += 1;
-        }
-        let Some(step) = self.steps.get(self.cursor) else {
-            let step = self.steps.len() as u32 + 1;
+            .iter()
+            .take_while(|s| s.state == StepState::Finished)
+            .count();
+        self.steps.drain(..done);
+        self.finished += done;
+        let Some(step) = self.steps.first() else {
+            let step = self.step_count() as u32 + 1;
             if step > self.agent.max_steps {
                 let error = format!(
                     "the run reached its limit of {} steps without a final answer",

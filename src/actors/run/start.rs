@@ -18,8 +18,19 @@ use crate::{
 };
 
 impl RunLoop {
-    /// Starts or resumes the run (the first move, which takes the lease), then drives it.
-    pub(super) async fn prepare(job: Job, agents: Agents, env: Env) -> Result<Outcome> {
+    /// Starts or resumes the run (the first move, which takes the lease), then drives it. The
+    /// first move's future is boxed apart and gone before the loop drives: a run holds only
+    /// the loop's state while it executes.
+    pub(super) async fn execute(job: Job, agents: Agents, env: Env) -> Result<Outcome> {
+        match Box::pin(RunLoop::prepare(job, agents, env)).await? {
+            Prepared::Drive(run, first_next) => run.finish(first_next).await,
+            Prepared::Over(outcome) => Ok(outcome),
+        }
+    }
+
+    /// The first move: the loop to drive and where it goes next, or the call's outcome when
+    /// there is nothing to drive.
+    async fn prepare(job: Job, agents: Agents, env: Env) -> Result<Prepared> {
         let find = |name: &str| {
             agents
                 .get(name)
@@ -29,7 +40,7 @@ impl RunLoop {
         let run_id = env.run_id.clone();
         // Where the loop goes after its first move, when it already made its second.
         let mut first_next = Ok(Next::Continue);
-        let mut run = match job {
+        let run = match job {
             Job::Start {
                 agent,
                 input,
@@ -83,7 +94,7 @@ impl RunLoop {
                         if let Some(outcome) = Box::pin(run.resume_waiting(&snapshot)).await? {
                             // Nothing was decided: it waits as it did.
                             run.ended(&Ok(outcome.clone()));
-                            return Ok(outcome);
+                            return Ok(Prepared::Over(outcome));
                         }
                         run
                     }
@@ -92,7 +103,7 @@ impl RunLoop {
                         if let Some(outcome) = Box::pin(run.resume_wait(&snapshot)).await? {
                             // Not over: it waits as it did.
                             run.ended(&Ok(outcome.clone()));
-                            return Ok(outcome);
+                            return Ok(Prepared::Over(outcome));
                         }
                         run
                     }
@@ -129,9 +140,9 @@ impl RunLoop {
                         run
                     }
                     RunState::Cancelled if matches!(job, Job::Turn) => {
-                        return Ok(Outcome::Cancelled {
+                        return Ok(Prepared::Over(Outcome::Cancelled {
                             reason: snapshot.run.error.unwrap_or_default(),
-                        });
+                        }));
                     }
                     state => {
                         return Err(Error::RunState {
@@ -143,6 +154,12 @@ impl RunLoop {
                 }
             }
         };
+        Ok(Prepared::Drive(Box::new(run), first_next))
+    }
+
+    /// Drives the loop from `first_next`, where its first move left it, to the call's end.
+    async fn finish(mut self: Box<Self>, first_next: Result<Next>) -> Result<Outcome> {
+        let run = &mut *self;
         let result = match first_next {
             Ok(Next::Continue) => run.drive().await,
             Ok(Next::Return(outcome)) => Ok(outcome),
@@ -164,4 +181,12 @@ impl RunLoop {
         run.ended(&result);
         result
     }
+}
+
+/// What the first move leaves.
+enum Prepared {
+    /// The loop, to be driven from where its first move left it.
+    Drive(Box<RunLoop>, Result<Next>),
+    /// The call is over without driving: the run still waits, or was cancelled in its queue.
+    Over(Outcome),
 }

@@ -72,7 +72,13 @@ impl RunLoop {
         if !wait.ready(self.now_millis()) {
             return waiting();
         }
-        let step = &snapshot.steps[self.index_of(wait.step)];
+        let step = snapshot
+            .steps
+            .iter()
+            .find(|s| s.step == wait.step)
+            .ok_or_else(|| {
+                Error::Corrupt(format!("run {run_id} waits on no step {}", wait.step))
+            })?;
         let call = step.call.clone().expect("only tool steps wait");
         let resumed = self
             .commit(ResumeWait {

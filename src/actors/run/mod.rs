@@ -114,9 +114,10 @@ pub(crate) struct Execute {
     pub clock: Arc<dyn crate::clock::Clock>,
 }
 
-/// Hears how a call of a run's actor ended, once: from the actor, or, if the actor is gone
-/// without telling (stopped before it took the call), when dropped, as the store's loss.
-/// The actor tells it itself, so that no task of its own waits for each run's reply.
+/// Hears how a call of a run's actor ended, once: from the actor, or, when dropped untold (the
+/// actor stopped before it took the call, or its call was dropped partway: a panic outside
+/// the loop's own catch, the system's shutdown), as the store's loss. The actor tells it
+/// itself, so that the supervisor needs no task per run to wait for the actor's reply.
 pub(crate) struct Done(Option<Box<dyn FnOnce(Result<RunReply>) + Send>>);
 
 impl Done {
@@ -300,4 +301,40 @@ fn panic_message(panic: Box<dyn Any + Send>) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic with no message".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// A `Done` whose hearings are kept.
+    fn heard() -> (Done, Arc<Mutex<Vec<Result<RunReply>>>>) {
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let done = Done::new({
+            let heard = heard.clone();
+            move |result| heard.lock().unwrap().push(result)
+        });
+        (done, heard)
+    }
+
+    #[test]
+    fn a_call_end_told_is_heard_once_and_one_dropped_untold_is_heard_as_the_stores_loss() {
+        let (done, told) = heard();
+        done.tell(Err(Error::UnknownAgent("a".into())));
+        let told = told.lock().unwrap();
+        assert_eq!(
+            told.len(),
+            1,
+            "told once, and the drop after it tells nothing"
+        );
+        assert!(matches!(told[0], Err(Error::UnknownAgent(_))));
+
+        let (done, dropped) = heard();
+        drop(done);
+        let dropped = dropped.lock().unwrap();
+        assert_eq!(dropped.len(), 1);
+        assert!(matches!(dropped[0], Err(Error::StoreUnavailable)));
+    }
 }

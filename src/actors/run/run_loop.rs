@@ -1,4 +1,5 @@
-//! The loop: what it knows of the run (its steps and the conversation built from them), what
+//! The loop: what it knows of the run (its unfinished steps and the conversation built from
+//! every finished one), what
 //! it plans next, and how a move is committed, alone or paired with the planned move that
 //! follows it when no side effect lies between them.
 
@@ -233,13 +234,18 @@ impl RunLoop {
         )
     }
 
-    /// Adds a step; a finished one joins the conversation.
+    /// Adds a step; a finished one joins the conversation, and is not kept when every step
+    /// before it is finished too (as a run read back on a resume has many).
     pub(super) fn push_step(&mut self, step: StepRow) {
         if let Some(call) = &step.call {
             self.call_ids.insert(call.id.clone());
         }
         self.steps.push(step);
         self.on_finished(self.steps.len() - 1);
+        if self.steps.len() == 1 && self.steps[0].state == StepState::Finished {
+            self.steps.clear();
+            self.finished += 1;
+        }
     }
 
     /// Brings the conversation up to date with step `index` if it is finished.
@@ -280,7 +286,9 @@ impl RunLoop {
         index
     }
 
-    /// Sets a step's state (and attempt), folding a finished step into the conversation.
+    /// Sets a step's state (and attempt), folding a finished step into the conversation. The
+    /// step is one the loop still holds: the first unfinished step as of the last
+    /// [`plan`](Self::plan), or one added since.
     pub(super) fn set_step(
         &mut self,
         step: u32,
@@ -298,7 +306,8 @@ impl RunLoop {
         self.on_finished(index);
     }
 
-    /// Sets the progress a tool step keeps for its next attempt.
+    /// Sets the progress a tool step keeps for its next attempt (a step the loop holds, as for
+    /// [`set_step`](Self::set_step)).
     pub(super) fn set_progress(&mut self, step: u32, progress: Value) {
         let index = self.index_of(step);
         self.steps[index].progress = Some(progress);

@@ -1,7 +1,10 @@
 //! `StoreActor`: drains the store's move queue into the backend's writer. A sync actor on its
 //! own thread: the moves queued for it are handed to the writer in batches (everything that
 //! arrived while the last batch was committing), so nothing blocking runs on the arbiters that
-//! host runs. The writer commits each batch with the durability each caller asked for and
+//! host runs. A backend whose connections each commit one share of the runs (PostgreSQL's
+//! lanes) takes the moves straight from the handle instead, through its router: each lane's
+//! thread already gathers its batches, and a hop through this thread would only add a
+//! thread wake-up to every commit. The writer commits each batch with the durability each caller asked for and
 //! answers the callers; the actor's other messages (reads, renewals through the writer,
 //! releases) wait until what was committed before them is durable.
 
@@ -16,10 +19,10 @@ use crate::{
     error::{Error, Result},
     store::{
         Store,
-        backend::{Durability, MoveObserver, Pending, Reads, Renewer, Writer},
+        backend::{Durability, MoveObserver, Pending, Reads, Renewer, Router, Writer},
         model::Renewal,
         moves::Move,
-        queue::{MoveQueue, PairResult},
+        queue::{self, MoveQueue, PairResult},
     },
     types::RunId,
 };
@@ -54,6 +57,7 @@ impl StoreActor {
         observer: Option<Arc<dyn MoveObserver>>,
     ) -> Result<(StoreHandle, Option<Box<dyn Renewer>>)> {
         let session = store.session(clock, observer)?;
+        let router = session.router;
         let bell = store.bell().clone();
         let writer: SharedWriter = Arc::new(Mutex::new(session.writer));
         let queue = Queue::default();
@@ -65,7 +69,12 @@ impl StoreActor {
             queue: shared.clone(),
             bell: bell.clone(),
         });
-        Ok((StoreHandle { addr, queue }, session.renewer))
+        let handle = StoreHandle {
+            addr,
+            queue,
+            router,
+        };
+        Ok((handle, session.renewer))
     }
 
     fn writer(&self) -> MutexGuard<'_, Box<dyn Writer>> {
@@ -207,6 +216,9 @@ impl Handler<ReleaseLease> for StoreActor {
 pub(crate) struct StoreHandle {
     addr: Addr<StoreActor>,
     queue: Queue,
+    /// The backend's route straight to the connection that commits a move, if it has one:
+    /// the moves then skip the actor's queue (its other messages still go through it).
+    router: Option<Arc<dyn Router>>,
 }
 
 impl StoreHandle {
@@ -217,11 +229,16 @@ impl StoreHandle {
         mv: M,
         durability: Durability,
     ) -> impl Future<Output = Result<M::Output>> + 'static {
+        if let Some(router) = &self.router {
+            let (pending, answer) = queue::pending(mv, durability);
+            router.route(pending);
+            return futures_util::future::Either::Left(queue::answered(answer));
+        }
         let (answer, drain) = self.queue.push(mv, durability);
         if drain {
             self.addr.do_send(Drain);
         }
-        answer
+        futures_util::future::Either::Right(answer)
     }
 
     /// Submits `first` and `then` to be committed in one transaction: see
@@ -233,11 +250,16 @@ impl StoreHandle {
         proceed: fn(&A::Output) -> bool,
         durability: Durability,
     ) -> impl Future<Output = PairResult<A, B>> + 'static {
+        if let Some(router) = &self.router {
+            let (pending, answer) = queue::pending_pair(first, then, proceed, durability);
+            router.route(pending);
+            return futures_util::future::Either::Left(answer);
+        }
         let (answer, drain) = self.queue.push_pair(first, then, proceed, durability);
         if drain {
             self.addr.do_send(Drain);
         }
-        answer
+        futures_util::future::Either::Right(answer)
     }
 
     /// The actor, for messages other than moves.

@@ -655,11 +655,21 @@ pub(crate) trait Renewer: Send {
     ) -> Result<Renewal>;
 }
 
+/// Hands a move straight to the connection that commits it, from the caller's thread: for a
+/// writer whose connections each commit one share of the runs in order (PostgreSQL's lanes),
+/// so that a move crosses one thread, not the store actor's and then the connection's.
+pub(crate) trait Router: Send + Sync {
+    /// Queues `pending` on its run's connection, or answers it with the failure that stops it.
+    fn route(&self, pending: Box<dyn Pending>);
+}
+
 /// What a supervisor's store actor and lease keeper write through.
 pub(crate) struct Session {
     pub writer: Box<dyn Writer>,
     /// `None`: renewals go through the writer.
     pub renewer: Option<Box<dyn Renewer>>,
+    /// `Some`: moves go to their connection through it, not through the store actor's queue.
+    pub router: Option<Arc<dyn Router>>,
 }
 
 /// What a committed change asks of a watching supervisor.

@@ -63,18 +63,8 @@ impl MoveQueue {
         proceed: fn(&A::Output) -> bool,
         durability: Durability,
     ) -> (impl Future<Output = PairResult<A, B>> + 'static, bool) {
-        let (reply, answer) = oneshot::channel();
-        let pending = PendingPair {
-            infos: [info(&first), info(&then)],
-            first,
-            then,
-            proceed,
-            readings: [None; 2],
-            result: None,
-            reply,
-            durability,
-        };
-        (answered(answer), self.submit(Box::new(pending)))
+        let (pending, answer) = pending_pair(first, then, proceed, durability);
+        (answer, self.submit(pending))
     }
 
     fn submit(&self, pending: Box<dyn Pending>) -> bool {
@@ -112,6 +102,31 @@ impl MoveQueue {
     }
 }
 
+/// Two moves ready for a writer as one (see [`MoveQueue::push_pair`]), and the answer their
+/// caller waits for.
+pub(crate) fn pending_pair<A: Move, B: Move>(
+    first: A,
+    then: B,
+    proceed: fn(&A::Output) -> bool,
+    durability: Durability,
+) -> (
+    Box<dyn Pending>,
+    impl Future<Output = PairResult<A, B>> + 'static,
+) {
+    let (reply, answer) = oneshot::channel();
+    let pending = PendingPair {
+        infos: [info(&first), info(&then)],
+        first,
+        then,
+        proceed,
+        readings: [None; 2],
+        result: None,
+        reply,
+        durability,
+    };
+    (Box::new(pending), answered(answer))
+}
+
 /// A move ready for a writer, and the answer its caller waits for (also for a writer driven
 /// outside a store actor: the conformance suite's groups).
 pub(crate) fn pending<M: Move>(
@@ -139,7 +154,7 @@ fn info<M: Move>(mv: &M) -> MoveInfo {
 
 /// The answer of a caller, or `StoreUnavailable` when the writer dropped it unanswered (its
 /// thread stopped).
-async fn answered<R>(answer: oneshot::Receiver<Result<R>>) -> Result<R> {
+pub(crate) async fn answered<R>(answer: oneshot::Receiver<Result<R>>) -> Result<R> {
     answer.await.map_err(|_| Error::StoreUnavailable)?
 }
 

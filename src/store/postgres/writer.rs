@@ -29,7 +29,7 @@ use crate::{
     store::{
         backend::{
             Durability, GroupFailure, Isolation, LeaseWrites, MoveKind, MoveObserver, Pending,
-            Reads, Renewer, Session, Tx, Writer,
+            Reads, Renewer, Router, Session, Tx, Writer,
         },
         model::{Now, Renewal},
         moves,
@@ -255,33 +255,60 @@ pub(super) fn session(
             .map_err(|err| Error::CommitFailed(format!("starting a writer thread: {err}")))?;
         lanes.push(send);
     }
+    let lanes = Arc::new(Lanes(lanes));
     Ok(Session {
         writer: Box::new(PgWriter {
             store,
-            lanes,
+            lanes: lanes.clone(),
             conn: None,
         }),
         renewer: Some(Box::new(renewer)),
+        router: Some(lanes),
     })
 }
 
-/// A supervisor's writer: it hands each move to its run's lane and returns; the lane answers.
-struct PgWriter {
-    store: Arc<Postgres>,
-    lanes: Vec<mpsc::Sender<Vec<Box<dyn Pending>>>>,
-    /// For the writer's reads and lease writes.
-    conn: Option<Conn>,
-}
+/// The lanes' queues: a move goes to its run's lane, whose thread commits it.
+struct Lanes(Vec<mpsc::Sender<Vec<Box<dyn Pending>>>>);
 
-impl PgWriter {
+impl Lanes {
     fn lane_of(&self, pending: &dyn Pending) -> usize {
         let mut hasher = std::hash::DefaultHasher::new();
         if let Some(info) = pending.infos().first() {
             info.run_id.hash(&mut hasher);
         }
-        (hasher.finish() % self.lanes.len() as u64) as usize
+        (hasher.finish() % self.0.len() as u64) as usize
     }
 
+    /// Queues `moves` on lane `lane`; if its thread died (it panicked), their callers are
+    /// told so.
+    fn send(&self, lane: usize, moves: Vec<Box<dyn Pending>>) {
+        if let Err(mpsc::SendError(moves)) = self.0[lane].send(moves) {
+            let failure = GroupFailure::Commit("the writer thread is gone".into());
+            moves
+                .into_iter()
+                .for_each(|pending| pending.answer(Some(&failure)));
+        }
+    }
+}
+
+impl Router for Lanes {
+    fn route(&self, pending: Box<dyn Pending>) {
+        let lane = self.lane_of(&*pending);
+        self.send(lane, vec![pending]);
+    }
+}
+
+/// A supervisor's writer: it hands each move to its run's lane and returns; the lane answers.
+/// The supervisor's moves reach the lanes straight from its runs' threads (the session's
+/// router); what reaches the writer is what a queue gathered before it.
+struct PgWriter {
+    store: Arc<Postgres>,
+    lanes: Arc<Lanes>,
+    /// For the writer's reads and lease writes.
+    conn: Option<Conn>,
+}
+
+impl PgWriter {
     fn conn(&mut self) -> Result<Conn> {
         match self.conn.take() {
             Some(conn) if conn.is_usable() => Ok(conn),
@@ -293,21 +320,14 @@ impl PgWriter {
 impl Writer for PgWriter {
     fn commit(&mut self, batch: Vec<Box<dyn Pending>>, _more_queued: bool) {
         let mut by_lane: Vec<Vec<Box<dyn Pending>>> =
-            self.lanes.iter().map(|_| Vec::new()).collect();
+            self.lanes.0.iter().map(|_| Vec::new()).collect();
         for pending in batch {
-            let lane = self.lane_of(&*pending);
+            let lane = self.lanes.lane_of(&*pending);
             by_lane[lane].push(pending);
         }
         for (lane, moves) in by_lane.into_iter().enumerate() {
-            if moves.is_empty() {
-                continue;
-            }
-            if let Err(mpsc::SendError(moves)) = self.lanes[lane].send(moves) {
-                // The lane's thread died (it panicked): its callers are told so.
-                let failure = GroupFailure::Commit("the writer thread is gone".into());
-                moves
-                    .into_iter()
-                    .for_each(|pending| pending.answer(Some(&failure)));
+            if !moves.is_empty() {
+                self.lanes.send(lane, moves);
             }
         }
     }

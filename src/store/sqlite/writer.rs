@@ -343,6 +343,7 @@ pub(super) fn session(
         written: Vec::new(),
     };
     Ok(Session {
+        router: None,
         writer: Box::new(writer),
         renewer: renewer.map(|renewer| Box::new(renewer) as _),
     })

@@ -1,12 +1,14 @@
 //! `StoreActor`: drains the store's move queue into the backend's writer. A sync actor on its
 //! own thread: the moves queued for it are handed to the writer in batches (everything that
 //! arrived while the last batch was committing), so nothing blocking runs on the arbiters that
-//! host runs. A backend whose connections each commit one share of the runs (PostgreSQL's
-//! lanes) takes the moves straight from the handle instead, through its router: each lane's
-//! thread already gathers its batches, and a hop through this thread would only add a
-//! thread wake-up to every commit. The writer commits each batch with the durability each caller asked for and
+//! host runs. The writer commits each batch with the durability each caller asked for and
 //! answers the callers; the actor's other messages (reads, renewals through the writer,
 //! releases) wait until what was committed before them is durable.
+//!
+//! A backend whose connections each commit one share of the runs (PostgreSQL's lanes) takes
+//! the moves straight from the handle instead, through its router: each lane's thread gathers
+//! its own batches, and a hop through this thread would only add a thread wake-up to every
+//! commit. A move that a read or release must see is therefore awaited before it is sent.
 
 use std::{
     future::Future,

@@ -7,8 +7,9 @@
 //! - [`Backend`]: the store as a whole; inspection, operator moves, and a [`Session`] for a
 //!   supervisor.
 //! - [`Writer`] and [`Renewer`]: a supervisor's write side. The store's move queue holds the
-//!   moves, and the store actor hands them to the writer in batches; the writer commits them with the durability each
-//!   asked for and answers each caller. The lease keeper renews through the renewer, or through
+//!   moves, and the store actor hands them to the writer in batches (or a [`Router`] takes
+//!   each straight to the connection that commits it); the writer commits them with the
+//!   durability each asked for and answers each caller. The lease keeper renews through the renewer, or through
 //!   the writer where the backend has no second connection.
 //! - [`Watcher`]: a supervisor's view of the decisions and cancels that any writer commits
 //!   (another process, the CLI, its own writer), read from a change feed.
@@ -479,7 +480,7 @@ impl std::fmt::Display for MoveKind {
     }
 }
 
-/// A move the store actor is about to apply, or has committed. JSON:
+/// A move a supervisor is about to commit, or has committed. JSON:
 /// `{"kind": "decide_tool", "run_id": "r1"}`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MoveInfo {
@@ -491,7 +492,7 @@ pub struct MoveInfo {
     pub run_id: RunId,
 }
 
-/// Watches the moves of a supervisor's store actor ([`Config::observer`]): for metrics,
+/// Watches the moves a supervisor commits ([`Config::observer`]): for metrics,
 /// tracing, or telling listeners that a run has new events.
 ///
 /// `before_apply` runs on the thread that owns the write connection, with no transaction open.
@@ -622,9 +623,9 @@ impl GroupFailure {
 }
 
 /// A supervisor's write side of a backend, driven by its store actor on a thread that may
-/// block.
+/// block (its moves, when the session has no [`Router`]).
 pub(crate) trait Writer: Send {
-    /// Commits `batch`, the moves taken from the queue in the order they were submitted, and
+    /// Commits `batch`, the moves taken from a queue in the order they were submitted, and
     /// answers each caller: once its moves are durable, or once written if it asked for that.
     /// `more_queued`: other moves wait behind it. The answers may come from another thread,
     /// after this returns.
@@ -742,7 +743,8 @@ pub(crate) trait Backend: Send + Sync + 'static {
     ) -> Result<()>;
     /// The write side of a supervisor: `clock` stamps its moves, `observer` hears of them.
     /// `bell` is rung once a group has committed, by a backend that commits after
-    /// `Writer::commit` returns (the store actor rings it after each return).
+    /// `Writer::commit` returns or takes its moves through a router (the store actor rings it
+    /// after each return).
     fn session(
         self: Arc<Self>,
         clock: Arc<dyn Clock>,

@@ -74,8 +74,8 @@ impl Store {
         }
     }
 
-    /// The bell this handle's commits ring: its supervisors' store actors ring it after each
-    /// batch, and its operator moves after each.
+    /// The bell this handle's commits ring: its supervisors' writers ring it after each batch,
+    /// and its operator moves after each.
     pub(crate) fn bell(&self) -> &Arc<Bell> {
         &self.bell
     }

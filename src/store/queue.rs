@@ -1,6 +1,7 @@
 //! The queue that carries moves to a backend's writer: each move waits there, in the order
 //! it was submitted, with its caller's answer, until a writer takes a batch and commits it.
-//! A supervisor's store actor holds one and drains it.
+//! A supervisor's store actor holds one and drains it (a backend with a router takes the
+//! supervisor's moves without it).
 
 use std::{
     future::Future,

@@ -1,5 +1,5 @@
 //! `RunActor`: executes one run's loop, from the call that started or resumed it until that call
-//! returns. Every move goes to the `StoreActor` before and after each side effect.
+//! returns. Every move goes to the store's writer before and after each side effect.
 //!
 //! The loop ([`run_loop`]) plans the next move and commits it; each kind of step has a file of
 //! its own: [`start`] (the first move of a call), [`model`], [`tool`], [`decision`] (resuming a

@@ -127,7 +127,7 @@ impl Config {
         self
     }
 
-    /// Tells `observer` of every move the supervisor's store actor applies, before and after;
+    /// Tells `observer` of every move the supervisor commits, before and after;
     /// none by default.
     pub fn observer(mut self, observer: impl MoveObserver) -> Self {
         self.observer = Some(Arc::new(observer));

@@ -299,8 +299,9 @@ impl Router for Lanes {
 }
 
 /// A supervisor's writer: it hands each move to its run's lane and returns; the lane answers.
-/// The supervisor's moves reach the lanes straight from its runs' threads (the session's
-/// router); what reaches the writer is what a queue gathered before it.
+/// A supervisor's moves reach the lanes straight from its runs' threads (the session's
+/// router); this writer takes the batches of a caller that drives it (the conformance suite's
+/// groups).
 struct PgWriter {
     store: Arc<Postgres>,
     lanes: Arc<Lanes>,
@@ -381,7 +382,7 @@ struct Lane {
     clock: Arc<dyn Clock>,
     /// The observer, shared by the lanes: it hears of one group at a time.
     observed: Arc<Mutex<Option<Arc<dyn MoveObserver>>>>,
-    /// Rung once a group has committed: the lanes commit after the store actor's call returns.
+    /// Rung once a group has committed: the lanes commit apart from the store actor.
     bell: Arc<Bell>,
     conn: Option<PipeConn>,
 }

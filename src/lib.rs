@@ -113,7 +113,7 @@ pub use types::{
 /// What an application that defines and runs agents uses: `use agentrt::prelude::*;`.
 ///
 /// It brings no name that collides with actix's own (`Message` is actix's; a chat turn is
-/// [`ChatMessage`](crate::ChatMessage)).
+/// [`ChatMessage`]).
 pub mod prelude {
     pub use crate::{
         Agent, Approval, CancelRun, ChatMessage, Config, Decision, Drain, Error, Model, ModelError,

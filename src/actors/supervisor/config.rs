@@ -98,7 +98,7 @@ impl Config {
     /// Recovers the runs a dead process left: at start and then periodically, the supervisor
     /// takes over the `RUNNING` runs of its agents whose lease expired or that nobody holds
     /// (see [`Recovery`]), and starts the runs of its agents' schedules. Off by default:
-    /// without it, a run is taken over only by a [`ResumeRun`], and no schedule starts a run.
+    /// without it, a run is taken over only by a [`ResumeRun`](crate::ResumeRun), and no schedule starts a run.
     pub fn recovery(mut self, recovery: Recovery) -> Self {
         self.recovery = Some(recovery);
         self
@@ -108,9 +108,9 @@ impl Config {
     /// least 1). Every execution counts: a start, a resume, a fork, a recovery. Past the
     /// limit, a run waits its turn, oldest first: a new run is inserted before it waits,
     /// `RUNNING` and with no lease (its `run.started` says `queued`), so that
-    /// [`SpawnRun`] answers at once and a crash loses nothing: a recovering supervisor (this
+    /// [`SpawnRun`](crate::SpawnRun) answers at once and a crash loses nothing: a recovering supervisor (this
     /// one after a restart, or another replica with free slots) takes it over. A resume waits
-    /// in the same line. A call that waits for the end ([`StartRun`], [`ResumeRun`]) answers
+    /// in the same line. A call that waits for the end ([`StartRun`](crate::StartRun), [`ResumeRun`](crate::ResumeRun)) answers
     /// once the run has had its turn.
     pub fn max_concurrent_runs(mut self, runs: usize) -> Self {
         self.max_concurrent_runs = runs.max(1);
@@ -118,9 +118,9 @@ impl Config {
     }
 
     /// Watches the store for decisions and cancels recorded elsewhere (another process, the
-    /// CLI, [`Store::record_approval`]): a decided run of one of its agents is resumed, and a
+    /// CLI, [`Store::record_approval`](crate::Store::record_approval)): a decided run of one of its agents is resumed, and a
     /// cancelled run it executes has its tool told, within about a poll period (see
-    /// [`Watch`]). Off by default: without it, a decision waits for a [`ResumeRun`], and a
+    /// [`Watch`]). Off by default: without it, a decision waits for a [`ResumeRun`](crate::ResumeRun), and a
     /// cancel reaches the loop at its next write or lease renewal.
     pub fn watch(mut self, watch: Watch) -> Self {
         self.watch = Some(watch);

@@ -15,12 +15,12 @@ use crate::{
 };
 
 /// Forks a run at a step and executes the fork, answering when the call returns, like
-/// [`ResumeRun`]: the new run (id `new_id`, or a random one) has the origin's agent and input
-/// and copies of its steps before `at` (completed tool calls are not run again), and its
-/// model is asked again at step `at`. How a failed or cancelled run is retried, or another
+/// [`ResumeRun`](crate::ResumeRun): the new run (id `new_id`, or a random one) has the
+/// origin's agent and input and copies of its steps before `at` (completed tool calls are not
+/// run again), and its model is asked again at step `at`. How a failed or cancelled run is retried, or another
 /// answer at step `at` explored. The origin is only read, in any state.
 ///
-/// The fork is one move, written before anything executes ([`Store::fork`] writes the same
+/// The fork is one move, written before anything executes ([`Store::fork`](crate::Store::fork) writes the same
 /// without executing it); this supervisor then takes the new run over as a resume does. Its
 /// refusals write nothing: an origin whose agent is not registered here is
 /// [`Error::UnknownAgent`]; `at` 0, a tool step or a step past the one after the origin's
@@ -90,7 +90,8 @@ impl Handler<ForkRun> for Supervisor {
 
 /// An operator cancels a run that is running or waiting. A tool running at that moment is told
 /// through its cancellation signal; its outcome is still recorded, marked late. The run may be
-/// executed by another supervisor: one with [`Config::watch`] tells its tool too.
+/// executed by another supervisor: one with [`Config::watch`](crate::Config::watch) tells its tool
+/// too.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct CancelRun {
@@ -141,8 +142,8 @@ impl Handler<CancelRun> for Supervisor {
 }
 
 /// Records an operator's approval or denial of a waiting tool call. Resume the run afterwards
-/// with [`ResumeRun`], or let a supervisor with [`Config::watch`] (this one included) resume
-/// it.
+/// with [`ResumeRun`](crate::ResumeRun), or let a supervisor with
+/// [`Config::watch`](crate::Config::watch) (this one included) resume it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<()>")]
 pub struct RecordApproval(pub Approval);
@@ -159,7 +160,7 @@ impl Handler<RecordApproval> for Supervisor {
 }
 
 /// Records an operator's approval or denial of a waiting tool call, then resumes the run, as
-/// [`RecordApproval`] then [`ResumeRun`] would: answers when the resumed call returns. The
+/// [`RecordApproval`] then [`ResumeRun`](crate::ResumeRun) would: answers when the resumed call returns. The
 /// decision stays recorded when the resume is refused (another process resumed the run
 /// first, say).
 #[derive(Debug, Clone, Message)]

@@ -788,3 +788,44 @@ impl Renewer for PgRenewer {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::{
+        backend::{Durability, Router},
+        model::{Grant, Holder},
+        moves::{CreateRun, Leased},
+        queue,
+    };
+
+    #[test]
+    fn a_move_routed_to_a_lane_whose_thread_is_gone_is_answered_that_nothing_was_committed() {
+        let (lane, gone) = mpsc::channel();
+        drop(gone);
+        let grant = Grant::new(Holder {
+            owner: "me/000000000001".into(),
+            ttl: Duration::from_secs(30),
+            margin: Duration::from_secs(10),
+        });
+        let create = CreateRun {
+            by: Leased::new(&RunId::from("r1"), &grant),
+            agent: "a".into(),
+            input: json!({}),
+            trace: None,
+        };
+        let (pending, mut answer) = queue::pending(create, Durability::Durable);
+        Lanes(vec![lane]).route(pending);
+        let answered = answer
+            .try_recv()
+            .expect("answered at once, on the caller's thread");
+        assert!(
+            matches!(answered, Err(Error::CommitFailed(_))),
+            "{answered:?}"
+        );
+    }
+}

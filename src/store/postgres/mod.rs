@@ -24,6 +24,7 @@
 mod boundary;
 mod conn;
 mod held;
+mod lanes;
 mod link;
 mod open;
 mod options;

@@ -1,16 +1,15 @@
 //! The write side: an operator's move, and a supervisor's lanes of group commits and its
 //! lease keeper's connection.
 //!
-//! A supervisor's moves go to one of its writer connections (its lanes) by their run, so that
-//! one run's moves commit in the order they were submitted while other runs' commit in
-//! parallel. A lane commits every move that queued behind its last commit as one transaction,
+//! A supervisor's moves go to one of its writer connections (its lanes): a run's moves to one
+//! lane while any of them is unanswered, so that they commit in the order they were submitted,
+//! and other runs' to the same lane or, under load, to another, in parallel (see `lanes`). A lane commits every move that queued behind its last commit as one transaction,
 //! each move in a savepoint of its own should one be refused: one round trip to the disk for
 //! the whole group. A group whose callers all asked to be answered once written commits with
 //! `synchronous_commit = off`: the server answers before its log reaches the disk, and any
 //! later synchronous commit (whose flush covers every record before its own) makes it durable.
 
 use std::{
-    hash::{Hash, Hasher},
     sync::{Arc, Mutex, PoisonError, RwLockReadGuard, mpsc},
     time::{Duration, Instant},
 };
@@ -18,6 +17,7 @@ use std::{
 use super::{
     Postgres,
     conn::{Conn, Noted, Pg, off_runtime, take_noted},
+    lanes::Lanes,
     link::{Direct, Link},
     pipe::{Behind, PipeConn},
     sql::PgTx,
@@ -29,7 +29,7 @@ use crate::{
     store::{
         backend::{
             Durability, GroupFailure, Isolation, LeaseWrites, MoveKind, MoveObserver, Pending,
-            Reads, Renewer, Router, Session, Tx, Writer,
+            Reads, Renewer, Session, Tx, Writer,
         },
         model::{Now, Renewal},
         moves,
@@ -255,7 +255,7 @@ pub(super) fn session(
             .map_err(|err| Error::CommitFailed(format!("starting a writer thread: {err}")))?;
         lanes.push(send);
     }
-    let lanes = Arc::new(Lanes(lanes));
+    let lanes = Arc::new(Lanes::new(lanes));
     Ok(Session {
         writer: Box::new(PgWriter {
             store,
@@ -265,37 +265,6 @@ pub(super) fn session(
         renewer: Some(Box::new(renewer)),
         router: Some(lanes),
     })
-}
-
-/// The lanes' queues: a move goes to its run's lane, whose thread commits it.
-struct Lanes(Vec<mpsc::Sender<Vec<Box<dyn Pending>>>>);
-
-impl Lanes {
-    fn lane_of(&self, pending: &dyn Pending) -> usize {
-        let mut hasher = std::hash::DefaultHasher::new();
-        if let Some(info) = pending.infos().first() {
-            info.run_id.hash(&mut hasher);
-        }
-        (hasher.finish() % self.0.len() as u64) as usize
-    }
-
-    /// Queues `moves` on lane `lane`; if its thread died (it panicked), their callers are
-    /// told so.
-    fn send(&self, lane: usize, moves: Vec<Box<dyn Pending>>) {
-        if let Err(mpsc::SendError(moves)) = self.0[lane].send(moves) {
-            let failure = GroupFailure::Commit("the writer thread is gone".into());
-            moves
-                .into_iter()
-                .for_each(|pending| pending.answer(Some(&failure)));
-        }
-    }
-}
-
-impl Router for Lanes {
-    fn route(&self, pending: Box<dyn Pending>) {
-        let lane = self.lane_of(&*pending);
-        self.send(lane, vec![pending]);
-    }
 }
 
 /// A supervisor's writer: it hands each move to its run's lane and returns; the lane answers.
@@ -321,9 +290,9 @@ impl PgWriter {
 impl Writer for PgWriter {
     fn commit(&mut self, batch: Vec<Box<dyn Pending>>, _more_queued: bool) {
         let mut by_lane: Vec<Vec<Box<dyn Pending>>> =
-            self.lanes.0.iter().map(|_| Vec::new()).collect();
+            (0..self.lanes.len()).map(|_| Vec::new()).collect();
         for pending in batch {
-            let lane = self.lanes.lane_of(&*pending);
+            let (lane, pending) = self.lanes.assign(pending);
             by_lane[lane].push(pending);
         }
         for (lane, moves) in by_lane.into_iter().enumerate() {
@@ -819,7 +788,7 @@ mod tests {
             trace: None,
         };
         let (pending, mut answer) = queue::pending(create, Durability::Durable);
-        Lanes(vec![lane]).route(pending);
+        Lanes::new(vec![lane]).route(pending);
         let answered = answer
             .try_recv()
             .expect("answered at once, on the caller's thread");

@@ -48,8 +48,10 @@ impl Options {
         Options::default()
     }
 
-    /// How many connections a supervisor's moves commit over (at least 1). A run's moves
-    /// always go through the same one, in order; moves of different runs commit in parallel.
+    /// How many connections a supervisor's moves may commit over (at least 1). A run's moves
+    /// go through one of them while any of its moves is unanswered, so they commit in order.
+    /// The first connection takes every run until its backlog is long (a process with hundreds
+    /// of runs at once); the others then take the runs that come, in parallel.
     pub fn writers(mut self, writers: usize) -> Self {
         self.writers = writers.max(1);
         self

@@ -5,7 +5,7 @@
 //! answers the callers; the actor's other messages (reads, renewals through the writer,
 //! releases) wait until what was committed before them is durable.
 //!
-//! A backend whose connections each commit one share of the runs (PostgreSQL's lanes) takes
+//! A backend whose connections each commit their own share of the runs (PostgreSQL's lanes) takes
 //! the moves straight from the handle instead, through its router: each lane's thread gathers
 //! its own batches, and a hop through this thread would only add a thread wake-up to every
 //! commit. A move that a read or release must see is therefore awaited before it is sent.

@@ -657,8 +657,9 @@ pub(crate) trait Renewer: Send {
 }
 
 /// Hands a move straight to the connection that commits it, from the caller's thread: for a
-/// writer whose connections each commit one share of the runs in order (PostgreSQL's lanes),
-/// so that a move crosses one thread, not the store actor's and then the connection's.
+/// writer whose connections each commit their own share of the runs, each run's moves in order
+/// (PostgreSQL's lanes), so that a move crosses one thread, not the store actor's and then the
+/// connection's.
 pub(crate) trait Router: Send + Sync {
     /// Queues `pending` on its run's connection, or answers it with the failure that stops it.
     fn route(&self, pending: Box<dyn Pending>);

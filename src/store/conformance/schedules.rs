@@ -46,19 +46,20 @@ pub(crate) fn a_schedule_is_put_paused_resumed_and_deleted_by_name(f: &dyn Fixtu
     let put = store
         .put_schedule(&Schedule::new(
             "nightly",
-            "0 2 * * *",
+            "30 2 * * *",
             "reports",
             json!({"k": 1}),
         ))
         .unwrap();
     let next_at = to_millis(put.next_at.unwrap());
-    assert!(next_at > before && next_at % (24 * 60 * MINUTE) == 2 * 60 * MINUTE);
+    // At half past: never an hourly schedule's occurrence, which the put below compares with.
+    assert!(next_at > before && next_at % (24 * 60 * MINUTE) == 150 * MINUTE);
     assert_eq!(store.schedules().unwrap(), std::slice::from_ref(&put));
     assert_eq!(store.schedule("nightly").unwrap(), put);
 
     // Put again with the same expression: the next occurrence is kept.
     let again =
-        Schedule::new("nightly", "0 2 * * *", "reports", json!({"k": 2})).missed(Missed::CatchUp);
+        Schedule::new("nightly", "30 2 * * *", "reports", json!({"k": 2})).missed(Missed::CatchUp);
     let replaced = store.put_schedule(&again).unwrap();
     assert_eq!(replaced.next_at, put.next_at);
     assert_eq!(

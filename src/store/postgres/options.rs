@@ -24,6 +24,8 @@ pub struct Options {
     pub(super) connect_timeout: Duration,
     pub(super) network_timeout: Duration,
     pub(super) idle_in_transaction: Duration,
+    /// The moves unanswered on a supervisor's first lane from which new runs go to others.
+    pub(super) spill_at: usize,
 }
 
 impl Default for Options {
@@ -37,6 +39,7 @@ impl Default for Options {
             connect_timeout: Duration::from_secs(5),
             network_timeout: Duration::from_secs(10),
             idle_in_transaction: Duration::from_secs(10),
+            spill_at: super::lanes::SPILL_AT,
         }
     }
 }
@@ -54,6 +57,14 @@ impl Options {
     /// of runs at once); the others then take the runs that come, in parallel.
     pub fn writers(mut self, writers: usize) -> Self {
         self.writers = writers.max(1);
+        self
+    }
+
+    /// Spills new runs from the first lane to the others from `moves` unanswered on it: a
+    /// test's way to put two runs on different lanes.
+    #[cfg(test)]
+    pub(crate) fn spill_at(mut self, moves: usize) -> Self {
+        self.spill_at = moves;
         self
     }
 

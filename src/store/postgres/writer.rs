@@ -3,9 +3,10 @@
 //!
 //! A supervisor's moves go to one of its writer connections (its lanes): a run's moves to one
 //! lane while any of them is unanswered, so that they commit in the order they were submitted,
-//! and other runs' to the same lane or, under load, to another, in parallel (see `lanes`). A lane commits every move that queued behind its last commit as one transaction,
-//! each move in a savepoint of its own should one be refused: one round trip to the disk for
-//! the whole group. A group whose callers all asked to be answered once written commits with
+//! and other runs' to the same lane or, under load, to another, in parallel (see `lanes`). A
+//! lane commits every move that queued behind its last commit as one transaction, each move in
+//! a savepoint of its own should one be refused: one round trip to the disk for the whole
+//! group. A group whose callers all asked to be answered once written commits with
 //! `synchronous_commit = off`: the server answers before its log reaches the disk, and any
 //! later synchronous commit (whose flush covers every record before its own) makes it durable.
 
@@ -255,7 +256,7 @@ pub(super) fn session(
             .map_err(|err| Error::CommitFailed(format!("starting a writer thread: {err}")))?;
         lanes.push(send);
     }
-    let lanes = Arc::new(Lanes::new(lanes));
+    let lanes = Arc::new(Lanes::new(lanes, store.options.spill_at));
     Ok(Session {
         writer: Box::new(PgWriter {
             store,
@@ -788,7 +789,7 @@ mod tests {
             trace: None,
         };
         let (pending, mut answer) = queue::pending(create, Durability::Durable);
-        Lanes::new(vec![lane]).route(pending);
+        Lanes::new(vec![lane], 1).route(pending);
         let answered = answer
             .try_recv()
             .expect("answered at once, on the caller's thread");

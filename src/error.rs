@@ -263,8 +263,12 @@ pub enum Error {
     #[error("corrupt stored data: {0}")]
     Corrupt(String),
 
-    /// The store actor is gone (its system stopped).
-    #[error("the store actor is not running (was its actix system stopped?)")]
+    /// What would have answered is gone: the store actor (its actix system stopped), or the
+    /// writer thread a move was handed to (it stopped, as a store that met an I/O error or whose
+    /// system stopped does). A move answered so may or may not have been committed.
+    #[error(
+        "the store's writer is not running (was its actix system stopped, or its writer thread?)"
+    )]
     StoreUnavailable,
 
     /// A group of moves could not be committed: none of them was applied.

@@ -206,11 +206,19 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineComm
     let started = Instant::now();
     let run = "baseline";
     let mut seq = 0i64;
+    // The run's key, looked up once, as agentrt's writer keeps it.
+    let mut key = None;
     let mut event = |tx: &rusqlite::Connection, kind: &str, step: Option<u32>, payload: &str| {
         seq += 1;
-        tx.prepare_cached("INSERT INTO events (run_id, seq, kind, at, step, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+        let run_key: i64 = *key.get_or_insert_with(|| {
+            tx.query_row("SELECT key FROM runs WHERE id = ?1", [run], |row| {
+                row.get(0)
+            })
             .unwrap()
-            .execute(rusqlite::params![run, seq, kind, ms(), step, payload])
+        });
+        tx.prepare_cached("INSERT INTO events (run_key, seq, kind, at, step, payload) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")
+            .unwrap()
+            .execute(rusqlite::params![run_key, seq, kind, ms(), step, payload])
             .unwrap();
     };
     let touch = |tx: &rusqlite::Connection| {

@@ -53,8 +53,13 @@ impl TempStore {
             for (table, column) in RUN_TABLES {
                 let mut found = match raw {
                     Raw::Sqlite(conn) => {
+                        // SQLite's event log names its run by the run's integer key.
+                        let run = match table {
+                            "events" => "run_key = (SELECT key FROM runs WHERE id = ?1)".into(),
+                            _ => format!("{column} = ?1"),
+                        };
                         let mut statement = conn
-                            .prepare(&format!("SELECT * FROM {table} WHERE {column} = ?1"))
+                            .prepare(&format!("SELECT * FROM {table} WHERE {run}"))
                             .expect("a query of the table");
                         let width = statement.column_count();
                         statement
@@ -86,6 +91,21 @@ impl TempStore {
             }
             all
         })
+    }
+
+    /// The condition that picks run `run_id`'s rows of `table` in a test's own SQL: SQLite's
+    /// event log names its run by the run's integer key, every other table (and PostgreSQL's
+    /// log) by its id.
+    pub fn of_run(&self, table: &str, run_id: &str) -> String {
+        #[cfg(feature = "postgres")]
+        let sqlite = self.schema.is_none();
+        #[cfg(not(feature = "postgres"))]
+        let sqlite = true;
+        match table {
+            "events" if sqlite => format!("run_key = (SELECT key FROM runs WHERE id = '{run_id}')"),
+            "runs" => format!("id = '{run_id}'"),
+            _ => format!("run_id = '{run_id}'"),
+        }
     }
 
     /// Runs `sql`, one statement, on a connection of the test's own, outside agentrt, as an

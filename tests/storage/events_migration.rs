@@ -1,7 +1,8 @@
 //! Migration 13 rebuilds the event log as a table appended at its end, with no trigger on an
-//! insert: every event keeps its run, place, kind, time and payload, the log's rules still hold
-//! (append-only, kept while the run has not finished, one event per place, none of a run that
-//! does not exist), and a run's next event follows its last.
+//! insert, and migration 15 names each event's run by the run's integer key: every event keeps
+//! its run, place, kind, time and payload, the log's rules still hold (append-only, kept while
+//! the run has not finished, one event per place, none of a run that does not exist), and a
+//! run's next event follows its last.
 
 use agentrt::{Approval, EventKind, RunId, RunState, SCHEMA_VERSION, Store, testkit::TempStore};
 
@@ -106,29 +107,34 @@ fn the_rebuilt_log_refuses_what_the_old_one_refused() {
         assert!(err.to_string().contains(why), "{sql}: {err}");
     };
     refused(
-        "UPDATE events SET payload = '{}' WHERE run_id = 'r2'",
+        "UPDATE events SET payload = '{}' WHERE run_key = (SELECT key FROM runs WHERE id = 'r2')",
         "append-only",
     );
     refused(
-        "DELETE FROM events WHERE run_id = 'r1'",
+        "DELETE FROM events WHERE run_key = (SELECT key FROM runs WHERE id = 'r1')",
         "append-only while their run has not finished",
     );
     refused(
-        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('r1', 3, 'x', 9, '{}')",
+        "INSERT INTO events (run_key, seq, kind, at, payload)
+         VALUES ((SELECT key FROM runs WHERE id = 'r1'), 3, 'x', 9, '{}')",
         "UNIQUE",
     );
     refused(
-        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('nobody', 1, 'x', 9, '{}')",
+        "INSERT INTO events (run_key, seq, kind, at, payload) VALUES (999999, 1, 'x', 9, '{}')",
         "FOREIGN KEY",
     );
     refused(
-        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('r1', 9, 'x', 9, 'not json')",
+        "INSERT INTO events (run_key, seq, kind, at, payload)
+         VALUES ((SELECT key FROM runs WHERE id = 'r1'), 9, 'x', 9, 'not json')",
         "CHECK",
     );
     // A finished run's events may still be purged.
     assert_eq!(
-        conn.execute("DELETE FROM events WHERE run_id = 'r2'", [])
-            .unwrap(),
+        conn.execute(
+            "DELETE FROM events WHERE run_key = (SELECT key FROM runs WHERE id = 'r2')",
+            []
+        )
+        .unwrap(),
         2
     );
     // No trigger is left on an insert: the store writes the change of a release itself.
@@ -153,4 +159,64 @@ fn an_event_of_a_run_that_does_not_exist_stops_the_migration_and_leaves_the_file
         "events",
         "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('ghost', 1, 'x', 1, '{}')",
     );
+}
+
+/// Migration 15 gives each run an integer key, its rowid until then, and the event log names its
+/// run by that key: every event stays with its run, and a new run's key comes after every key
+/// given before, purged or not.
+#[test]
+fn each_run_keeps_its_rowid_as_its_key_and_its_events_follow_it() {
+    let db = TempStore::sqlite();
+    schema_12_with_two_logs(&db);
+    let rowids: Vec<(String, i64)> = {
+        let conn = rusqlite::Connection::open(db.path()).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT id, rowid FROM runs ORDER BY id")
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    };
+    let store = Store::open(db.path()).unwrap();
+    assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
+    drop(store);
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    let keys: Vec<(String, i64)> = {
+        let mut stmt = conn
+            .prepare("SELECT id, key FROM runs ORDER BY id")
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    };
+    assert_eq!(keys, rowids);
+    let by_run: Vec<(String, i64)> = {
+        let mut stmt = conn
+            .prepare(
+                "SELECT runs.id, count(*) FROM events JOIN runs ON runs.key = events.run_key
+                 GROUP BY runs.id ORDER BY runs.id",
+            )
+            .unwrap();
+        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap()
+    };
+    assert_eq!(by_run, vec![("r1".into(), 3), ("r2".into(), 2)]);
+    // The newest run purged, the next one does not get its key again.
+    let newest = keys.iter().map(|(_, key)| *key).max().unwrap();
+    conn.execute_batch(
+        "PRAGMA foreign_keys = ON;
+         DELETE FROM events WHERE run_key = (SELECT key FROM runs WHERE id = 'r2');
+         DELETE FROM runs WHERE id = 'r2';
+         INSERT INTO runs (id, agent, input, state, created_at, updated_at)
+         VALUES ('r3', 'a', '{}', 'RUNNING', 9, 9);",
+    )
+    .unwrap();
+    let r3: i64 = conn
+        .query_row("SELECT key FROM runs WHERE id = 'r3'", [], |r| r.get(0))
+        .unwrap();
+    assert!(r3 > newest, "{r3} after {newest}");
 }

@@ -192,7 +192,10 @@ fn the_rows_of_a_run_that_has_not_finished_cannot_be_deleted_even_with_sql() {
     for id in ["waiting", "running"] {
         for table in ["approvals", "steps", "events"] {
             let err = db
-                .execute(&format!("DELETE FROM {table} WHERE run_id = '{id}'"))
+                .execute(&format!(
+                    "DELETE FROM {table} WHERE {}",
+                    db.of_run(table, id)
+                ))
                 .err();
             // A table with no row of the run has nothing to refuse.
             if table != "approvals" {
@@ -207,7 +210,10 @@ fn the_rows_of_a_run_that_has_not_finished_cannot_be_deleted_even_with_sql() {
     }
     // An event is never rewritten, a finished run's neither.
     let err = db
-        .execute("UPDATE events SET payload = '{}' WHERE run_id = 'done'")
+        .execute(&format!(
+            "UPDATE events SET payload = '{{}}' WHERE {}",
+            db.of_run("events", "done")
+        ))
         .unwrap_err();
     assert!(err.contains("append-only"), "{err}");
     let store = db.open();

@@ -37,6 +37,10 @@ const MIGRATIONS: &[(u32, &str)] = &[
         14,
         include_str!("../../../migrations/postgres/0014_guarded_pipelines.sql"),
     ),
+    (
+        15,
+        include_str!("../../../migrations/postgres/0015_run_keys.sql"),
+    ),
 ];
 
 /// How many migrations opening a schema at version `found` applies: an empty schema (0) goes

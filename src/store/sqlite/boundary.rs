@@ -136,7 +136,7 @@ pub(super) fn health(
         "defensive".to_owned(),
         if defensive { "1" } else { "0" }.into(),
     ));
-    let (stale_leases, running_without_lease) = moves::lease_report(&mut Sql(conn))?;
+    let (stale_leases, running_without_lease) = moves::lease_report(&mut Sql::of(conn))?;
     Ok(Health {
         schema: SchemaStatus {
             found: user_version(conn).db()?,

@@ -52,6 +52,8 @@ pub struct Sqlite {
     pub(super) options: Options,
     /// The one connection that writes; for `:memory:` also the one that reads.
     pub(super) writer: Mutex<rusqlite::Connection>,
+    /// The keys of the runs the writer moves; used under the writer's lock only.
+    pub(super) keys: Mutex<super::keys::RunKeys>,
     /// File stores: a connection for inspection and the application's own queries.
     pub(super) reader: Option<Mutex<rusqlite::Connection>>,
     /// File stores: the write-ahead log, for the syncs done outside SQLite's commits.
@@ -176,6 +178,7 @@ impl Sqlite {
             path: Some(path),
             options,
             writer: Mutex::new(writer),
+            keys: Mutex::default(),
             reader: Some(Mutex::new(reader)),
             log,
             failure: Arc::default(),
@@ -194,6 +197,7 @@ impl Sqlite {
             path: None,
             options,
             writer: Mutex::new(conn),
+            keys: Mutex::default(),
             reader: None,
             log: None,
             failure: Arc::default(),

@@ -40,6 +40,10 @@ const REBUILDS: &[(&str, &[&str])] = &[
     ("0007_steps_waiting_call_index.sql", &["steps", "approvals"]),
     ("0012_waits.sql", &["steps"]),
     ("0013_events_by_append.sql", &["events"]),
+    (
+        "0015_run_keys.sql",
+        &["runs", "events", "steps", "approvals", "waits", "inbox"],
+    ),
 ];
 
 /// Fails the migration if a row of `tables` refers to nothing.

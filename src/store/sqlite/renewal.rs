@@ -94,7 +94,7 @@ impl Renewer for SqliteRenewer {
         self.pending.announce(true);
         let deadline = Instant::now() + patience;
         let renewal = loop {
-            match moves::renew(&mut Sql(&self.conn), owner, held, ttl) {
+            match moves::renew(&mut Sql::of(&self.conn), owner, held, ttl) {
                 Err(err) if err.is_busy() && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_micros(200))
                 }

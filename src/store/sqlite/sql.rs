@@ -4,7 +4,7 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
-use super::error::Db;
+use super::{error::Db, keys::RunKeys};
 use crate::{
     error::{Error, Result},
     schedule::Missed,
@@ -23,8 +23,16 @@ use crate::{
 };
 
 /// A connection seen through the backend's primitives. A transaction derefs to its
-/// connection, so the same statements serve inside a move and outside.
-pub(crate) struct Sql<'c>(pub &'c Connection);
+/// connection, so the same statements serve inside a move and outside. A group's transaction
+/// on the writer, as first applied, also has the writer's memo of the runs' keys.
+pub(crate) struct Sql<'c>(pub &'c Connection, pub Option<&'c mut RunKeys>);
+
+impl<'c> Sql<'c> {
+    /// `conn`, without the memo of keys.
+    pub(crate) fn of(conn: &'c Connection) -> Self {
+        Sql(conn, None)
+    }
+}
 
 /// Runs `read` in one read transaction on `conn`, so that its statements see one snapshot: a
 /// run's row and its steps as one commit left them, never a row from before another writer's
@@ -34,7 +42,7 @@ pub(super) fn in_snapshot<R>(
     read: impl FnOnce(&mut Sql<'_>) -> Result<R>,
 ) -> Result<R> {
     let tx = conn.unchecked_transaction().db()?;
-    let value = read(&mut Sql(&tx))?;
+    let value = read(&mut Sql::of(&tx))?;
     tx.commit().db()?;
     Ok(value)
 }
@@ -53,8 +61,25 @@ const FINISHED: &str = "(state = 'SUCCEEDED' OR state = 'FAILED' OR state = 'CAN
 
 /// The ids of a purge's batch that have finished, from the JSON array of ids in `?1`: the
 /// guard every delete of a purge repeats, in its own statement.
-fn finished_of_batch() -> String {
-    format!("SELECT id FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}")
+fn finished_of_batch(table: &str) -> String {
+    let column = if by_run(table) == "run_key" {
+        "key"
+    } else {
+        "id"
+    };
+    format!(
+        "SELECT {column} FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}"
+    )
+}
+
+/// The column by which `table`'s rows name their run: the event log by the run's integer key,
+/// the other tables by its id.
+fn by_run(table: &str) -> &'static str {
+    if table == "events" {
+        "run_key"
+    } else {
+        "run_id"
+    }
 }
 
 /// A page of runs after (`?1`, `?2`) created at `?3` or later, at most `?4`, of agent `?5`
@@ -274,7 +299,7 @@ impl Reads for Sql<'_> {
         let json = json_ids(ids);
         let found: Vec<String> = self
             .0
-            .prepare_cached(&finished_of_batch())
+            .prepare_cached(&finished_of_batch("runs"))
             .db()?
             .query_map([&json], |row| row.get(0))
             .db()?
@@ -513,7 +538,8 @@ impl Reads for Sql<'_> {
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
-                 WHERE run_id = ?1 AND seq > ?2 ORDER BY seq",
+                 WHERE run_key = (SELECT key FROM runs WHERE id = ?1) AND seq > ?2
+                 ORDER BY seq",
             )
             .db()?
             // Past the largest seq (the moves refuse it): nothing, rather than a wrap round.
@@ -530,7 +556,8 @@ impl Reads for Sql<'_> {
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
-                 WHERE run_id = ?1 ORDER BY seq DESC LIMIT 1",
+                 WHERE run_key = (SELECT key FROM runs WHERE id = ?1)
+                 ORDER BY seq DESC LIMIT 1",
             )
             .db()?
             .query_row([run_id.as_str()], |row| event_from_row(run_id, row))
@@ -543,7 +570,8 @@ impl Reads for Sql<'_> {
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
-                 WHERE run_id = ?1 ORDER BY seq LIMIT 1",
+                 WHERE run_key = (SELECT key FROM runs WHERE id = ?1)
+                 ORDER BY seq LIMIT 1",
             )
             .db()?
             .query_row([run_id.as_str()], |row| event_from_row(run_id, row))
@@ -699,8 +727,9 @@ impl Sql<'_> {
     fn count(&self, table: &str, ids: &str) -> Result<u64> {
         self.0
             .prepare_cached(&format!(
-                "SELECT count(*) FROM {table} WHERE run_id IN ({})",
-                finished_of_batch()
+                "SELECT count(*) FROM {table} WHERE {} IN ({})",
+                by_run(table),
+                finished_of_batch(table)
             ))
             .db()?
             .query_row([ids], |row| row.get::<_, i64>(0))
@@ -711,8 +740,9 @@ impl Sql<'_> {
     fn delete(&self, table: &str, ids: &str) -> Result<u64> {
         self.0
             .prepare_cached(&format!(
-                "DELETE FROM {table} WHERE run_id IN ({})",
-                finished_of_batch()
+                "DELETE FROM {table} WHERE {} IN ({})",
+                by_run(table),
+                finished_of_batch(table)
             ))
             .db()?
             .execute([ids])
@@ -990,7 +1020,8 @@ impl Tx for Sql<'_> {
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
         let (guard_owner, guard_token) =
             m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
-        self.0
+        let epoch = self
+            .0
             .prepare_cached(
                 "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
                                  lease_owner = ?8, lease_expires_at = ?9,
@@ -1017,7 +1048,14 @@ impl Tx for Sql<'_> {
                 |row| row.get::<_, i64>(0).map(|epoch| epoch as u64),
             )
             .optional()
-            .db()
+            .db()?;
+        if m.to != RunState::Running
+            && epoch.is_some()
+            && let Some(keys) = self.1.as_deref_mut()
+        {
+            keys.forget(run_id);
+        }
+        Ok(epoch)
     }
 
     fn take_lease(
@@ -1255,22 +1293,33 @@ impl Tx for Sql<'_> {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()> {
+        let key = match self.1.as_deref().and_then(|keys| keys.get(run_id)) {
+            Some(key) => Some(key),
+            None => {
+                let key = self
+                    .0
+                    .prepare_cached("SELECT key FROM runs WHERE id = ?1")
+                    .db()?
+                    .query_row([run_id.as_str()], |row| row.get::<_, i64>(0))
+                    .optional()
+                    .db()?;
+                if let (Some(key), Some(keys)) = (key, self.1.as_deref_mut()) {
+                    keys.note(run_id, key);
+                }
+                key
+            }
+        };
         self.0
             .prepare_cached(
                 // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
-                // into would make SQLite stage the row in a temporary table.
-                "INSERT INTO events (run_id, seq, kind, at, step, payload)
-                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?1),
+                // into would make SQLite stage the row in a temporary table. A run that does not
+                // exist has no key, which the column refuses.
+                "INSERT INTO events (run_key, seq, kind, at, step, payload)
+                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_key = ?1),
                          ?2, ?3, ?4, ?5)",
             )
             .db()?
-            .execute(params![
-                run_id.as_str(),
-                kind.as_str(),
-                at,
-                step,
-                payload.to_string()
-            ])
+            .execute(params![key, kind.as_str(), at, step, payload.to_string()])
             .db()?;
         if kind == EventKind::RunReleased {
             // The change feed's: a replica with the run's agent takes it up.

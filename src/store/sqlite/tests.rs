@@ -95,7 +95,7 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 14);
+    assert_eq!(SCHEMA_VERSION, 15);
 }
 
 #[test]
@@ -457,7 +457,7 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         let ids: Vec<RunId> = (0..held).map(|i| RunId::from(format!("r{i}"))).collect();
         for id in &ids {
             let clock = crate::clock::SystemClock;
-            let (mut sql, mut now) = (Sql(&tx), Now::new(&clock));
+            let (mut sql, mut now) = (Sql::of(&tx), Now::new(&clock));
             let create = moves::CreateRun {
                 by: moves::Leased::new(id, &me),
                 agent: "a".into(),
@@ -474,7 +474,7 @@ fn a_renewal_tick_is_one_statement_whatever_the_number_of_runs_held() {
         STATEMENTS.store(0, Ordering::SeqCst);
         let leases: Vec<(RunId, u64)> = ids.iter().map(|id| (id.clone(), me.token())).collect();
         let (owner, ttl) = (&me.holder.owner, me.holder.ttl);
-        let renewal = moves::renew(&mut Sql(&conn), owner, &leases, ttl).unwrap();
+        let renewal = moves::renew(&mut Sql::of(&conn), owner, &leases, ttl).unwrap();
         conn.trace_v2(rusqlite::trace::TraceEventCodes::empty(), None);
         assert_eq!(renewal.renewed.len(), held);
         assert_eq!(STATEMENTS.load(Ordering::SeqCst), 1, "{held} runs held");

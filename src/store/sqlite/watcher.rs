@@ -104,7 +104,7 @@ impl Watcher for SqliteWatcher {
         // poll reads what this one missed.
         let version = self.data_version()?;
         let Some(cursor) = self.cursor else {
-            let (last, decided) = self.read(|conn| feed::start(&mut Sql(conn)))?;
+            let (last, decided) = self.read(|conn| feed::start(&mut Sql::of(conn)))?;
             (self.cursor, self.version) = (Some(last), version);
             return Ok(Some(decided));
         };
@@ -112,7 +112,7 @@ impl Watcher for SqliteWatcher {
             return Ok(None);
         }
         // None: a commit that recorded no decision and cancelled no run.
-        let read = self.read(|conn| feed::after(&mut Sql(conn), cursor))?;
+        let read = self.read(|conn| feed::after(&mut Sql::of(conn), cursor))?;
         self.version = version;
         let Some((last, changes)) = read else {
             return Ok(None);

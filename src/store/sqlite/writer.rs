@@ -76,6 +76,13 @@ impl Sqlite {
         Ok(conn)
     }
 
+    /// The writer's memo of the runs' keys; the caller holds the writer's lock.
+    fn run_keys(&self) -> MutexGuard<'_, super::keys::RunKeys> {
+        self.keys
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
     fn restore_synchronous(&self, conn: &Connection) -> Result<()> {
         let pragma = format!("PRAGMA synchronous = {}", self.options.synchronous.as_str());
         conn.prepare_cached(&pragma)
@@ -134,19 +141,32 @@ impl Sqlite {
                 .execute([])
                 .db()?;
         }
+        let mut keys = self.run_keys();
         let committed = self.noting_synced_commit(defer, || {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .db()?;
-            let mut sql = Sql(&tx);
+            // Under the write lock: no other connection commits until this one does.
+            let version = tx
+                .prepare_cached("PRAGMA data_version")
+                .and_then(|mut read| read.query_row([], |row| row.get(0)))
+                .db()?;
+            keys.begin(version);
+            let mut sql = Sql(&tx, Some(&mut keys));
             let mut stopped = None;
             if moves.iter_mut().all(|group_move| {
                 let stands = apply(group_move, &mut sql, Isolation::Shared);
                 stopped = stopped_at_io(&tx);
                 stands && stopped.is_none()
             }) {
-                return commit(tx);
+                let committed = commit(tx);
+                if committed.is_err() {
+                    keys.forget_all();
+                }
+                return committed;
             }
+            // A key learnt in the transaction may be of a run whose insert it rolls back.
+            keys.forget_all();
             if let Some(err) = stopped {
                 return Err(err);
             }
@@ -154,7 +174,7 @@ impl Sqlite {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .db()?;
-            let mut sql = Sql(&tx);
+            let mut sql = Sql::of(&tx);
             for group_move in moves.iter_mut() {
                 sql.savepoint("agentrt_move")?;
                 if !apply(group_move, &mut sql, Isolation::Savepoint) {
@@ -242,7 +262,7 @@ impl Sqlite {
         f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
     ) -> Result<R> {
         let conn = self.writer()?;
-        let done = f(&mut Sql(&conn));
+        let done = f(&mut Sql::of(&conn));
         self.failure.fail_if_noted(what);
         done
     }
@@ -256,6 +276,7 @@ impl Sqlite {
         f: impl FnOnce(&mut Sql<'_>) -> Result<R>,
     ) -> Result<R> {
         self.on_writer(what, |sql| {
+            self.run_keys().forget_all();
             self.noting_synced_commit(false, || super::failure::of_unknown_fate(what, f(sql)))
         })
     }
@@ -302,11 +323,13 @@ pub(super) fn transact(
 ) -> Result<()> {
     let committed = (|| {
         let mut conn = store.writer()?;
+        // Under the writer's lock: a purge may remove a run whose key the memo holds.
+        store.run_keys().forget_all();
         store.noting_synced_commit(false, || {
             let tx = conn
                 .transaction_with_behavior(TransactionBehavior::Immediate)
                 .db()?;
-            let applied = apply(&mut Sql(&tx), &mut Now::new(clock));
+            let applied = apply(&mut Sql::of(&tx), &mut Now::new(clock));
             if let Some(err) = stopped_at_io(&tx) {
                 return Err(err);
             }

@@ -1,0 +1,75 @@
+//! The integer keys of the runs the writer moves, remembered from one group commit to the next,
+//! so that appending a run's event needs no lookup of its key by its text id.
+//!
+//! A key is never given to two runs (the runs table's keys are AUTOINCREMENT), so a remembered
+//! key can only be stale by naming a run that is gone (purged, perhaps made again under a new
+//! key): the event log's foreign key then refuses the append, and the group is applied again
+//! move by move, without the memo, which forgets every key. The memo also forgets every key when
+//! a transaction it was used in does not commit as first applied (a key it learnt there may be
+//! of a run whose insert was rolled back), when another connection committed (another process
+//! may have purged a run), and before the writer writes outside a group (a purge of its own).
+
+use std::collections::HashMap;
+
+use crate::types::RunId;
+
+/// How many runs the memo remembers at most; past that it starts again from nothing.
+const MAX_RUNS: usize = 100_000;
+
+/// See the module's documentation.
+#[derive(Debug, Default)]
+pub(crate) struct RunKeys {
+    keys: HashMap<RunId, i64>,
+    /// The database's `data_version` when a group last began: another connection's commit
+    /// changes it.
+    data_version: Option<i64>,
+}
+
+impl RunKeys {
+    /// A group's transaction begins on a database whose `data_version` is `version`.
+    pub(crate) fn begin(&mut self, version: i64) {
+        if self.data_version != Some(version) {
+            self.keys.clear();
+            self.data_version = Some(version);
+        }
+    }
+
+    /// Forgets every key.
+    pub(crate) fn forget_all(&mut self) {
+        self.keys.clear();
+    }
+
+    /// The key of `run_id`, as last seen.
+    pub(crate) fn get(&self, run_id: &RunId) -> Option<i64> {
+        self.keys.get(run_id).copied()
+    }
+
+    /// `run_id`'s key is `key`.
+    pub(crate) fn note(&mut self, run_id: &RunId, key: i64) {
+        if self.keys.len() >= MAX_RUNS {
+            self.keys.clear();
+        }
+        self.keys.insert(run_id.clone(), key);
+    }
+
+    /// `run_id` left RUNNING: it is unlikely to move again soon.
+    pub(crate) fn forget(&mut self, run_id: &RunId) {
+        self.keys.remove(run_id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_connections_commit_forgets_every_key() {
+        let (mut keys, run) = (RunKeys::default(), RunId::from("a"));
+        keys.begin(1);
+        keys.note(&run, 7);
+        keys.begin(1);
+        assert_eq!(keys.get(&run), Some(7));
+        keys.begin(2);
+        assert_eq!(keys.get(&run), None);
+    }
+}

@@ -44,13 +44,15 @@ CREATE TABLE events_v15 (
     run_key INTEGER NOT NULL REFERENCES runs_v15 (key),
     seq     INTEGER NOT NULL CHECK (seq >= 1),
     kind    TEXT    NOT NULL,
-    at      INTEGER NOT NULL,
+    at      INTEGER NOT NULL, -- milliseconds since the Unix epoch, from Config::clock
     step    INTEGER,
     payload TEXT    NOT NULL CHECK (json_valid(payload))
 ) STRICT;
+-- An event whose run does not exist (written with foreign keys off) gets a key no run has, so
+-- that the check before the commit stops the migration instead of the copy dropping it.
 INSERT INTO events_v15 (id, run_key, seq, kind, at, step, payload)
-    SELECT events.id, runs_v15.key, seq, kind, at, step, payload
-    FROM events JOIN runs_v15 ON runs_v15.id = events.run_id ORDER BY events.id;
+    SELECT events.id, COALESCE(runs_v15.key, -events.id), seq, kind, at, step, payload
+    FROM events LEFT JOIN runs_v15 ON runs_v15.id = events.run_id ORDER BY events.id;
 DROP TABLE events;
 DROP TABLE runs;
 ALTER TABLE runs_v15 RENAME TO runs;

@@ -220,3 +220,15 @@ fn each_run_keeps_its_rowid_as_its_key_and_its_events_follow_it() {
         .unwrap();
     assert!(r3 > newest, "{r3} after {newest}");
 }
+
+#[test]
+fn an_event_of_a_run_that_does_not_exist_stops_migration_15_and_leaves_the_file_at_14() {
+    let db = TempStore::sqlite();
+    migrations::waiting_run_at_schema(&db.path(), 14, "");
+    migrations::a_dangling_row_stops_the_migration(
+        &db.path(),
+        14,
+        "events",
+        "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('ghost', 1, 'x', 1, '{}')",
+    );
+}

@@ -5,8 +5,9 @@
 //! key can only be stale by naming a run that is gone (purged, perhaps made again under a new
 //! key): the event log's foreign key then refuses the append, and the group is applied again
 //! move by move, without the memo, which forgets every key. The memo also forgets every key when
-//! a transaction it was used in does not commit as first applied (a key it learnt there may be
-//! of a run whose insert was rolled back), when another connection committed (another process
+//! a transaction it was used in does not commit as first applied, or never ends (a panic): a
+//! key it learnt there may be of a run whose insert was rolled back, and a rolled-back insert's
+//! key is given again, when another connection committed (another process
 //! may have purged a run), and before the writer writes outside a group (a purge of its own).
 
 use std::collections::HashMap;
@@ -23,20 +24,30 @@ pub(crate) struct RunKeys {
     /// The database's `data_version` when a group last began: another connection's commit
     /// changes it.
     data_version: Option<i64>,
+    /// A group began and has not been settled: should it never be (a panic in the middle of
+    /// it), the next group forgets every key, as for a rollback.
+    open: bool,
 }
 
 impl RunKeys {
     /// A group's transaction begins on a database whose `data_version` is `version`.
     pub(crate) fn begin(&mut self, version: i64) {
-        if self.data_version != Some(version) {
+        if self.open || self.data_version != Some(version) {
             self.keys.clear();
             self.data_version = Some(version);
         }
+        self.open = true;
     }
 
-    /// Forgets every key.
+    /// The group's transaction committed as first applied: what it learnt stands.
+    pub(crate) fn committed(&mut self) {
+        self.open = false;
+    }
+
+    /// Forgets every key (and settles the group in progress, if any: it did not commit).
     pub(crate) fn forget_all(&mut self) {
         self.keys.clear();
+        self.open = false;
     }
 
     /// The key of `run_id`, as last seen.
@@ -63,10 +74,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_group_never_settled_leaves_no_key_behind() {
+        let (mut keys, run) = (RunKeys::default(), RunId::from("a"));
+        keys.begin(1);
+        keys.note(&run, 7);
+        // It panicked: neither committed nor forgotten.
+        keys.begin(1);
+        assert_eq!(keys.get(&run), None);
+        keys.note(&run, 8);
+        keys.committed();
+        keys.begin(1);
+        assert_eq!(keys.get(&run), Some(8));
+    }
+
+    #[test]
     fn another_connections_commit_forgets_every_key() {
         let (mut keys, run) = (RunKeys::default(), RunId::from("a"));
         keys.begin(1);
         keys.note(&run, 7);
+        keys.committed();
         keys.begin(1);
         assert_eq!(keys.get(&run), Some(7));
         keys.begin(2);

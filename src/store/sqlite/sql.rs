@@ -1020,8 +1020,7 @@ impl Tx for Sql<'_> {
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
         let (guard_owner, guard_token) =
             m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
-        let epoch = self
-            .0
+        self.0
             .prepare_cached(
                 "UPDATE runs SET state = ?2, output = ?3, error = ?4, updated_at = ?5,
                                  lease_owner = ?8, lease_expires_at = ?9,
@@ -1048,14 +1047,7 @@ impl Tx for Sql<'_> {
                 |row| row.get::<_, i64>(0).map(|epoch| epoch as u64),
             )
             .optional()
-            .db()?;
-        if m.to != RunState::Running
-            && epoch.is_some()
-            && let Some(keys) = self.1.as_deref_mut()
-        {
-            keys.forget(run_id);
-        }
-        Ok(epoch)
+            .db()
     }
 
     fn take_lease(
@@ -1321,6 +1313,12 @@ impl Tx for Sql<'_> {
             .db()?
             .execute(params![key, kind.as_str(), at, step, payload.to_string()])
             .db()?;
+        if kind == EventKind::RunFinished
+            && let Some(keys) = self.1.as_deref_mut()
+        {
+            // A finished run moves no more.
+            keys.forget(run_id);
+        }
         if kind == EventKind::RunReleased {
             // The change feed's: a replica with the run's agent takes it up.
             self.0

@@ -160,8 +160,9 @@ impl Sqlite {
                 stands && stopped.is_none()
             }) {
                 let committed = commit(tx);
-                if committed.is_err() {
-                    keys.forget_all();
+                match &committed {
+                    Ok(()) => keys.committed(),
+                    Err(_) => keys.forget_all(),
                 }
                 return committed;
             }

@@ -161,6 +161,15 @@ fn an_event_of_a_run_that_does_not_exist_stops_the_migration_and_leaves_the_file
     );
 }
 
+/// The rows of `sql`, each a text and an integer.
+fn pairs(conn: &rusqlite::Connection, sql: &str) -> Vec<(String, i64)> {
+    let mut stmt = conn.prepare(sql).unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap()
+}
+
 /// Migration 15 gives each run an integer key, its rowid until then, and the event log names its
 /// run by that key: every event stays with its run, and a new run's key comes after every key
 /// given before, purged or not.
@@ -168,42 +177,21 @@ fn an_event_of_a_run_that_does_not_exist_stops_the_migration_and_leaves_the_file
 fn each_run_keeps_its_rowid_as_its_key_and_its_events_follow_it() {
     let db = TempStore::sqlite();
     schema_12_with_two_logs(&db);
-    let rowids: Vec<(String, i64)> = {
-        let conn = rusqlite::Connection::open(db.path()).unwrap();
-        let mut stmt = conn
-            .prepare("SELECT id, rowid FROM runs ORDER BY id")
-            .unwrap();
-        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap()
-    };
+    let rowids = pairs(
+        &rusqlite::Connection::open(db.path()).unwrap(),
+        "SELECT id, rowid FROM runs ORDER BY id",
+    );
     let store = Store::open(db.path()).unwrap();
     assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
     drop(store);
     let conn = rusqlite::Connection::open(db.path()).unwrap();
-    let keys: Vec<(String, i64)> = {
-        let mut stmt = conn
-            .prepare("SELECT id, key FROM runs ORDER BY id")
-            .unwrap();
-        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap()
-    };
+    let keys = pairs(&conn, "SELECT id, key FROM runs ORDER BY id");
     assert_eq!(keys, rowids);
-    let by_run: Vec<(String, i64)> = {
-        let mut stmt = conn
-            .prepare(
-                "SELECT runs.id, count(*) FROM events JOIN runs ON runs.key = events.run_key
-                 GROUP BY runs.id ORDER BY runs.id",
-            )
-            .unwrap();
-        stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap()
-            .collect::<rusqlite::Result<_>>()
-            .unwrap()
-    };
+    let by_run = pairs(
+        &conn,
+        "SELECT runs.id, count(*) FROM events JOIN runs ON runs.key = events.run_key
+         GROUP BY runs.id ORDER BY runs.id",
+    );
     assert_eq!(by_run, vec![("r1".into(), 3), ("r2".into(), 2)]);
     // The newest run purged, the next one does not get its key again.
     let newest = keys.iter().map(|(_, key)| *key).max().unwrap();

@@ -59,26 +59,22 @@ const RUN_COLUMNS: &str = "id, agent, input, state, output, error, created_at, u
 /// repeats it word for word may use that index.
 const FINISHED: &str = "(state = 'SUCCEEDED' OR state = 'FAILED' OR state = 'CANCELLED')";
 
-/// The ids of a purge's batch that have finished, from the JSON array of ids in `?1`: the
-/// guard every delete of a purge repeats, in its own statement.
-fn finished_of_batch(table: &str) -> String {
-    let column = if by_run(table) == "run_key" {
-        "key"
-    } else {
-        "id"
-    };
+/// Column `column` of the runs (their `id` or `key`) of a purge's batch that have finished,
+/// from the JSON array of ids in `?1`: the guard every delete of a purge repeats, in its own
+/// statement.
+fn finished_of_batch(column: &str) -> String {
     format!(
         "SELECT {column} FROM runs WHERE id IN (SELECT value FROM json_each(?1)) AND {FINISHED}"
     )
 }
 
-/// The column by which `table`'s rows name their run: the event log by the run's integer key,
-/// the other tables by its id.
-fn by_run(table: &str) -> &'static str {
+/// How `table`'s rows name their run: their column, and the runs' column it holds (the event
+/// log the run's integer key, the other tables its id).
+fn run_reference(table: &str) -> (&'static str, &'static str) {
     if table == "events" {
-        "run_key"
+        ("run_key", "key")
     } else {
-        "run_id"
+        ("run_id", "id")
     }
 }
 
@@ -299,7 +295,7 @@ impl Reads for Sql<'_> {
         let json = json_ids(ids);
         let found: Vec<String> = self
             .0
-            .prepare_cached(&finished_of_batch("runs"))
+            .prepare_cached(&finished_of_batch("id"))
             .db()?
             .query_map([&json], |row| row.get(0))
             .db()?
@@ -725,11 +721,11 @@ fn unleased_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<(RunId, LeaseRow)> 
 
 impl Sql<'_> {
     fn count(&self, table: &str, ids: &str) -> Result<u64> {
+        let (column, of_runs) = run_reference(table);
         self.0
             .prepare_cached(&format!(
-                "SELECT count(*) FROM {table} WHERE {} IN ({})",
-                by_run(table),
-                finished_of_batch(table)
+                "SELECT count(*) FROM {table} WHERE {column} IN ({})",
+                finished_of_batch(of_runs)
             ))
             .db()?
             .query_row([ids], |row| row.get::<_, i64>(0))
@@ -738,11 +734,11 @@ impl Sql<'_> {
     }
 
     fn delete(&self, table: &str, ids: &str) -> Result<u64> {
+        let (column, of_runs) = run_reference(table);
         self.0
             .prepare_cached(&format!(
-                "DELETE FROM {table} WHERE {} IN ({})",
-                by_run(table),
-                finished_of_batch(table)
+                "DELETE FROM {table} WHERE {column} IN ({})",
+                finished_of_batch(of_runs)
             ))
             .db()?
             .execute([ids])

@@ -10,6 +10,7 @@ mod approvals;
 mod background_runs;
 mod bad_input;
 mod cancel;
+mod child_runs;
 mod concurrency_limit;
 mod concurrent_starts;
 mod conversation;

@@ -19,7 +19,7 @@ use serde_json::json;
 use crate::support::{ask, kinds_of, last_tool_result, supervise, until_state};
 
 /// A supervisor that hears of woken waits and due timers quickly.
-fn waking() -> Config {
+pub(crate) fn waking() -> Config {
     Config::default()
         .watch(Watch::default().every(Duration::from_millis(10)))
         .recovery(Recovery::default().every(Duration::from_millis(50)))
@@ -41,7 +41,8 @@ fn start(db: &TempStore, agent: Agent, id: &str) -> Outcome {
         .outcome
 }
 
-fn waiting(outcome: Outcome, kind: WaitKind) -> agentrt::Wait {
+/// The wait `outcome` says the run is in, which must be of `kind`.
+pub(crate) fn waiting(outcome: Outcome, kind: WaitKind) -> agentrt::Wait {
     match outcome {
         Outcome::Waiting { wait } if wait.kind == kind => wait,
         other => panic!("expected a wait for {kind}, got {other:?}"),
@@ -580,7 +581,8 @@ impl agentrt::Tool for Listen {
     }
 }
 
-async fn until(condition: impl Fn() -> bool) {
+/// Waits, polling, until `condition` holds; panics after a minute.
+pub(crate) async fn until(condition: impl Fn() -> bool) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !condition() {
         assert!(std::time::Instant::now() < deadline, "never happened");

@@ -71,11 +71,11 @@ pub use actix;
 pub use actors::{
     lease_keeper::{LeaseLost, SubscribeLeaseLost},
     supervisor::{
-        AnswerQuestion, CancelRun, Config, DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE,
-        DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume, DeliverEvent, Drain,
-        DrainReport, ForkRun, RecordApproval, Recovery, RegisterAgent, ResumeRun, RunSettled,
-        SpawnRun, StartRun, SubscribeRuns, Supervisor, SupervisorBuilder, Watch, drain_on_signal,
-        stop_on_signal,
+        AnswerQuestion, CancelRun, Config, DEFAULT_ANSWER_WATCH, DEFAULT_DRAIN_DEADLINE,
+        DEFAULT_DRAIN_GRACE, DEFAULT_LEASE_TTL, DEFAULT_MAX_CONCURRENT_RUNS, DecideAndResume,
+        DeliverEvent, Drain, DrainReport, ForkRun, RecordApproval, Recovery, RegisterAgent,
+        ResumeRun, RunSettled, SpawnRun, StartRun, SubscribeRuns, Supervisor, SupervisorBuilder,
+        Watch, drain_on_signal, stop_on_signal,
     },
 };
 pub use agent::{

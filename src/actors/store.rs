@@ -25,6 +25,7 @@ use crate::{
         model::Renewal,
         moves::Move,
         queue::{self, MoveQueue, PairResult},
+        watch::watched,
     },
     types::RunId,
 };
@@ -57,9 +58,18 @@ impl StoreActor {
         store: &Store,
         clock: Arc<dyn Clock>,
         observer: Option<Arc<dyn MoveObserver>>,
+        answer_watch: Duration,
     ) -> Result<(StoreHandle, Option<Box<dyn Renewer>>)> {
         let session = store.session(clock, observer)?;
         let router = session.router;
+        // A backend with a router commits on a server: an answer takes a round trip, longer
+        // than a watch, and a watching client would take the CPU a server on the same machine
+        // needs.
+        let answer_watch = if router.is_some() {
+            Duration::ZERO
+        } else {
+            answer_watch
+        };
         let bell = store.bell().clone();
         let writer: SharedWriter = Arc::new(Mutex::new(session.writer));
         let queue = Queue::default();
@@ -75,6 +85,7 @@ impl StoreActor {
             addr,
             queue,
             router,
+            answer_watch,
         };
         Ok((handle, session.renewer))
     }
@@ -91,11 +102,21 @@ impl StoreActor {
     /// answered by that commit sends its next move within microseconds, and catching it here
     /// saves two thread wake-ups (ours, and the Drain's).
     fn next_batch(&self, watch: Duration) -> Vec<Box<dyn Pending>> {
+        // While this thread watches, a move submitted needs no Drain of its own: it is taken
+        // here, and its caller saves the message (and its thread the wake-up it tries).
+        self.queue.request_drain();
         let until = Instant::now() + watch;
         loop {
             let batch = self.take_queue();
             if !batch.is_empty() || Instant::now() >= until {
-                return batch;
+                // A move submitted from here on requests a Drain again; one submitted before
+                // that did not, and is taken now.
+                self.queue.drain_started();
+                return if batch.is_empty() {
+                    self.take_queue()
+                } else {
+                    batch
+                };
             }
             std::hint::spin_loop();
         }
@@ -221,6 +242,8 @@ pub(crate) struct StoreHandle {
     /// The backend's route straight to the connection that commits a move, if it has one:
     /// the moves then skip the actor's queue (its other messages still go through it).
     router: Option<Arc<dyn Router>>,
+    /// How long a caller polls a move's answer before its thread sleeps (see [`watched`]).
+    answer_watch: Duration,
 }
 
 impl StoreHandle {
@@ -231,16 +254,18 @@ impl StoreHandle {
         mv: M,
         durability: Durability,
     ) -> impl Future<Output = Result<M::Output>> + 'static {
-        if let Some(router) = &self.router {
+        let answer = if let Some(router) = &self.router {
             let (pending, answer) = queue::pending(mv, durability);
             router.route(pending);
-            return futures_util::future::Either::Left(queue::answered(answer));
-        }
-        let (answer, drain) = self.queue.push(mv, durability);
-        if drain {
-            self.addr.do_send(Drain);
-        }
-        futures_util::future::Either::Right(answer)
+            futures_util::future::Either::Left(queue::answered(answer))
+        } else {
+            let (answer, drain) = self.queue.push(mv, durability);
+            if drain {
+                self.addr.do_send(Drain);
+            }
+            futures_util::future::Either::Right(answer)
+        };
+        watched(answer, self.answer_watch)
     }
 
     /// Submits `first` and `then` to be committed in one transaction: see
@@ -252,16 +277,18 @@ impl StoreHandle {
         proceed: fn(&A::Output) -> bool,
         durability: Durability,
     ) -> impl Future<Output = PairResult<A, B>> + 'static {
-        if let Some(router) = &self.router {
+        let answer = if let Some(router) = &self.router {
             let (pending, answer) = queue::pending_pair(first, then, proceed, durability);
             router.route(pending);
-            return futures_util::future::Either::Left(answer);
-        }
-        let (answer, drain) = self.queue.push_pair(first, then, proceed, durability);
-        if drain {
-            self.addr.do_send(Drain);
-        }
-        futures_util::future::Either::Right(answer)
+            futures_util::future::Either::Left(answer)
+        } else {
+            let (answer, drain) = self.queue.push_pair(first, then, proceed, durability);
+            if drain {
+                self.addr.do_send(Drain);
+            }
+            futures_util::future::Either::Right(answer)
+        };
+        watched(answer, self.answer_watch)
     }
 
     /// The actor, for messages other than moves.
@@ -374,7 +401,8 @@ mod tests {
         let committed = actix::System::new().block_on({
             let (store, clock, groups) = (store.clone(), clock.clone(), groups.clone());
             async move {
-                let (handle, _) = StoreActor::start(&store, clock, Some(groups)).unwrap();
+                let (handle, _) =
+                    StoreActor::start(&store, clock, Some(groups), Duration::ZERO).unwrap();
                 // Hold the store thread until every move is queued: they form one group.
                 let (release, gate) = std::sync::mpsc::channel::<()>();
                 handle.addr().do_send(ReadState::new(move |_| {
@@ -438,7 +466,8 @@ mod tests {
         let counts = actix::System::new().block_on({
             let store = store.clone();
             async move {
-                let (handle, _) = StoreActor::start(&store, Arc::new(SystemClock), None).unwrap();
+                let (handle, _) =
+                    StoreActor::start(&store, Arc::new(SystemClock), None, Duration::ZERO).unwrap();
                 let mut counts = Vec::new();
                 assert!(
                     handle
@@ -510,7 +539,8 @@ mod tests {
             let watched = observer.clone();
             async move {
                 let (handle, _) =
-                    StoreActor::start(&store, Arc::new(SystemClock), Some(watched)).unwrap();
+                    StoreActor::start(&store, Arc::new(SystemClock), Some(watched), Duration::ZERO)
+                        .unwrap();
                 // A reservation, answered once written; the move after it syncs both.
                 handle
                     .apply(create(1, false), Durability::Written)

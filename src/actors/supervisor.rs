@@ -12,7 +12,7 @@ mod watch;
 
 pub use admission::DEFAULT_MAX_CONCURRENT_RUNS;
 use config::lease_owner;
-pub use config::{Config, DEFAULT_LEASE_TTL};
+pub use config::{Config, DEFAULT_ANSWER_WATCH, DEFAULT_LEASE_TTL};
 pub use drain::{
     DEFAULT_DRAIN_DEADLINE, DEFAULT_DRAIN_GRACE, Drain, DrainReport, drain_on_signal,
     stop_on_signal,
@@ -113,6 +113,7 @@ impl SupervisorBuilder {
             &self.store,
             self.config.clock.clone(),
             self.config.observer.clone(),
+            self.config.answer_watch,
         )?;
         let renewer = match renewer {
             Some(renewer) => Renewer::Own(renewer),

@@ -24,6 +24,7 @@ mod retention;
 mod schedules;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+pub(crate) mod watch;
 
 pub use self::{
     handle::Store,

@@ -1,0 +1,150 @@
+//! A move's answer, watched for a moment before its caller's thread sleeps.
+//!
+//! A lone run waits for each of its moves' answers in turn, and a thread that slept through
+//! the wait must be woken when the answer comes: a system call on the writer's side, and on
+//! this side the kernel's wake-up and the event loop's turn, tens of microseconds in series
+//! with every commit. The caller therefore keeps polling its answer for up to
+//! [`Config::answer_watch`](crate::Config::answer_watch) before it sleeps, as the store's writer
+//! watches for the next move after a commit. The thread goes on serving its other tasks
+//! meanwhile (the watching task only asks to be polled again), and only a thread with one
+//! answer awaited watches: with several runs waiting on it, one of their answers wakes it soon
+//! enough, and the watch would only burn the time they could use.
+
+use std::{
+    cell::Cell,
+    future::Future,
+    pin::pin,
+    rc::Rc,
+    task::{Context, Poll, Waker},
+    time::{Duration, Instant},
+};
+
+thread_local! {
+    /// The answers awaited on this thread, watched or not.
+    static AWAITED: Rc<Cell<usize>> = Rc::default();
+}
+
+/// One answer counted among those awaited on its thread, until dropped.
+struct Awaited(Rc<Cell<usize>>);
+
+impl Awaited {
+    fn count() -> Self {
+        let count = AWAITED.with(Rc::clone);
+        count.set(count.get() + 1);
+        Awaited(count)
+    }
+
+    /// Whether this is the only answer its thread awaits.
+    fn alone(&self) -> bool {
+        self.0.get() == 1
+    }
+}
+
+impl Drop for Awaited {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
+}
+
+/// `answer`, polled without sleeping for up to `watch` while it is the only answer its thread
+/// awaits, then awaited as usual.
+pub(crate) async fn watched<T>(answer: impl Future<Output = T>, watch: Duration) -> T {
+    let mut answer = pin!(answer);
+    let awaited = Awaited::count();
+    if !watch.is_zero() && awaited.alone() {
+        let until = Instant::now() + watch;
+        let early = std::future::poll_fn(|cx| {
+            // Polled with a waker that does nothing: the writer's answer then wakes no one,
+            // which is the system call this saves.
+            if let Poll::Ready(value) = answer
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+            {
+                return Poll::Ready(Some(value));
+            }
+            if !awaited.alone() || Instant::now() >= until {
+                return Poll::Ready(None);
+            }
+            cx.waker().wake_by_ref();
+            Poll::Pending
+        })
+        .await;
+        if let Some(value) = early {
+            return value;
+        }
+    }
+    // Polled again with the task's own waker, which replaces the one that did nothing.
+    answer.await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::oneshot;
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn an_answer_sent_from_another_thread_during_the_watch_is_taken() {
+        let (reply, answer) = oneshot::channel();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(5));
+            reply.send(7).unwrap();
+        });
+        let got = runtime().block_on(watched(answer, Duration::from_secs(10)));
+        assert_eq!(got.unwrap(), 7);
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn an_answer_after_the_watch_wakes_the_sleeping_caller() {
+        let (reply, answer) = oneshot::channel();
+        let sender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            reply.send(7).unwrap();
+        });
+        let got = runtime().block_on(watched(answer, Duration::from_micros(100)));
+        assert_eq!(got.unwrap(), 7);
+        sender.join().unwrap();
+    }
+
+    #[test]
+    fn a_second_answer_awaited_on_the_thread_ends_the_watch_and_both_are_taken() {
+        let ((first_reply, first), (second_reply, second)) =
+            (oneshot::channel(), oneshot::channel());
+        let local = tokio::task::LocalSet::new();
+        let (a, b) = local.block_on(&runtime(), async move {
+            let a = tokio::task::spawn_local(watched(first, Duration::from_secs(3600)));
+            // The first watches: the second's wait ends its watch, or this would spin an hour.
+            tokio::task::yield_now().await;
+            let b = tokio::task::spawn_local(watched(second, Duration::from_secs(3600)));
+            tokio::task::yield_now().await;
+            AWAITED.with(|count| assert_eq!(count.get(), 2));
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                first_reply.send(1).unwrap();
+                second_reply.send(2).unwrap();
+            });
+            (a.await.unwrap(), b.await.unwrap())
+        });
+        assert_eq!((a.unwrap(), b.unwrap()), (1, 2));
+        AWAITED.with(|count| assert_eq!(count.get(), 0));
+    }
+
+    #[test]
+    fn a_watch_dropped_midway_leaves_the_count_as_it_was() {
+        let (_reply, answer) = oneshot::channel::<u8>();
+        let rt = runtime();
+        rt.block_on(async {
+            let watching = watched(answer, Duration::from_secs(3600));
+            let timed_out = tokio::time::timeout(Duration::from_millis(5), watching).await;
+            assert!(timed_out.is_err());
+        });
+        AWAITED.with(|count| assert_eq!(count.get(), 0));
+    }
+}

@@ -64,8 +64,9 @@ impl StoreActor {
         let router = session.router;
         // A backend with a router commits on a server: an answer takes a round trip, longer
         // than a watch, and a watching client would take the CPU a server on the same machine
-        // needs.
-        let answer_watch = if router.is_some() {
+        // needs. With one CPU, a watching thread takes it from the writer it waits for.
+        let one_cpu = std::thread::available_parallelism().is_ok_and(|cpus| cpus.get() < 2);
+        let answer_watch = if router.is_some() || one_cpu {
             Duration::ZERO
         } else {
             answer_watch

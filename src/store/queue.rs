@@ -322,3 +322,47 @@ fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
     }
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::{
+        store::{
+            model::{Grant, Holder},
+            moves::{CreateRun, Leased},
+        },
+        types::RunId,
+    };
+
+    fn create(id: &str) -> CreateRun {
+        let grant = Grant::new(Holder {
+            owner: "me/000000000001".into(),
+            ttl: Duration::from_secs(30),
+            margin: Duration::from_secs(10),
+        });
+        CreateRun {
+            by: Leased::new(&RunId::from(id), &grant),
+            agent: "a".into(),
+            input: json!({}),
+            trace: None,
+        }
+    }
+
+    /// The protocol of a drainer that watches for moves (the store actor after a commit): it
+    /// holds the request while it watches, and takes the queue once more after it lets go.
+    #[test]
+    fn a_move_submitted_while_the_drainer_watches_requests_no_drain_and_is_taken_after() {
+        let queue = MoveQueue::default();
+        assert!(queue.request_drain(), "nothing requested a drain yet");
+        let (_answer, drain) = queue.push(create("a"), Durability::Durable);
+        assert!(!drain, "a move submitted during the watch sends no drain");
+        queue.drain_started();
+        assert_eq!(queue.take().len(), 1, "the drainer's last take finds it");
+        let (_answer, drain) = queue.push(create("b"), Durability::Durable);
+        assert!(drain, "a move submitted after the watch requests a drain");
+    }
+}

@@ -3,7 +3,7 @@
 //! A lone run waits for each of its moves' answers in turn, and a thread that slept through
 //! the wait must be woken when the answer comes: a system call on the writer's side, and on
 //! this side the kernel's wake-up and the event loop's turn, tens of microseconds in series
-//! with every commit. The caller therefore keeps polling its answer for up to
+//! with every commit. An answer taken while its caller watches wakes no one. The caller therefore keeps polling its answer for up to
 //! [`Config::answer_watch`](crate::Config::answer_watch) before it sleeps, as the store's writer
 //! watches for the next move after a commit. The thread goes on serving its other tasks
 //! meanwhile (the watching task only asks to be polled again), and only a thread with one
@@ -54,8 +54,7 @@ pub(crate) async fn watched<T>(answer: impl Future<Output = T>, watch: Duration)
     if !watch.is_zero() && awaited.alone() {
         let until = Instant::now() + watch;
         let early = std::future::poll_fn(|cx| {
-            // Polled with a waker that does nothing: the writer's answer then wakes no one,
-            // which is the system call this saves.
+            // Polled with a waker that does nothing: the writer's answer then wakes no one.
             if let Poll::Ready(value) = answer
                 .as_mut()
                 .poll(&mut Context::from_waker(Waker::noop()))
@@ -79,14 +78,62 @@ pub(crate) async fn watched<T>(answer: impl Future<Output = T>, watch: Duration)
 
 #[cfg(test)]
 mod tests {
+    use std::{
+        sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering},
+        },
+        task::Wake,
+    };
+
     use super::*;
     use tokio::sync::oneshot;
+
+    /// How long a test waits for what should take milliseconds before it fails instead of
+    /// hanging.
+    const WITHIN: Duration = Duration::from_secs(30);
 
     fn runtime() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .build()
             .unwrap()
+    }
+
+    /// Counts its wakes.
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Polls `watched(answer, watch)` once, answers it with 7, and tells how many wakes the
+    /// answer itself made, and what the next poll gave.
+    fn wakes_by_the_answer(watch: Duration) -> (usize, Poll<u8>) {
+        let (reply, answer) = oneshot::channel();
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut watching = Box::pin(watched(answer, watch));
+        assert!(watching.as_mut().poll(&mut cx).is_pending());
+        let before = wakes.0.load(Ordering::SeqCst);
+        reply.send(7).unwrap();
+        let by_answer = wakes.0.load(Ordering::SeqCst) - before;
+        let next = watching.as_mut().poll(&mut cx).map(Result::unwrap);
+        (by_answer, next)
+    }
+
+    #[test]
+    fn an_answer_that_comes_during_the_watch_wakes_no_one_and_is_taken_at_the_next_poll() {
+        assert_eq!(
+            wakes_by_the_answer(Duration::from_secs(3600)),
+            (0, Poll::Ready(7))
+        );
+        // Without a watch the answer wakes its caller, as any answer does.
+        assert_eq!(wakes_by_the_answer(Duration::ZERO), (1, Poll::Ready(7)));
     }
 
     #[test]
@@ -96,8 +143,13 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
             reply.send(7).unwrap();
         });
-        let got = runtime().block_on(watched(answer, Duration::from_secs(10)));
-        assert_eq!(got.unwrap(), 7);
+        let got = runtime().block_on(async {
+            tokio::time::timeout(WITHIN, watched(answer, Duration::from_secs(10))).await
+        });
+        assert_eq!(
+            got.expect("answered within the test's patience").unwrap(),
+            7
+        );
         sender.join().unwrap();
     }
 
@@ -108,8 +160,10 @@ mod tests {
             std::thread::sleep(Duration::from_millis(50));
             reply.send(7).unwrap();
         });
-        let got = runtime().block_on(watched(answer, Duration::from_micros(100)));
-        assert_eq!(got.unwrap(), 7);
+        let got = runtime().block_on(async {
+            tokio::time::timeout(WITHIN, watched(answer, Duration::from_micros(100))).await
+        });
+        assert_eq!(got.expect("woken within the test's patience").unwrap(), 7);
         sender.join().unwrap();
     }
 
@@ -118,7 +172,7 @@ mod tests {
         let ((first_reply, first), (second_reply, second)) =
             (oneshot::channel(), oneshot::channel());
         let local = tokio::task::LocalSet::new();
-        let (a, b) = local.block_on(&runtime(), async move {
+        let both = local.block_on(&runtime(), async move {
             let a = tokio::task::spawn_local(watched(first, Duration::from_secs(3600)));
             // The first watches: the second's wait ends its watch, or this would spin an hour.
             tokio::task::yield_now().await;
@@ -130,8 +184,9 @@ mod tests {
                 first_reply.send(1).unwrap();
                 second_reply.send(2).unwrap();
             });
-            (a.await.unwrap(), b.await.unwrap())
+            tokio::time::timeout(WITHIN, async { (a.await.unwrap(), b.await.unwrap()) }).await
         });
+        let (a, b) = both.expect("both answered within the test's patience");
         assert_eq!((a.unwrap(), b.unwrap()), (1, 2));
         AWAITED.with(|count| assert_eq!(count.get(), 0));
     }

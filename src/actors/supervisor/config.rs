@@ -139,8 +139,10 @@ impl Config {
     /// watches goes on serving its other actors meanwhile, and burns at most this long per move
     /// when the answer is slower. Only a thread with a single answer awaited watches: with
     /// several, one of them wakes it soon enough. Set it to zero where the CPU is dearer than a
-    /// lone run's latency. On SQLite only: PostgreSQL answers after a round trip to its server,
-    /// which a watching client would only take CPU from.
+    /// lone run's latency (a CPU quota that throttles the process, say). On SQLite only, and
+    /// with two CPUs or more: PostgreSQL answers after a round trip to its server, which a
+    /// watching client would only take CPU from, and with one CPU the watch takes it from the
+    /// writer it waits for.
     pub fn answer_watch(mut self, watch: Duration) -> Self {
         self.answer_watch = watch;
         self
@@ -189,6 +191,7 @@ impl std::fmt::Debug for Config {
             .field("recovery", &self.recovery)
             .field("max_concurrent_runs", &self.max_concurrent_runs)
             .field("watch", &self.watch)
+            .field("answer_watch", &self.answer_watch)
             .finish_non_exhaustive()
     }
 }

@@ -29,7 +29,9 @@ struct Awaited(Rc<Cell<usize>>);
 
 impl Awaited {
     fn count() -> Self {
-        let count = AWAITED.with(Rc::clone);
+        // A thread whose locals are being destroyed has no count left: the answer then counts
+        // alone, and at worst is watched.
+        let count = AWAITED.try_with(Rc::clone).unwrap_or_default();
         count.set(count.get() + 1);
         Awaited(count)
     }

@@ -1,6 +1,8 @@
 //! A chaos run with real processes: workers share one database (an SQLite file, or a PostgreSQL
 //! database) and start and resume runs in a loop (a quarter of them sleep on a short timer and
-//! delegate to a child run, and the workers' watches wake them), while the parent kills them
+//! delegate to a child run, and the workers' watches wake them; half of those also ask a person
+//! and wait for an event, which the parent answers and delivers through the store, as an
+//! operator or a webhook would), while the parent kills them
 //! with SIGKILL, stops them with SIGSTOP, starves them of CPU, runs them on a very short lease,
 //! cuts their hosts off the network or shifts their wall clocks. With `--hosts N` every worker is a host
 //! of its own: a network namespace that reaches the database server over TCP through a veth
@@ -9,7 +11,8 @@
 //! first for its idempotency key, an approved re-run, an idempotent retry, a retry after "not
 //! applied", a zombie (an owner whose lease was taken over, acting anyway), or unexplained.
 //! One summary line says how it went; the exit code is non-zero if anything is unexplained, a
-//! fenced effect applied twice, an event or a wake-up was lost or a run was left leased.
+//! fenced effect applied twice, an event or a wake-up was lost, a duplicate answer or event was
+//! accepted, or a run was left leased.
 //!
 //! ```text
 //! cargo run --release --features testkit --example chaos -- --seconds 60 --workers 4 --mode stop
@@ -32,9 +35,9 @@ use std::{
 };
 
 use agentrt::{
-    Agent, Approval, Config, Decision, Drain, Error, EventKind, ModelResponse, Outcome,
-    Reconciliation, RecordApproval, Recovery, RunId, RunState, StartRun, Store, Supervisor, Tool,
-    ToolCall, ToolContext, ToolError, Watch, async_trait,
+    Agent, Answer, Approval, Config, Decision, Delivered, Delivery, Drain, Error, EventKind,
+    ModelResponse, Outcome, Reconciliation, RecordApproval, Recovery, RunId, RunState, StartRun,
+    Store, Supervisor, Tool, ToolCall, ToolContext, ToolError, Wait, WaitKind, Watch, async_trait,
     testkit::{
         Admission, FencedResource, ScriptedModel, check_invariants, resume_when_free, with_system,
     },
@@ -56,8 +59,15 @@ const AGENT: &str = "chaos";
 const WAITER: &str = "chaos-waiter";
 /// The child runs: a ticket, then an answer.
 const CHILD: &str = "chaos-child";
-/// The share of the runs a worker starts that are [`WAITER`]'s.
+/// Runs that wait as [`WAITER`]'s do, and in between ask a person and wait for the event
+/// [`EVENT`]: the parent answers and delivers it.
+const ASKER: &str = "chaos-asker";
+/// The name of the event an [`ASKER`] run waits for, known to the parent in advance.
+const EVENT: &str = "payment";
+/// The share of the runs a worker starts that wait: [`WAITER`]'s or [`ASKER`]'s.
 const WAITER_SHARE: f64 = 0.25;
+/// The share of those that are [`ASKER`]'s.
+const ASKER_SHARE: f64 = 0.5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -524,7 +534,7 @@ impl Tool for ChaosTool {
     }
 }
 
-/// Every agent a process registers, by name: [`AGENT`], [`WAITER`] and [`CHILD`].
+/// Every agent a process registers, by name: [`AGENT`], [`WAITER`], [`ASKER`] and [`CHILD`].
 fn agents(dir: &Path) -> Vec<(&'static str, Agent)> {
     let log = SideEffectLog::open(log_path(dir)).expect("the side-effect log opens");
     let resource = FencedResource::open(fences_path(dir)).expect("the fenced resource opens");
@@ -575,12 +585,35 @@ fn agents(dir: &Path) -> Vec<(&'static str, Agent)> {
         CHILD,
         "Hands a task to a child run.",
     );
+    // The waiter's moves with a question and an event between the timer and the child.
+    let asker = ScriptedModel::new(vec![
+        call(
+            "nap-1",
+            "sleep_until",
+            json!({"seconds": 0.2, "reason": "settle"}),
+        ),
+        call("ask-1", "ask_person", json!({"question": "Go ahead?"})),
+        call("event-1", "wait_for_event", json!({ "name": EVENT })),
+        call("hand-1", "research", json!({"task": "open a ticket"})),
+        call("charge-1", "charge", json!({})),
+        ModelResponse::answer("done"),
+    ]);
+    let asker = agent(asker, &["charge"])
+        .sleep_until()
+        .ask_person()
+        .wait_for_event()
+        .delegate("research", CHILD, "Hands a task to a child run.");
     let child = ScriptedModel::new(vec![
         call("ticket-1", "ticket", json!({})),
         ModelResponse::answer("ticket opened"),
     ]);
     let child = agent(child, &["ticket"]);
-    vec![(AGENT, chaos), (WAITER, waiter), (CHILD, child)]
+    vec![
+        (AGENT, chaos),
+        (WAITER, waiter),
+        (ASKER, asker),
+        (CHILD, child),
+    ]
 }
 
 /// A supervisor over `store` for `owner`, with every agent.
@@ -679,7 +712,11 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
                         let (open, total) = open;
                         let driven = if open.is_empty() || (total < 400 && rand::random_bool(0.4)) {
                             let agent = if rand::random_bool(WAITER_SHARE) {
-                                WAITER
+                                if rand::random_bool(ASKER_SHARE) {
+                                    ASKER
+                                } else {
+                                    WAITER
+                                }
                             } else {
                                 AGENT
                             };
@@ -703,7 +740,8 @@ fn worker(dir: &Path, location: &str, index: u8, mode: Mode, skew_ms: i64) {
 }
 
 /// Starts a run of `agent` (with no `run_id`) or resumes one, approving what waits, until it
-/// finishes, is someone else's, or waits for a time or a child (the supervisors wake it).
+/// finishes, is someone else's, or waits for a time, a child, an answer or an event (the
+/// supervisors wake it once it came).
 async fn drive(
     sup: &actix::Addr<Supervisor>,
     agent: Option<&str>,
@@ -938,6 +976,9 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
             cut_until: None,
         })
         .collect();
+    // The person and the webhook: from the start until every run has finished.
+    let stop_delivering = Arc::new(AtomicBool::new(false));
+    let delivering = deliverer(location.clone(), stop_delivering.clone());
     let gap = || Duration::from_millis(rand::random_range(300..2500));
     let (mut kills, mut stops, mut cuts) = (0, 0, 0);
     // Drains: SIGTERMs whose worker exited cleanly, and those that did not in time (then
@@ -1058,6 +1099,8 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     drop(hosts);
     drop(spinners);
     if chaos_hosts::interrupted() {
+        stop_delivering.store(true, Ordering::Relaxed);
+        let _ = delivering.join();
         db.discard(args.dir.is_some());
         return Err("interrupted: the workers are killed and the hosts removed".into());
     }
@@ -1075,6 +1118,8 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
     for (run_id, state) in &left_waiting {
         eprintln!("run {run_id}: left {state}: its wake-up was lost");
     }
+    stop_delivering.store(true, Ordering::Relaxed);
+    let deliveries = delivering.join().expect("the deliverer");
 
     // Every execution: the log's lines, and the fenced writes a kill kept out of it.
     let (mut executions, torn) = SideEffectLog::read(&log_path(dir));
@@ -1137,6 +1182,21 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         count.waits.add(&run_waits);
         count.child_runs += usize::from(run_waits.child_run);
         count.waiter_runs += usize::from(run.agent == WAITER);
+        count.asker_runs += usize::from(run.agent == ASKER);
+        // Every answer and event a wait began for came once, and an asker's run received its
+        // event once (waited for, or kept before it waited), however often it was sent.
+        let asker = run.agent == ASKER;
+        let once = usize::from(asker);
+        if run.state.is_finished()
+            && (run_waits.answers != once
+                || run_waits.answer_wakes != once
+                || run_waits.event_wakes != run_waits.events
+                || run_waits.events + run_waits.events_kept != once
+                || run_waits.events_received != once)
+        {
+            eprintln!("run {}: of its answer and event, {run_waits:?}", run.id);
+            count.lost_wakeups += 1;
+        }
         // Every wait a finished run began was resumed, once.
         if run.state.is_finished() && run_waits.begun() != run_waits.resumed {
             eprintln!(
@@ -1216,10 +1276,16 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         reconciliations,
         waits,
         waiter_runs,
+        asker_runs,
         child_runs,
         lost_wakeups,
         ..
     } = count;
+    let Deliveries {
+        duplicate_answers_refused,
+        duplicate_events_refused,
+        duplicates_accepted,
+    } = deliveries;
     let late = if one_clock {
         late_starts.to_string()
     } else {
@@ -1235,13 +1301,16 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         _ => String::new(),
     };
     println!(
-        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} drains={drains} unclean_drains={unclean_drains} released={released} handed_over={handed_over} interruptions={interruptions} reconciliations={reconciliations} ttl_waits={takeovers} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late} waiter_runs={waiter_runs} child_runs={child_runs} timer_waits={} child_waits={} wakes={} wait_resumes={} lost_wakeups={lost_wakeups}{skews}",
+        "chaos: mode={} db={} hosts={} seconds={seconds} workers={workers_count} runs={} kills={kills} stops={stops} partitions={cuts} drains={drains} unclean_drains={unclean_drains} released={released} handed_over={handed_over} interruptions={interruptions} reconciliations={reconciliations} ttl_waits={takeovers} takeovers={takeovers} executions={executions} approved_reruns={approved_reruns} idempotent_retries={idempotent_retries} not_applied_retries={not_applied_retries} zombies={zombies} zombies_unfenced={zombies_unfenced} zombies_fenced_refused={zombies_fenced_refused} zombies_fenced_applied={zombies_fenced_applied} fenced_applied_twice={fenced_applied_twice} unexplained={unexplained} lost_events={lost_events} runs_left_leased={runs_left_leased} late_starts={late} waiter_runs={waiter_runs} asker_runs={asker_runs} child_runs={child_runs} timer_waits={} child_waits={} answer_waits={} event_waits={} events_kept={} wakes={} wait_resumes={} duplicate_answers_refused={duplicate_answers_refused} duplicate_events_refused={duplicate_events_refused} duplicates_accepted={duplicates_accepted} lost_wakeups={lost_wakeups}{skews}",
         mode_name.get_name(),
         db.kind(),
         args.hosts.unwrap_or(0),
         runs.len(),
         waits.timers,
         waits.children,
+        waits.answers,
+        waits.events,
+        waits.events_kept,
         waits.woken,
         waits.resumed,
     );
@@ -1257,6 +1326,7 @@ fn parent(args: &Args, dir: &Path) -> Result<bool, String> {
         && runs_left_leased == 0
         && late_starts == 0
         && lost_wakeups == 0
+        && duplicates_accepted == 0
         && deployed_cleanly)
 }
 
@@ -1395,6 +1465,8 @@ struct Count {
     waits: Waits,
     /// Runs of [`WAITER`].
     waiter_runs: usize,
+    /// Runs of [`ASKER`].
+    asker_runs: usize,
     /// Runs a parent's delegating call started.
     child_runs: usize,
     /// Runs left waiting by the last supervisor, and finished runs with a wait never resumed.
@@ -1433,4 +1505,170 @@ impl Count {
         };
         *counter += 1;
     }
+}
+
+/// What the parent did as the person who answers and the sender of the events.
+#[derive(Debug, Default, Clone, Copy)]
+struct Deliveries {
+    /// Second answers to a question already answered, refused as they should be.
+    duplicate_answers_refused: usize,
+    /// Second deliveries of an event (same id) that wrote nothing (`duplicate`).
+    duplicate_events_refused: usize,
+    /// Second answers or deliveries that were accepted: must be 0.
+    duplicates_accepted: usize,
+}
+
+/// Where the parent is with one [`ASKER`] run.
+#[derive(Debug, Default)]
+struct Asked {
+    /// Its event is delivered before its run waits for it (while it waits for its answer).
+    early: bool,
+    /// Its question, once answered.
+    answered: Option<Answer>,
+    answered_twice: bool,
+    /// What the first delivery of its event came to.
+    delivered: Option<Delivered>,
+    /// A first delivery failed: the next may find it committed all the same.
+    delivery_failed: bool,
+    delivered_twice: bool,
+}
+
+/// The event for `run_id`: its id is the run's own, so that a second delivery is a duplicate.
+fn delivery(run_id: &RunId) -> Delivery {
+    Delivery {
+        run_id: run_id.clone(),
+        name: EVENT.to_owned(),
+        event_id: format!("{run_id}/{EVENT}"),
+        payload: json!({"paid": true}),
+    }
+}
+
+impl Asked {
+    /// Delivers `run_id`'s event, then again with the same id, unless done; false if the
+    /// store did not take the first (busy, a stopped worker holding its lock): tried again.
+    fn deliver(&mut self, store: &Store, run_id: &RunId, counts: &mut Deliveries) -> bool {
+        if self.delivered.is_none() {
+            match store.deliver_event(&delivery(run_id)) {
+                Ok(delivered) => {
+                    if delivered == Delivered::Duplicate && !self.delivery_failed {
+                        eprintln!("run {run_id}: its first event was a duplicate");
+                        counts.duplicates_accepted += 1;
+                    }
+                    self.delivered = Some(delivered);
+                }
+                Err(err) => {
+                    eprintln!("run {run_id}: delivering its event: {err}; again later");
+                    self.delivery_failed = true;
+                    return false;
+                }
+            }
+        }
+        if !self.delivered_twice {
+            match store.deliver_event(&delivery(run_id)) {
+                Ok(Delivered::Duplicate) => counts.duplicate_events_refused += 1,
+                Ok(delivered) => {
+                    eprintln!("run {run_id}: a second delivery of its event came to {delivered:?}");
+                    counts.duplicates_accepted += 1;
+                }
+                // Finished meanwhile: refused, though not as a duplicate.
+                Err(err) if err.is_run_state() => {}
+                Err(_) => return true,
+            }
+            self.delivered_twice = true;
+        }
+        true
+    }
+
+    /// Answers `wait`'s question, then again, unless done.
+    fn answer(&mut self, store: &Store, wait: &Wait, counts: &mut Deliveries) {
+        let answer = Answer {
+            run_id: wait.run_id.clone(),
+            call_id: wait.call_id.clone(),
+            answer: json!("yes"),
+            by: "chaos".into(),
+        };
+        if self.answered.is_none() {
+            match store.answer(&answer) {
+                Ok(()) => {}
+                // Only the parent answers: an earlier answer whose reply was an error.
+                Err(err) if err.is_run_state() => {
+                    eprintln!("run {}: answering: {err}", wait.run_id);
+                }
+                Err(err) => {
+                    eprintln!("run {}: answering: {err}; again later", wait.run_id);
+                    return;
+                }
+            }
+            self.answered = Some(answer);
+        }
+        self.answer_again(store, counts);
+    }
+
+    /// Answers the question it answered once again, unless done: the store must refuse it.
+    fn answer_again(&mut self, store: &Store, counts: &mut Deliveries) {
+        let Some(answer) = self.answered.as_ref().filter(|_| !self.answered_twice) else {
+            return;
+        };
+        match store.answer(answer) {
+            Err(err) if err.is_run_state() => counts.duplicate_answers_refused += 1,
+            Ok(()) => {
+                eprintln!("run {}: a second answer was accepted", answer.run_id);
+                counts.duplicates_accepted += 1;
+            }
+            Err(_) => return,
+        }
+        self.answered_twice = true;
+    }
+}
+
+/// Every wait of `kind`, oldest first.
+fn all_waits(store: &Store, kind: WaitKind) -> Vec<Wait> {
+    let mut all: Vec<Wait> = Vec::new();
+    loop {
+        let Ok(page) = store.waits(Some(kind), all.last(), 100) else {
+            return all;
+        };
+        let more = page.len() == 100;
+        all.extend(page);
+        if !more {
+            return all;
+        }
+    }
+}
+
+/// The person and the webhook, from outside the workers, until `stop`: polls the store for
+/// runs that wait for an answer or an event, answers the questions and delivers the events,
+/// each twice. Half of the [`ASKER`] runs, picked when first seen waiting for their answer,
+/// get their event then, before they wait for it: it is kept.
+fn deliverer(location: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Deliveries> {
+    std::thread::spawn(move || {
+        let store = open_store(&location);
+        let mut counts = Deliveries::default();
+        let mut asked: HashMap<RunId, Asked> = HashMap::new();
+        while !stop.load(Ordering::Relaxed) {
+            for wait in all_waits(&store, WaitKind::Answer) {
+                let run = asked.entry(wait.run_id.clone()).or_insert_with(|| Asked {
+                    early: rand::random_bool(0.5),
+                    ..Asked::default()
+                });
+                if run.early && !run.deliver(&store, &wait.run_id, &mut counts) {
+                    continue;
+                }
+                run.answer(&store, &wait, &mut counts);
+            }
+            for wait in all_waits(&store, WaitKind::Event) {
+                let run = asked.entry(wait.run_id.clone()).or_default();
+                run.deliver(&store, &wait.run_id, &mut counts);
+            }
+            // A second answer or delivery the store did not take at once.
+            for (run_id, run) in &mut asked {
+                run.answer_again(&store, &mut counts);
+                if run.delivered.is_some() && !run.delivered_twice {
+                    run.deliver(&store, run_id, &mut counts);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        counts
+    })
 }

@@ -241,17 +241,27 @@ pub fn late_starts(events: &[Event]) -> Vec<(&Event, u64)> {
 }
 
 /// What a run's log says of its waits other than for an approval: those begun (by kind),
-/// woken, and resumed, and whether the run is a child run.
+/// woken (by kind), and resumed, the events it received, and whether the run is a child run.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Waits {
     /// `run.waiting` for a time.
     pub timers: usize,
     /// `run.waiting` for a child run.
     pub children: usize,
-    /// `run.waiting` for a person's answer or an event.
-    pub others: usize,
+    /// `run.waiting` for a person's answer.
+    pub answers: usize,
+    /// `run.waiting` for an event.
+    pub events: usize,
     /// `wait.woken`: what a wait waited for came (an answer, an event, a child's end).
     pub woken: usize,
+    /// `wait.woken` by an answer.
+    pub answer_wakes: usize,
+    /// `wait.woken` by an event.
+    pub event_wakes: usize,
+    /// `event.received`: the events delivered to the run and recorded (a duplicate is not).
+    pub events_received: usize,
+    /// `event.received` with no step: an event kept for a wait the run had not begun yet.
+    pub events_kept: usize,
     /// `run.resumed` from a wait's state: the run went on.
     pub resumed: usize,
     /// The run was started by a parent's delegating call (its `run.started` names it).
@@ -261,15 +271,20 @@ pub struct Waits {
 impl Waits {
     /// Every wait begun, whatever it waited for.
     pub fn begun(&self) -> usize {
-        self.timers + self.children + self.others
+        self.timers + self.children + self.answers + self.events
     }
 
     /// Adds `other`'s counts to these.
     pub fn add(&mut self, other: &Waits) {
         self.timers += other.timers;
         self.children += other.children;
-        self.others += other.others;
+        self.answers += other.answers;
+        self.events += other.events;
         self.woken += other.woken;
+        self.answer_wakes += other.answer_wakes;
+        self.event_wakes += other.event_wakes;
+        self.events_received += other.events_received;
+        self.events_kept += other.events_kept;
         self.resumed += other.resumed;
     }
 }
@@ -284,10 +299,22 @@ pub fn waits(events: &[Event]) -> Waits {
             EventKind::RunWaiting => match e.payload["waits_for"].as_str() {
                 Some("timer") => waits.timers += 1,
                 Some("child") => waits.children += 1,
-                Some(_) => waits.others += 1,
+                Some("answer") => waits.answers += 1,
+                Some(_) => waits.events += 1,
                 None => {}
             },
-            EventKind::WaitWoken => waits.woken += 1,
+            EventKind::WaitWoken => {
+                waits.woken += 1;
+                match e.payload["waits_for"].as_str() {
+                    Some("answer") => waits.answer_wakes += 1,
+                    Some("event") => waits.event_wakes += 1,
+                    _ => {}
+                }
+            }
+            EventKind::EventReceived => {
+                waits.events_received += 1;
+                waits.events_kept += usize::from(e.step.is_none());
+            }
             EventKind::RunResumed
                 if e.payload["from"].as_str().is_some_and(|from| {
                     from.starts_with("WAITING_FOR_") && from != "WAITING_FOR_APPROVAL"

@@ -282,10 +282,9 @@ fn a_parents_waits_and_its_childs_start_are_counted_and_approvals_are_not() {
         Waits {
             timers: 1,
             children: 1,
-            others: 0,
             woken: 1,
             resumed: 2,
-            child_run: false,
+            ..Waits::default()
         }
     );
     assert_eq!(counted.begun(), 2);
@@ -299,6 +298,68 @@ fn a_parents_waits_and_its_childs_start_are_counted_and_approvals_are_not() {
     let counted = waits(&child.0);
     assert!(counted.child_run);
     assert_eq!(counted.begun(), 0);
+}
+
+#[test]
+fn answers_events_and_kept_events_are_counted_by_kind() {
+    let mut log = Log::default();
+    log.started(1000);
+    let waiting = |kind: &str| json!({"call_id": "c", "tool": "t", "waits_for": kind, "key": "k", "detail": {}});
+    let resumed = |from: &str, token: u64| json!({"from": from, "fencing_token": token});
+    log.push(1001, EventKind::RunWaiting, Some(2), waiting("answer"))
+        .push(
+            1100,
+            EventKind::EventReceived,
+            None,
+            json!({"name": "payment", "event_id": "e1"}),
+        )
+        .push(
+            1200,
+            EventKind::WaitWoken,
+            Some(2),
+            json!({"call_id": "c", "waits_for": "answer", "answer": "yes", "answered_by": "p"}),
+        )
+        .push(
+            1201,
+            EventKind::RunResumed,
+            None,
+            resumed("WAITING_FOR_ANSWER", 2),
+        )
+        .push(1300, EventKind::RunWaiting, Some(4), waiting("event"))
+        .push(
+            1400,
+            EventKind::EventReceived,
+            Some(4),
+            json!({"name": "other", "event_id": "e2"}),
+        )
+        .push(
+            1400,
+            EventKind::WaitWoken,
+            Some(4),
+            json!({"call_id": "c", "waits_for": "event", "name": "other", "event_id": "e2"}),
+        )
+        .push(
+            1401,
+            EventKind::RunResumed,
+            None,
+            resumed("WAITING_FOR_EVENT", 3),
+        );
+    let counted = waits(&log.0);
+    assert_eq!(
+        counted,
+        Waits {
+            answers: 1,
+            events: 1,
+            woken: 2,
+            answer_wakes: 1,
+            event_wakes: 1,
+            events_received: 2,
+            events_kept: 1,
+            resumed: 2,
+            ..Waits::default()
+        }
+    );
+    assert_eq!(counted.begun(), 2);
 }
 
 #[test]

@@ -302,16 +302,13 @@ impl StoreHandle {
 mod tests {
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    use serde_json::json;
-
     use super::*;
     use crate::{
         clock::SystemClock,
         sqlite::{Options, Sqlite},
         store::{
             backend::{MoveInfo, MoveKind},
-            model::{Grant, Holder},
-            moves::{CreateRun, Cx, Leased, Move},
+            moves::{CreateRun, Cx, Move},
         },
         types::RunId,
     };
@@ -366,17 +363,7 @@ mod tests {
 
     /// A move that creates run `r{n}`, then is refused if `refuse`.
     fn create(n: u32, refuse: bool) -> Create {
-        let grant = Grant::new(Holder {
-            owner: "me/000000000001".into(),
-            ttl: Duration::from_secs(30),
-            margin: Duration::from_secs(10),
-        });
-        let create = CreateRun {
-            by: Leased::new(&RunId::from(format!("r{n}")), &grant),
-            agent: "a".into(),
-            input: json!({}),
-            trace: None,
-        };
+        let create = queue::tests::create_run(&format!("r{n}"));
         Create { create, refuse }
     }
 

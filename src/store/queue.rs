@@ -324,7 +324,7 @@ fn refused_logged<R>(info: &MoveInfo, result: Result<R>) -> Result<R> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::time::Duration;
 
     use serde_json::json;
@@ -338,7 +338,8 @@ mod tests {
         types::RunId,
     };
 
-    fn create(id: &str) -> CreateRun {
+    /// A move that creates run `id` under a lease of its own.
+    pub(crate) fn create_run(id: &str) -> CreateRun {
         let grant = Grant::new(Holder {
             owner: "me/000000000001".into(),
             ttl: Duration::from_secs(30),
@@ -358,11 +359,11 @@ mod tests {
     fn a_move_submitted_while_the_drainer_watches_requests_no_drain_and_is_taken_after() {
         let queue = MoveQueue::default();
         assert!(queue.request_drain(), "nothing requested a drain yet");
-        let (_answer, drain) = queue.push(create("a"), Durability::Durable);
+        let (_answer, drain) = queue.push(create_run("a"), Durability::Durable);
         assert!(!drain, "a move submitted during the watch sends no drain");
         queue.drain_started();
         assert_eq!(queue.take().len(), 1, "the drainer's last take finds it");
-        let (_answer, drain) = queue.push(create("b"), Durability::Durable);
+        let (_answer, drain) = queue.push(create_run("b"), Durability::Durable);
         assert!(drain, "a move submitted after the watch requests a drain");
     }
 }

@@ -138,35 +138,31 @@ mod tests {
         assert_eq!(wakes_by_the_answer(Duration::ZERO), (1, Poll::Ready(7)));
     }
 
-    #[test]
-    fn an_answer_sent_from_another_thread_during_the_watch_is_taken() {
+    /// Awaits `watched` of an answer that another thread sends `after`, within the test's
+    /// patience.
+    fn answered_from_another_thread(after: Duration, watch: Duration) -> u8 {
         let (reply, answer) = oneshot::channel();
         let sender = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(5));
+            std::thread::sleep(after);
             reply.send(7).unwrap();
         });
-        let got = runtime().block_on(async {
-            tokio::time::timeout(WITHIN, watched(answer, Duration::from_secs(10))).await
-        });
-        assert_eq!(
-            got.expect("answered within the test's patience").unwrap(),
-            7
-        );
+        let got = runtime()
+            .block_on(async { tokio::time::timeout(WITHIN, watched(answer, watch)).await });
         sender.join().unwrap();
+        got.expect("answered within the test's patience").unwrap()
+    }
+
+    #[test]
+    fn an_answer_sent_from_another_thread_during_the_watch_is_taken() {
+        let got = answered_from_another_thread(Duration::from_millis(5), Duration::from_secs(10));
+        assert_eq!(got, 7);
     }
 
     #[test]
     fn an_answer_after_the_watch_wakes_the_sleeping_caller() {
-        let (reply, answer) = oneshot::channel();
-        let sender = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(50));
-            reply.send(7).unwrap();
-        });
-        let got = runtime().block_on(async {
-            tokio::time::timeout(WITHIN, watched(answer, Duration::from_micros(100))).await
-        });
-        assert_eq!(got.expect("woken within the test's patience").unwrap(), 7);
-        sender.join().unwrap();
+        let got =
+            answered_from_another_thread(Duration::from_millis(50), Duration::from_micros(100));
+        assert_eq!(got, 7);
     }
 
     #[test]

@@ -56,6 +56,8 @@ macro_rules! conformance_suite {
                 a_refused_move_writes_nothing,
                 a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
                 a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
+                a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs,
+                a_step_inserted_and_started_in_one_pair_is_stored_started,
                 the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
                 a_failed_model_call_fails_the_run_and_releases_the_lease,
                 an_allowed_call_starts_with_its_idempotency_key,
@@ -760,6 +762,148 @@ pub(crate) fn a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused
     assert_eq!(
         kinds(&store, &run("s")).last(),
         Some(&EventKind::ToolStarted)
+    );
+}
+
+/// `first` then `then` as the loop pairs them, in one move of a group; answers whether each
+/// committed (`then` not attempted counts as not).
+fn queued_pair<A: moves::Move, B: moves::Move>(
+    first: A,
+    then: B,
+) -> (Queued, std::sync::mpsc::Receiver<bool>) {
+    let (pending, answer) =
+        super::queue::pending_pair(first, then, |_| true, super::backend::Durability::Durable);
+    let (second, seconds) = std::sync::mpsc::channel();
+    let committed = move || match actix_rt::Runtime::new()
+        .expect("a runtime")
+        .block_on(answer)
+    {
+        Ok((_, then)) => {
+            let _ = second.send(matches!(then, Some(Ok(_))));
+            true
+        }
+        Err(_) => {
+            let _ = second.send(false);
+            false
+        }
+    };
+    ((pending, Box::new(committed)), seconds)
+}
+
+/// In one group, a pair whose second move (a start) is refused keeps its first (an outcome),
+/// and another run's pair, both of whose moves write its rows, commits whole.
+pub(crate) fn a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs(
+    f: &dyn Fixture,
+) {
+    let store = f.store();
+    let grant = me();
+    let (done, done_json) = (
+        ToolResult::Ok(json!({"sent": true})),
+        json!({"ok": {"sent": true}}),
+    );
+    let finish = |run_id: &RunId| moves::FinishTool {
+        by: Leased::new(run_id, &grant),
+        step: 2,
+        attempt: 1,
+        call_id: "c1".into(),
+        result: done.clone(),
+        result_json: done_json.clone(),
+    };
+    let begin = |run_id: &RunId| moves::BeginModelStep {
+        by: Leased::new(run_id, &grant),
+        step: 3,
+    };
+    for n in ["r", "s"] {
+        create(&store, &run(n), &grant);
+        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
+    }
+    // The stored lease of `r` has expired: an outcome is still recorded (the lease is not
+    // another's), a start is not.
+    f.expire_lease(&store, &run("r"));
+    let (r_pair, r_then) = queued_pair(finish(&run("r")), begin(&run("r")));
+    let (s_pair, s_then) = queued_pair(finish(&run("s")), begin(&run("s")));
+    let committed = in_one_group(&store, vec![r_pair, s_pair]);
+    assert_eq!(committed, [true, true], "both outcomes");
+    assert_eq!(
+        (r_then.recv().unwrap(), s_then.recv().unwrap()),
+        (false, true)
+    );
+    assert_eq!(
+        kinds(&store, &run("r")).last(),
+        Some(&EventKind::ToolFinished),
+        "no start"
+    );
+    assert_eq!(
+        kinds(&store, &run("s")).last(),
+        Some(&EventKind::ModelStarted)
+    );
+    let steps = |n: &str| {
+        let snapshot = store.read(|reads| moves::load(reads, &run(n))).unwrap();
+        snapshot
+            .steps
+            .iter()
+            .map(|s| (s.step, s.state, s.attempt))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        steps("r"),
+        [(1, StepState::Finished, 1), (2, StepState::Finished, 1)]
+    );
+    assert_eq!(
+        steps("s"),
+        [
+            (1, StepState::Finished, 1),
+            (2, StepState::Finished, 1),
+            (3, StepState::InFlight, 1)
+        ]
+    );
+}
+
+/// A model's answer and the decision on its first call, paired in one group: the call's step
+/// is inserted and started in one transaction, and stored started; the next call's stays
+/// pending.
+pub(crate) fn a_step_inserted_and_started_in_one_pair_is_stored_started(f: &dyn Fixture) {
+    let store = f.store();
+    let grant = me();
+    create(&store, &run("r"), &grant);
+    on(&store, &run("r"), |m| m.begin_model_step(&grant, 1)).unwrap();
+    let response = ModelResponse::calls(vec![call("c1"), call("c2")]);
+    let answered = moves::FinishModelStep {
+        by: Leased::new(&run("r"), &grant),
+        step: 1,
+        attempt: 1,
+        outcome: ModelOutcome::Answered {
+            recorded: serde_json::to_value(&response).unwrap(),
+            response,
+        },
+    };
+    let decided = decide_tool(&run("r"), &grant, 2, &call("c1"), &allow());
+    let (pair, then) = queued_pair(answered, decided);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    assert!(then.recv().unwrap());
+    let snapshot = store.read(|reads| moves::load(reads, &run("r"))).unwrap();
+    let steps: Vec<_> = snapshot
+        .steps
+        .iter()
+        .map(|s| (s.step, s.state, s.attempt, s.call.clone()))
+        .collect();
+    assert_eq!(
+        steps,
+        [
+            (1, StepState::Finished, 1, None),
+            (2, StepState::InFlight, 1, Some(call("c1"))),
+            (3, StepState::Pending, 0, Some(call("c2")))
+        ]
+    );
+    let kinds = kinds(&store, &run("r"));
+    assert_eq!(
+        kinds[kinds.len() - 4..],
+        [
+            EventKind::ModelStarted,
+            EventKind::ModelFinished,
+            EventKind::PolicyDecided,
+            EventKind::ToolStarted
+        ]
     );
 }
 

@@ -147,14 +147,10 @@ fn a_cancel_from_another_process_is_learnt_at_the_outcome_and_nothing_follows_it
         "nothing was decided after the late outcome"
     );
     // The insert, the reservation, the answer, the decision with its start, the late outcome
-    // (the CLI's cancel is stamped by the system clock). A writer that pipelines (PostgreSQL's)
-    // also read the clock for the decision it applied and rolled back.
-    let readings = if agentrt::testkit::on_postgres() {
-        6
-    } else {
-        5
-    };
-    assert_eq!(clock.reads(), readings);
+    // (the CLI's cancel is stamped by the system clock), and the decision planned with the
+    // outcome: the writer read the clock for it in the transaction it then rolled back, as the
+    // outcome's guard is sent with the pair's writes, not before them.
+    assert_eq!(clock.reads(), 6);
 }
 
 #[test]

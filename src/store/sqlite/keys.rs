@@ -1,5 +1,6 @@
-//! The integer keys of the runs the writer moves, remembered from one group commit to the next,
-//! so that appending a run's event needs no lookup of its key by its text id.
+//! The writer's memo of the runs it moves: their integer keys, remembered from one group commit
+//! to the next, so that appending a run's event needs no lookup of its key by its text id; and,
+//! within a group, the writes held back ([`Held`]).
 //!
 //! A key is never given to two runs (the runs table's keys are AUTOINCREMENT), so a remembered
 //! key can only be stale by naming a run that is gone (purged, perhaps made again under a new
@@ -12,6 +13,7 @@
 
 use std::collections::HashMap;
 
+use super::held::Held;
 use crate::types::RunId;
 
 /// How many runs the memo remembers at most; past that it starts again from nothing.
@@ -21,6 +23,8 @@ const MAX_RUNS: usize = 100_000;
 #[derive(Debug, Default)]
 pub(crate) struct RunKeys {
     keys: HashMap<RunId, i64>,
+    /// The writes held back in the group in progress.
+    pub(crate) held: Held,
     /// The database's `data_version` when a group last began: another connection's commit
     /// changes it.
     data_version: Option<i64>,
@@ -32,6 +36,7 @@ pub(crate) struct RunKeys {
 impl RunKeys {
     /// A group's transaction begins on a database whose `data_version` is `version`.
     pub(crate) fn begin(&mut self, version: i64) {
+        self.held = Held::default();
         if self.open || self.data_version != Some(version) {
             self.keys.clear();
             self.data_version = Some(version);
@@ -47,6 +52,7 @@ impl RunKeys {
     /// Forgets every key (and settles the group in progress, if any: it did not commit).
     pub(crate) fn forget_all(&mut self) {
         self.keys.clear();
+        self.held = Held::default();
         self.open = false;
     }
 

@@ -27,6 +27,7 @@ mod error;
 mod failure;
 #[cfg(any(test, feature = "testkit"))]
 pub(crate) mod faults;
+mod held;
 mod keys;
 mod log;
 mod open;

@@ -4,7 +4,11 @@
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
-use super::{error::Db, keys::RunKeys};
+use super::{
+    error::Db,
+    held::{Held, HeldMove, HeldStep, HeldTouch},
+    keys::RunKeys,
+};
 use crate::{
     error::{Error, Result},
     schedule::Missed,
@@ -32,6 +36,43 @@ impl<'c> Sql<'c> {
     pub(crate) fn of(conn: &'c Connection) -> Self {
         Sql(conn, None)
     }
+
+    /// The writes held back, when this is a group's transaction as first applied.
+    fn held(&mut self) -> Option<&mut Held> {
+        self.1.as_deref_mut().map(|memo| &mut memo.held)
+    }
+
+    /// Sends the writes held back, if any (see [`Held`]).
+    pub(crate) fn flush_held(&mut self) -> Result<()> {
+        let (touch_held, steps) = match self.held() {
+            Some(held) if held.any() => held.take(),
+            _ => return Ok(()),
+        };
+        let mut stood = true;
+        if let Some(HeldTouch {
+            run_id,
+            at,
+            owner,
+            token,
+            unexpired_at,
+        }) = touch_held
+        {
+            stood = touch(self.0, &run_id, at, &owner, token, unexpired_at)?;
+        }
+        for step in steps {
+            insert_step_row(self.0, &step)?;
+        }
+        if !stood && let Some(held) = self.held() {
+            held.refused();
+        }
+        Ok(())
+    }
+
+    /// Sends the writes held back, if any; whether every write the group held stood.
+    pub(crate) fn held_stood(&mut self) -> Result<bool> {
+        self.flush_held()?;
+        Ok(self.held().is_none_or(|held| held.stood()))
+    }
 }
 
 /// Runs `read` in one read transaction on `conn`, so that its statements see one snapshot: a
@@ -45,6 +86,59 @@ pub(super) fn in_snapshot<R>(
     let value = read(&mut Sql::of(&tx))?;
     tx.commit().db()?;
     Ok(value)
+}
+
+/// Stamps a RUNNING run under `owner`'s lease of token `token` as moved at `at` (see
+/// [`Tx::touch_run`]); whether the guard matched.
+fn touch(
+    conn: &Connection,
+    run_id: &RunId,
+    at: i64,
+    owner: &str,
+    token: u64,
+    unexpired_at: Option<i64>,
+) -> Result<bool> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE runs SET updated_at = ?2
+             WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3 AND lease_epoch = ?5
+               AND (?4 IS NULL OR lease_expires_at > ?4)",
+        )
+        .db()?
+        .execute(params![
+            run_id.as_str(),
+            at,
+            owner,
+            unexpired_at,
+            token as i64
+        ])
+        .db()?;
+    Ok(changed == 1)
+}
+
+/// Inserts `step`, as it is held.
+fn insert_step_row(conn: &Connection, step: &HeldStep) -> Result<()> {
+    let call = step.call.as_ref();
+    conn.prepare_cached(
+        "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result,
+                            waiting_for)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )
+    .db()?
+    .execute(params![
+        step.run_id.as_str(),
+        step.step,
+        step.kind.as_str(),
+        step.state.as_str(),
+        step.attempt,
+        call.map(|(id, _, _)| id),
+        call.map(|(_, tool, _)| tool),
+        call.map(|(_, _, args)| args),
+        step.result,
+        step.waiting_for.map(ApprovalReason::as_str),
+    ])
+    .db()?;
+    Ok(())
 }
 
 /// The step and attempt count of a run's call that waits for a decision, found through the
@@ -247,6 +341,7 @@ fn schedule_from_row(row: &Row<'_>) -> rusqlite::Result<ScheduleRow> {
 
 impl Reads for Sql<'_> {
     fn list_runs(&mut self, query: &ListQuery<'_>) -> Result<Vec<Run>> {
+        self.flush_held()?;
         use rusqlite::types::Value as Param;
         let (after_at, after_id) = match &query.after {
             Some((at, id)) => (*at, id.as_str().to_owned()),
@@ -279,6 +374,7 @@ impl Reads for Sql<'_> {
         after: Option<(i64, &RunId)>,
         limit: usize,
     ) -> Result<Vec<(RunId, i64)>> {
+        self.flush_held()?;
         let (after_at, after_id) = after.map_or((i64::MIN, ""), |(at, id)| (at, id.as_str()));
         self.0
             .prepare_cached(&finished_runs_sql())
@@ -292,6 +388,7 @@ impl Reads for Sql<'_> {
     }
 
     fn purge_counts(&mut self, ids: &[RunId]) -> Result<Purged> {
+        self.flush_held()?;
         let json = json_ids(ids);
         let found: Vec<String> = self
             .0
@@ -311,6 +408,7 @@ impl Reads for Sql<'_> {
     }
 
     fn wait(&mut self, run_id: &RunId) -> Result<Option<WaitRow>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!("{WAIT_SELECT} WHERE waits.run_id = ?1"))
             .db()?
@@ -326,6 +424,7 @@ impl Reads for Sql<'_> {
         after: Option<(i64, &RunId)>,
         limit: usize,
     ) -> Result<Vec<(RunId, i64)>> {
+        self.flush_held()?;
         // A range of waits_ready per agent, up to `until`, after the page before's last: the
         // waits not due cost nothing.
         let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
@@ -350,6 +449,7 @@ impl Reads for Sql<'_> {
     }
 
     fn next_ready_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        self.flush_held()?;
         let mut stmt = self.0.prepare_cached(NEXT_READY).db()?;
         let mut next: Option<i64> = None;
         for agent in agents {
@@ -370,6 +470,7 @@ impl Reads for Sql<'_> {
         after: Option<(i64, &RunId)>,
         limit: usize,
     ) -> Result<Vec<(RunId, WaitRow)>> {
+        self.flush_held()?;
         let (since, id) = after.map_or((i64::MIN, ""), |(since, id)| (since, id.as_str()));
         self.0
             .prepare_cached(&format!(
@@ -394,6 +495,7 @@ impl Reads for Sql<'_> {
     }
 
     fn schedule(&mut self, name: &str) -> Result<Option<ScheduleRow>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!(
                 "SELECT {SCHEDULE_COLUMNS} FROM schedules WHERE name = ?1"
@@ -405,6 +507,7 @@ impl Reads for Sql<'_> {
     }
 
     fn schedules(&mut self) -> Result<Vec<ScheduleRow>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!(
                 "SELECT {SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
@@ -422,6 +525,7 @@ impl Reads for Sql<'_> {
         agents: &[&str],
         limit: usize,
     ) -> Result<Vec<ScheduleRow>> {
+        self.flush_held()?;
         // A range of schedules_due per agent, up to `until`: the schedules not due, and those
         // of other agents, cost nothing.
         let mut due = Vec::new();
@@ -440,6 +544,7 @@ impl Reads for Sql<'_> {
     }
 
     fn next_scheduled_at(&mut self, after: i64, agents: &[&str]) -> Result<Option<i64>> {
+        self.flush_held()?;
         let mut stmt = self.0.prepare_cached(NEXT_SCHEDULED_AT).db()?;
         let mut next: Option<i64> = None;
         for agent in agents {
@@ -452,6 +557,7 @@ impl Reads for Sql<'_> {
     }
 
     fn lease_row(&mut self, run_id: &RunId) -> Result<Option<LeaseRow>> {
+        self.flush_held()?;
         let row: Option<(String, Option<String>, Option<i64>, i64)> = self
             .0
             .prepare_cached(
@@ -475,6 +581,7 @@ impl Reads for Sql<'_> {
     }
 
     fn run(&mut self, run_id: &RunId) -> Result<Option<Run>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE id = ?1"))
             .db()?
@@ -484,6 +591,7 @@ impl Reads for Sql<'_> {
     }
 
     fn runs(&mut self, state: Option<RunState>) -> Result<Vec<Run>> {
+        self.flush_held()?;
         let runs = match state {
             Some(state) => self
                 .0
@@ -510,6 +618,7 @@ impl Reads for Sql<'_> {
     }
 
     fn count_by_state(&mut self) -> Result<Vec<(RunState, u64)>> {
+        self.flush_held()?;
         // Counted off `runs_by_state`, which holds every run's state: no row is read.
         self.0
             .prepare_cached("SELECT state, count(*) FROM runs GROUP BY state")
@@ -531,6 +640,7 @@ impl Reads for Sql<'_> {
     }
 
     fn events_after(&mut self, run_id: &RunId, after: u64) -> Result<Vec<Event>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
@@ -549,6 +659,7 @@ impl Reads for Sql<'_> {
     }
 
     fn last_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
@@ -563,6 +674,7 @@ impl Reads for Sql<'_> {
 
     #[cfg(feature = "otel")]
     fn first_event(&mut self, run_id: &RunId) -> Result<Option<Event>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT seq, kind, at, step, payload FROM events
@@ -576,6 +688,7 @@ impl Reads for Sql<'_> {
     }
 
     fn steps(&mut self, run_id: &RunId) -> Result<Vec<StepRow>> {
+        self.flush_held()?;
         type Columns = (
             u32,
             String,
@@ -650,6 +763,7 @@ impl Reads for Sql<'_> {
     }
 
     fn approval(&mut self, run_id: &RunId, step: u32, attempt: u32) -> Result<Option<ApprovalRow>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT approved, decided_by, note FROM approvals
@@ -668,6 +782,7 @@ impl Reads for Sql<'_> {
     }
 
     fn unleased_runs(&mut self, wall: i64) -> Result<Vec<(RunId, LeaseRow)>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT id, lease_owner, lease_expires_at, lease_epoch FROM runs
@@ -688,6 +803,7 @@ impl Reads for Sql<'_> {
         executed: bool,
         limit: usize,
     ) -> Result<Vec<(RunId, LeaseRow)>> {
+        self.flush_held()?;
         let agents = serde_json::to_string(agents).expect("names serialize");
         // Walks runs_by_state's RUNNING range in creation order, and stops at `limit`.
         self.0
@@ -749,6 +865,7 @@ impl Sql<'_> {
 
 impl Tx for Sql<'_> {
     fn put_schedule(&mut self, row: &ScheduleRow) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "INSERT INTO schedules (name, agent, input, cron, catch_up, paused, next_at,
@@ -782,6 +899,7 @@ impl Tx for Sql<'_> {
         next_at: Option<i64>,
         at: i64,
     ) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -796,6 +914,7 @@ impl Tx for Sql<'_> {
     }
 
     fn advance_schedule(&mut self, name: &str, from: i64, to: i64, at: i64) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -809,6 +928,7 @@ impl Tx for Sql<'_> {
     }
 
     fn delete_schedule(&mut self, name: &str) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached("DELETE FROM schedules WHERE name = ?1")
@@ -819,6 +939,7 @@ impl Tx for Sql<'_> {
     }
 
     fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "INSERT INTO waits (run_id, step, agent, kind, key, detail, since, due_at,
@@ -842,6 +963,7 @@ impl Tx for Sql<'_> {
     }
 
     fn wake_wait(&mut self, run_id: &RunId, step: u32, result: &Value, at: i64) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -855,6 +977,7 @@ impl Tx for Sql<'_> {
     }
 
     fn delete_wait(&mut self, run_id: &RunId, step: u32) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached("DELETE FROM waits WHERE run_id = ?1 AND step = ?2")
@@ -865,6 +988,7 @@ impl Tx for Sql<'_> {
     }
 
     fn parent_wait(&mut self, child: &RunId) -> Result<Option<(RunId, u32)>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "SELECT run_id, step FROM waits
@@ -879,6 +1003,7 @@ impl Tx for Sql<'_> {
     }
 
     fn insert_inbox(&mut self, delivery: &Delivery, at: i64) -> Result<bool> {
+        self.flush_held()?;
         let inserted = self
             .0
             .prepare_cached(
@@ -903,6 +1028,7 @@ impl Tx for Sql<'_> {
         name: &str,
         step: u32,
     ) -> Result<Option<(String, Value)>> {
+        self.flush_held()?;
         let kept = self
             .0
             .prepare_cached(
@@ -925,6 +1051,7 @@ impl Tx for Sql<'_> {
     }
 
     fn mark_inbox(&mut self, run_id: &RunId, event_id: &str, step: u32) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached("UPDATE inbox SET step = ?3 WHERE run_id = ?1 AND event_id = ?2")
             .db()?
@@ -934,6 +1061,7 @@ impl Tx for Sql<'_> {
     }
 
     fn delete_finished_runs(&mut self, ids: &[RunId]) -> Result<Purged> {
+        self.flush_held()?;
         let json = json_ids(ids);
         // Children first: approvals and waits refer to steps, steps and events to runs.
         self.delete("waits", &json)?;
@@ -962,6 +1090,7 @@ impl Tx for Sql<'_> {
     }
 
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(
                 "INSERT INTO runs (id, agent, input, state, created_at, updated_at, lease_owner,
@@ -994,26 +1123,35 @@ impl Tx for Sql<'_> {
         token: u64,
         unexpired_at: Option<i64>,
     ) -> Result<bool> {
-        let changed = self
-            .0
-            .prepare_cached(
-                "UPDATE runs SET updated_at = ?2
-                 WHERE id = ?1 AND state = 'RUNNING' AND lease_owner = ?3 AND lease_epoch = ?5
-                   AND (?4 IS NULL OR lease_expires_at > ?4)",
-            )
-            .db()?
-            .execute(params![
-                run_id.as_str(),
+        let conn = self.0;
+        let Some(held) = self.held() else {
+            return touch(conn, run_id, at, owner, token, unexpired_at);
+        };
+        let held_touch = HeldTouch {
+            run_id: run_id.clone(),
+            at,
+            owner: owner.to_owned(),
+            token,
+            unexpired_at,
+        };
+        if let Some(before) = held.touch(held_touch) {
+            // Of another run: sent first, its refusal the group's.
+            let HeldTouch {
+                run_id,
                 at,
                 owner,
+                token,
                 unexpired_at,
-                token as i64
-            ])
-            .db()?;
-        Ok(changed == 1)
+            } = before;
+            if !touch(conn, &run_id, at, &owner, token, unexpired_at)? {
+                held.refused();
+            }
+        }
+        Ok(true)
     }
 
     fn update_run(&mut self, run_id: &RunId, m: &RunUpdate<'_>) -> Result<Option<u64>> {
+        self.flush_held()?;
         let (guard_owner, guard_token) =
             m.guard.map(|(owner, token)| (owner, token as i64)).unzip();
         self.0
@@ -1054,6 +1192,7 @@ impl Tx for Sql<'_> {
         expires_at: i64,
         seen: &LeaseRow,
     ) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -1077,6 +1216,7 @@ impl Tx for Sql<'_> {
     }
 
     fn touch_waiting(&mut self, run_id: &RunId, at: i64) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -1097,52 +1237,59 @@ impl Tx for Sql<'_> {
         attempt: u32,
         call: Option<&ToolCall>,
     ) -> Result<()> {
-        self.0
-            .prepare_cached(
-                "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            )
-            .db()?
-            .execute(params![
-                run_id.as_str(),
-                step,
-                kind.as_str(),
-                state.as_str(),
-                attempt,
-                call.map(|call| call.id.as_str()),
-                call.map(|call| call.name.as_str()),
-                call.map(|call| call.args.to_string()),
-            ])
-            .db()?;
-        Ok(())
+        let held_step = HeldStep {
+            run_id: run_id.clone(),
+            step,
+            kind,
+            state,
+            attempt,
+            call: call.map(|call| (call.id.clone(), call.name.clone(), call.args.to_string())),
+            result: None,
+            waiting_for: None,
+        };
+        match self.held() {
+            Some(held) => {
+                held.insert_step(held_step);
+                Ok(())
+            }
+            None => insert_step_row(self.0, &held_step),
+        }
     }
 
     fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()> {
+        self.flush_held()?;
         let call = step.call.as_ref();
-        self.0
-            .prepare_cached(
-                "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result,
-                                    waiting_for)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
-            )
-            .db()?
-            .execute(params![
-                run_id.as_str(),
-                step.step,
-                step.kind.as_str(),
-                step.state.as_str(),
-                step.attempt,
-                call.map(|call| call.id.as_str()),
-                call.map(|call| call.name.as_str()),
-                call.map(|call| call.args.to_string()),
-                step.result.as_ref().map(Value::to_string),
-                step.waiting_for.map(ApprovalReason::as_str),
-            ])
-            .db()?;
-        Ok(())
+        let row = HeldStep {
+            run_id: run_id.clone(),
+            step: step.step,
+            kind: step.kind,
+            state: step.state,
+            attempt: step.attempt,
+            call: call.map(|call| (call.id.clone(), call.name.clone(), call.args.to_string())),
+            result: step.result.as_ref().map(Value::to_string),
+            waiting_for: step.waiting_for,
+        };
+        insert_step_row(self.0, &row)
     }
 
     fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
+        let result = m.result.map(Value::to_string);
+        if let Some(held) = self.held() {
+            let moved = HeldMove {
+                from: m.from,
+                attempt: m.attempt,
+                to: m.to,
+                starts: m.starts,
+                result: result.as_deref(),
+                waiting_for: m.waiting_for,
+                run_id,
+                step,
+            };
+            // Sent only when not held: a step's move waits for nothing else held.
+            if let Some(stood) = held.move_step(moved) {
+                return Ok(stood);
+            }
+        }
         let changed = self
             .0
             .prepare_cached(
@@ -1158,7 +1305,7 @@ impl Tx for Sql<'_> {
                 m.attempt,
                 m.to.as_str(),
                 u32::from(m.starts),
-                m.result.map(Value::to_string),
+                result,
                 m.waiting_for.map(ApprovalReason::as_str),
             ])
             .db()?;
@@ -1172,6 +1319,7 @@ impl Tx for Sql<'_> {
         attempt: u32,
         pending_at: u32,
     ) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -1191,6 +1339,7 @@ impl Tx for Sql<'_> {
         attempt: u32,
         progress: &Value,
     ) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -1209,6 +1358,7 @@ impl Tx for Sql<'_> {
     }
 
     fn interrupt_steps(&mut self, run_id: &RunId) -> Result<Vec<(u32, StepKind, u32)>> {
+        self.flush_held()?;
         let rows: Vec<(u32, String, u32)> = self
             .0
             .prepare_cached(
@@ -1228,6 +1378,7 @@ impl Tx for Sql<'_> {
     }
 
     fn waiting_call(&mut self, run_id: &RunId, call_id: &str) -> Result<Option<(u32, u32)>> {
+        self.flush_held()?;
         self.0
             .prepare_cached(WAITING_CALL)
             .db()?
@@ -1239,6 +1390,7 @@ impl Tx for Sql<'_> {
     }
 
     fn call_exists(&mut self, run_id: &RunId, call_id: &str) -> Result<bool> {
+        self.flush_held()?;
         self.0
             .prepare_cached("SELECT 1 FROM steps WHERE run_id = ?1 AND call_id = ?2")
             .db()?
@@ -1253,6 +1405,7 @@ impl Tx for Sql<'_> {
         approval: &Approval,
         at: i64,
     ) -> Result<bool> {
+        self.flush_held()?;
         let inserted = self
             .0
             .prepare_cached(
@@ -1330,6 +1483,7 @@ impl Tx for Sql<'_> {
     }
 
     fn savepoint(&mut self, name: &str) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!("SAVEPOINT {name}"))
             .db()?
@@ -1339,6 +1493,7 @@ impl Tx for Sql<'_> {
     }
 
     fn rollback_to(&mut self, name: &str) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!("ROLLBACK TO {name}"))
             .db()?
@@ -1348,6 +1503,7 @@ impl Tx for Sql<'_> {
     }
 
     fn release_savepoint(&mut self, name: &str) -> Result<()> {
+        self.flush_held()?;
         self.0
             .prepare_cached(&format!("RELEASE {name}"))
             .db()?
@@ -1365,6 +1521,7 @@ impl LeaseWrites for Sql<'_> {
         wall: i64,
         expires_at: i64,
     ) -> Result<Vec<RunId>> {
+        self.flush_held()?;
         // A row-value IN over the JSON pairs of id and token: SQLite builds one ephemeral index
         // of them per statement, and finds each run by its key.
         let ids = serde_json::to_string(held).expect("ids serialize");
@@ -1386,6 +1543,7 @@ impl LeaseWrites for Sql<'_> {
     }
 
     fn release_lease(&mut self, run_id: &RunId, owner: &str, token: u64) -> Result<bool> {
+        self.flush_held()?;
         let changed = self
             .0
             .prepare_cached(
@@ -1405,19 +1563,23 @@ impl LeaseWrites for Sql<'_> {
 impl crate::store::feed::Feed for Sql<'_> {
     /// The largest rowid: one step down the table's tree.
     fn last_change(&mut self) -> Result<i64> {
+        self.flush_held()?;
         last_change(self.0)
     }
 
     /// A range of the primary key, so a poll reads only what is new.
     fn changes_after(&mut self, cursor: i64) -> Result<Vec<(i64, Change)>> {
+        self.flush_held()?;
         changes_after(self.0, cursor)
     }
 
     fn decided_waiting_runs(&mut self) -> Result<Vec<Change>> {
+        self.flush_held()?;
         decided_waiting_runs(self.0)
     }
 
     fn waits_decided(&mut self, run_id: &RunId) -> Result<bool> {
+        self.flush_held()?;
         waits_decided(self.0, run_id)
     }
 }

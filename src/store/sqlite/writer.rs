@@ -155,7 +155,10 @@ impl Sqlite {
             let mut sql = Sql(&tx, Some(&mut keys));
             let mut stopped = None;
             if moves.iter_mut().all(|group_move| {
-                let stands = apply(group_move, &mut sql, Isolation::Shared);
+                // What the move (or pair) held back is sent once it is applied; a write that
+                // does not stand, or fails, has the group applied again move by move.
+                let applied = apply(group_move, &mut sql, Isolation::Shared);
+                let stands = applied && sql.held_stood().unwrap_or(false);
                 stopped = stopped_at_io(&tx);
                 stands && stopped.is_none()
             }) {

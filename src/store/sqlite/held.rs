@@ -1,0 +1,124 @@
+//! Writes a group's moves hold back on the writer, so that two writes of one row in a pair of
+//! moves become one: the second move's touch of the run is made one with the first's, and a
+//! step inserted and then moved is inserted as moved.
+//!
+//! Only the writes of steps and events go out while writes are held: they do not read the runs
+//! table's lease or stamp (an event's insert reads only its run's key), nor the rows of the
+//! steps held. Any other statement sends what is held first, as does the end of each move or
+//! pair. A held write that does not stand when it is sent (a touch whose guard no longer
+//! matches, an insert a constraint refuses) fails the whole group, which is then applied again
+//! move by move without holding anything: the refusal is then the move's own.
+
+use crate::types::{ApprovalReason, RunId, StepKind, StepState};
+
+/// A touch held back: the guard of a move that holds run `run_id` under `owner`'s lease of
+/// token `token` (unexpired at `unexpired_at`, if given), and its stamp `at`.
+#[derive(Debug)]
+pub(crate) struct HeldTouch {
+    pub run_id: RunId,
+    pub at: i64,
+    pub owner: String,
+    pub token: u64,
+    pub unexpired_at: Option<i64>,
+}
+
+/// A step's insert held back, as any later move of the group left it.
+#[derive(Debug)]
+pub(crate) struct HeldStep {
+    pub run_id: RunId,
+    pub step: u32,
+    pub kind: StepKind,
+    pub state: StepState,
+    pub attempt: u32,
+    /// The call's id, tool and arguments (JSON), for a tool step.
+    pub call: Option<(String, String, String)>,
+    /// JSON.
+    pub result: Option<String>,
+    pub waiting_for: Option<ApprovalReason>,
+}
+
+/// What a step's move asks of a step held: from state `from` at attempt `attempt`, to `to`,
+/// one attempt more if `starts`, with `result` (JSON) if given.
+pub(crate) struct HeldMove<'a> {
+    pub from: StepState,
+    pub attempt: u32,
+    pub to: StepState,
+    pub starts: bool,
+    pub result: Option<&'a str>,
+    pub waiting_for: Option<ApprovalReason>,
+    pub run_id: &'a RunId,
+    pub step: u32,
+}
+
+/// The writes held back in a group's transaction.
+#[derive(Debug, Default)]
+pub(crate) struct Held {
+    touch: Option<HeldTouch>,
+    steps: Vec<HeldStep>,
+    /// A held write sent in this group did not stand.
+    refused: bool,
+}
+
+impl Held {
+    /// Holds `touch` back; a touch of the same run under the same lease is made one with the
+    /// touch held (the stricter bound, the later stamp). Answers the touch held before, of
+    /// another run or lease, which is to be sent first.
+    pub(crate) fn touch(&mut self, touch: HeldTouch) -> Option<HeldTouch> {
+        if let Some(held) = &mut self.touch
+            && held.run_id == touch.run_id
+            && held.owner == touch.owner
+            && held.token == touch.token
+        {
+            held.at = held.at.max(touch.at);
+            held.unexpired_at = match (held.unexpired_at, touch.unexpired_at) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            return None;
+        }
+        self.touch.replace(touch)
+    }
+
+    pub(crate) fn insert_step(&mut self, step: HeldStep) {
+        self.steps.push(step);
+    }
+
+    /// Makes `moved` in the insert of its step, if that is held: whether the step was as the
+    /// move expects (as the statement's guard would find it). `None` when the step is not held.
+    pub(crate) fn move_step(&mut self, moved: HeldMove<'_>) -> Option<bool> {
+        let held = self
+            .steps
+            .iter_mut()
+            .find(|held| held.step == moved.step && held.run_id == *moved.run_id)?;
+        if held.state != moved.from || held.attempt != moved.attempt {
+            return Some(false);
+        }
+        held.state = moved.to;
+        held.attempt += u32::from(moved.starts);
+        if let Some(result) = moved.result {
+            held.result = Some(result.to_owned());
+        }
+        held.waiting_for = moved.waiting_for;
+        Some(true)
+    }
+
+    /// Whether anything is held.
+    pub(crate) fn any(&self) -> bool {
+        self.touch.is_some() || !self.steps.is_empty()
+    }
+
+    /// Everything held, to be sent now.
+    pub(crate) fn take(&mut self) -> (Option<HeldTouch>, Vec<HeldStep>) {
+        (self.touch.take(), std::mem::take(&mut self.steps))
+    }
+
+    /// A held write, sent, did not stand: the group must not commit as applied.
+    pub(crate) fn refused(&mut self) {
+        self.refused = true;
+    }
+
+    /// Whether every held write sent in this group stood.
+    pub(crate) fn stood(&self) -> bool {
+        !self.refused
+    }
+}

@@ -21,7 +21,7 @@ use serde_json::Value;
 use super::{
     health::Space,
     listing::ListQuery,
-    model::{ApprovalRow, LeaseRow, Now, Renewal, ScheduleRow, StepRow, WaitRow},
+    model::{ApprovalRow, LeaseRow, Now, Rendered, Renewal, ScheduleRow, StepRow, WaitRow},
 };
 use crate::{
     clock::Clock,
@@ -181,6 +181,8 @@ pub(crate) struct StepUpdate<'a> {
     pub starts: bool,
     /// Replaces the stored result when given.
     pub result: Option<&'a Value>,
+    /// `result`'s JSON text, when it was made already.
+    pub result_text: Option<&'a str>,
     pub waiting_for: Option<ApprovalReason>,
 }
 
@@ -301,6 +303,17 @@ pub(crate) trait Tx: LeaseWrites {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()>;
+    /// Appends an event as [`Tx::append_event`] does, its payload's text made already.
+    fn append_rendered(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &Rendered,
+    ) -> Result<()> {
+        self.append_event(run_id, kind, at, step, &payload.value)
+    }
     /// Inserts the wait of the run's waiting step `wait.step` (the run's agent is read from
     /// its row).
     fn insert_wait(&mut self, run_id: &RunId, wait: &WaitRow) -> Result<()>;

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use super::{
     Store,
     backend::{ChangeKind, Changes, Session},
-    model::{Grant, Holder, ModelOutcome, Resolution, ToolDecision, wall_millis},
+    model::{Grant, Holder, ModelOutcome, Rendered, Resolution, ToolDecision, wall_millis},
     moves,
 };
 use crate::{
@@ -247,16 +247,9 @@ impl Moves<'_> {
         attempt: u32,
         call_id: &str,
         result: &ToolResult,
-        result_json: &Value,
     ) -> Result<bool> {
-        self.apply(moves::FinishTool {
-            by: self.by(grant),
-            step,
-            attempt,
-            call_id: call_id.into(),
-            result: result.clone(),
-            result_json: result_json.clone(),
-        })
+        let by = self.by(grant);
+        self.apply(moves::FinishTool::new(by, step, attempt, call_id, result))
     }
 
     pub(crate) fn reconcile(
@@ -422,7 +415,7 @@ pub(crate) fn model_answered_by(
     on(store, run_id, |m| m.begin_model_step(holder, 1)).unwrap();
     let response = ModelResponse::calls(calls);
     let outcome = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
+        recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
         response,
     };
     on(store, run_id, |m| {
@@ -797,18 +790,9 @@ pub(crate) fn a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_
 ) {
     let store = f.store();
     let grant = me();
-    let (done, done_json) = (
-        ToolResult::Ok(json!({"sent": true})),
-        json!({"ok": {"sent": true}}),
-    );
-    let finish = |run_id: &RunId| moves::FinishTool {
-        by: Leased::new(run_id, &grant),
-        step: 2,
-        attempt: 1,
-        call_id: "c1".into(),
-        result: done.clone(),
-        result_json: done_json.clone(),
-    };
+    let done = ToolResult::Ok(json!({"sent": true}));
+    let finish =
+        |run_id: &RunId| moves::FinishTool::new(Leased::new(run_id, &grant), 2, 1, "c1", &done);
     let begin = |run_id: &RunId| moves::BeginModelStep {
         by: Leased::new(run_id, &grant),
         step: 3,
@@ -873,7 +857,7 @@ pub(crate) fn a_step_inserted_and_started_in_one_pair_is_stored_started(f: &dyn 
         step: 1,
         attempt: 1,
         outcome: ModelOutcome::Answered {
-            recorded: serde_json::to_value(&response).unwrap(),
+            recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
             response,
         },
     };
@@ -936,7 +920,7 @@ pub(crate) fn the_models_answer_adds_pending_tool_steps_or_finishes_the_run(f: &
     on(&store, &run("answered"), |m| m.begin_model_step(&mine, 1)).unwrap();
     let response = ModelResponse::answer("done");
     let outcome = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
+        recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
         response,
     };
     on(&store, &run("answered"), |m| {
@@ -1121,9 +1105,8 @@ pub(crate) fn a_tools_outcome_is_written_only_under_the_lease_or_late_after_a_ca
     let store = f.store();
     let finish = |run_id: &RunId, holder: &Grant| {
         let result = ToolResult::Ok(json!({"sent": true}));
-        let recorded = serde_json::to_value(&result).unwrap();
         on(&store, run_id, |m| {
-            m.finish_tool(holder, 2, 1, "c1", &result, &recorded)
+            m.finish_tool(holder, 2, 1, "c1", &result)
         })
     };
     // Held: recorded.
@@ -1283,7 +1266,9 @@ pub(crate) fn a_handover_is_refused_with_a_tool_in_flight_and_under_a_lost_lease
     on(&store, &run("r"), |m| m.begin_model_step(&old, 1)).unwrap();
     let answer = ModelOutcome::Answered {
         response: ModelResponse::calls(vec![call("c1")]),
-        recorded: serde_json::to_value(ModelResponse::calls(vec![call("c1")])).unwrap(),
+        recorded: Rendered::new(
+            serde_json::to_value(ModelResponse::calls(vec![call("c1")])).unwrap(),
+        ),
     };
     on(&store, &run("r"), |m| {
         m.finish_model_step(&old, 1, 1, &answer)
@@ -1788,9 +1773,8 @@ pub(crate) fn every_acquisition_takes_a_higher_token_and_an_older_one_writes_not
     .unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
     let outcome = ToolResult::Ok(json!({}));
-    let result = serde_json::to_value(&outcome).unwrap();
     let err = on(&store, &run("r"), |m| {
-        m.finish_tool(&first, 2, 1, "c1", &outcome, &result)
+        m.finish_tool(&first, 2, 1, "c1", &outcome)
     })
     .unwrap_err();
     assert!(matches!(err, Error::RunLeased { .. }), "{err}");
@@ -1815,12 +1799,12 @@ pub(crate) fn every_acquisition_takes_a_higher_token_and_an_older_one_writes_not
     .unwrap();
     assert_eq!(last_payload(&store, &run("r"))["fencing_token"], 2);
     on(&store, &run("r"), |m| {
-        m.finish_tool(&second, 2, 2, "c1", &outcome, &result)
+        m.finish_tool(&second, 2, 2, "c1", &outcome)
     })
     .unwrap();
     let response = ModelResponse::calls(vec![call("c2")]);
     let answered = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
+        recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
         response,
     };
     on(&store, &run("r"), |m| m.begin_model_step(&second, 3)).unwrap();
@@ -1932,15 +1916,14 @@ fn succeeded(store: &Store, run_id: &RunId) {
     create(store, run_id, &grant);
     tool_in_flight(store, run_id, &grant, vec![call("c1")]);
     let outcome = ToolResult::Ok(json!({"sent": true}));
-    let result = serde_json::to_value(&outcome).unwrap();
     on(store, run_id, |m| {
-        m.finish_tool(&grant, 2, 1, "c1", &outcome, &result)
+        m.finish_tool(&grant, 2, 1, "c1", &outcome)
     })
     .unwrap();
     on(store, run_id, |m| m.begin_model_step(&grant, 3)).unwrap();
     let response = ModelResponse::answer("done");
     let answered = ModelOutcome::Answered {
-        recorded: serde_json::to_value(&response).unwrap(),
+        recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
         response,
     };
     on(store, run_id, |m| {

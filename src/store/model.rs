@@ -287,13 +287,29 @@ impl LeaseRow {
     }
 }
 
+/// A JSON value with its text, made once where the value is built (a run's thread): a backend
+/// that stores JSON as text then serializes nothing on its writer's thread, however many rows
+/// the value goes to.
+#[derive(Debug, Clone)]
+pub(crate) struct Rendered {
+    pub value: Value,
+    pub text: String,
+}
+
+impl Rendered {
+    pub(crate) fn new(value: Value) -> Self {
+        let text = value.to_string();
+        Rendered { value, text }
+    }
+}
+
 /// How a model step ended.
 #[derive(Clone)]
 pub(crate) enum ModelOutcome {
     /// The answer, and its JSON as recorded (built by the loop, off the writer's thread).
     Answered {
         response: ModelResponse,
-        recorded: Value,
+        recorded: Rendered,
     },
     /// No answer: the last attempt's error, after this many attempts.
     Failed { error: String, attempts: u32 },

@@ -15,7 +15,7 @@ use crate::{
     error::Result,
     metrics,
     store::{
-        model::{ModelOutcome, StepRow},
+        model::{ModelOutcome, Rendered, StepRow},
         moves::{self, FailModelAttempt, FinishModelStep},
     },
     types::{Outcome, StepKind, StepState},
@@ -85,7 +85,7 @@ impl RunLoop {
         let output = response.text.clone().unwrap_or_default();
         let outcome = ModelOutcome::Answered {
             response,
-            recorded: stored_json.clone(),
+            recorded: Rendered::new(stored_json.clone()),
         };
         let first = FinishModelStep {
             by: self.leased(),

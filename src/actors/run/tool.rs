@@ -126,15 +126,8 @@ impl RunLoop {
                 }
             }
         };
-        let result_json = serde_json::to_value(&result).unwrap();
-        let first = FinishTool {
-            by: self.leased(),
-            step: number,
-            attempt,
-            call_id: call.id,
-            result,
-            result_json: result_json.clone(),
-        };
+        let first = FinishTool::new(self.leased(), number, attempt, &call.id, &result);
+        let result_json = first.result.value.clone();
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
         // outcome alone is offered. So does a drain, which then hands the run over.

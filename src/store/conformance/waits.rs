@@ -11,7 +11,7 @@ use crate::{
     clock::to_millis,
     store::{
         Store,
-        model::{Grant, ModelOutcome},
+        model::{Grant, ModelOutcome, Rendered},
         moves::{self, Began, Resumed, WaitRequest},
     },
     types::{ModelResponse, StepState, ToolCall},
@@ -117,7 +117,7 @@ pub(crate) fn a_wait_releases_the_lease_and_is_refused_under_a_lost_lease(f: &dy
     // The loop that made it wait writes nothing more.
     let err = on(&store, &r, |m| {
         let ok = ToolResult::Ok(json!(1));
-        m.finish_tool(&me(), 2, 1, "c1", &ok, &json!({"ok": 1}))
+        m.finish_tool(&me(), 2, 1, "c1", &ok)
     })
     .unwrap_err();
     assert!(
@@ -336,7 +336,7 @@ fn child_ends(store: &Store, child: &RunId, grant: &Grant, answer: Option<&str>)
         Some(text) => {
             let response = ModelResponse::answer(text);
             ModelOutcome::Answered {
-                recorded: serde_json::to_value(&response).unwrap(),
+                recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
                 response,
             }
         }

@@ -9,7 +9,7 @@ use crate::{
     error::{Error, Result},
     store::{
         backend::{RunUpdate, StepUpdate, Tx},
-        model::{Grant, Now, ToolDecision, from_millis, idempotency_key},
+        model::{Grant, Now, Rendered, ToolDecision, from_millis, idempotency_key},
     },
     types::{
         ApprovalReason, EventKind, LeaseLostReason, RunId, RunState, StepState, ToolCall,
@@ -246,6 +246,27 @@ impl<'a, 'c> Cx<'a, 'c> {
             to: StepState::Finished,
             starts: false,
             result,
+            result_text: None,
+            waiting_for: None,
+        };
+        self.move_step(step, update)
+    }
+
+    /// Finishes a step as [`Cx::close_step`] does, with a result whose text is made already.
+    pub(super) fn close_step_rendered(
+        &mut self,
+        step: u32,
+        from: StepState,
+        attempt: u32,
+        result: &Rendered,
+    ) -> Result<()> {
+        let update = StepUpdate {
+            from,
+            attempt,
+            to: StepState::Finished,
+            starts: false,
+            result: Some(&result.value),
+            result_text: Some(&result.text),
             waiting_for: None,
         };
         self.move_step(step, update)
@@ -259,6 +280,7 @@ impl<'a, 'c> Cx<'a, 'c> {
             to: StepState::InFlight,
             starts: true,
             result: None,
+            result_text: None,
             waiting_for: None,
         };
         self.move_step(step, update)
@@ -284,6 +306,18 @@ impl<'a, 'c> Cx<'a, 'c> {
             "fencing_token": grant.token(),
         });
         self.append(EventKind::ToolStarted, Some(step), &payload)
+    }
+
+    /// Appends an event whose payload's text is made already.
+    pub(super) fn append_rendered(
+        &mut self,
+        kind: EventKind,
+        step: Option<u32>,
+        payload: &Rendered,
+    ) -> Result<()> {
+        let at = self.now.millis();
+        self.tx
+            .append_rendered(self.run_id, kind, at, step, payload)
     }
 
     pub(super) fn append(
@@ -377,6 +411,7 @@ impl<'a, 'c> Cx<'a, 'c> {
                         to: StepState::Waiting,
                         starts: false,
                         result: None,
+                        result_text: None,
                         waiting_for: Some(reason),
                     },
                 )?;

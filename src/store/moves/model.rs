@@ -158,8 +158,8 @@ impl Move for FinishModelStep {
             cx.tx
                 .insert_step(cx.run_id, tool_step, kind, state, 0, Some(call))?;
         }
-        cx.close_step(step, StepState::InFlight, attempt, Some(recorded))?;
-        cx.append(EventKind::ModelFinished, Some(step), recorded)?;
+        cx.close_step_rendered(step, StepState::InFlight, attempt, recorded)?;
+        cx.append_rendered(EventKind::ModelFinished, Some(step), recorded)?;
         if response.tool_calls.is_empty() {
             let output = response.text.clone().unwrap_or_default();
             cx.finish_run(grant, RunState::Succeeded, Some(&output), None, None)?;

@@ -14,7 +14,7 @@ use crate::{
     error::{Error, Result},
     store::{
         backend::{MoveKind, StepUpdate},
-        model::ToolDecision,
+        model::{Rendered, ToolDecision},
     },
     types::{ApprovalReason, EventKind, RunId, RunState, StepState, ToolCall, ToolResult},
 };
@@ -95,10 +95,35 @@ pub(crate) struct FinishTool {
     pub by: Leased,
     pub step: u32,
     pub attempt: u32,
-    pub call_id: String,
-    pub result: ToolResult,
-    /// `result` as the step keeps it.
-    pub result_json: Value,
+    /// The outcome as the step keeps it.
+    pub result: Rendered,
+    /// `step.tool_finished`'s payload for an outcome on time.
+    pub finished: Rendered,
+}
+
+impl FinishTool {
+    /// The outcome `result` of attempt `attempt` of tool step `step` (call `call_id`), its
+    /// JSON made here, on the caller's thread.
+    pub(crate) fn new(
+        by: Leased,
+        step: u32,
+        attempt: u32,
+        call_id: &str,
+        result: &ToolResult,
+    ) -> Self {
+        let mut finished = json!({ "call_id": call_id, "attempt": attempt });
+        match result {
+            ToolResult::Ok(output) => finished["output"] = output.clone(),
+            ToolResult::Error(error) => finished["error"] = json!(error),
+        }
+        FinishTool {
+            by,
+            step,
+            attempt,
+            result: Rendered::new(serde_json::to_value(result).expect("a tool result serializes")),
+            finished: Rendered::new(finished),
+        }
+    }
 }
 
 impl Move for FinishTool {
@@ -125,16 +150,14 @@ impl Move for FinishTool {
             Err(err) => return Err(err),
         };
         let (step, attempt) = (self.step, self.attempt);
-        cx.close_step(step, StepState::InFlight, attempt, Some(&self.result_json))?;
-        let mut payload = json!({ "call_id": self.call_id, "attempt": attempt });
-        match &self.result {
-            ToolResult::Ok(output) => payload["output"] = output.clone(),
-            ToolResult::Error(error) => payload["error"] = json!(error),
-        }
+        cx.close_step_rendered(step, StepState::InFlight, attempt, &self.result)?;
         if late {
+            let mut payload = self.finished.value.clone();
             payload["late"] = json!(true);
+            cx.append(EventKind::ToolFinished, Some(step), &payload)?;
+        } else {
+            cx.append_rendered(EventKind::ToolFinished, Some(step), &self.finished)?;
         }
-        cx.append(EventKind::ToolFinished, Some(step), &payload)?;
         Ok(late)
     }
 }
@@ -224,6 +247,7 @@ impl Move for TimeOutTool {
             to: StepState::Interrupted,
             starts: false,
             result: None,
+            result_text: None,
             waiting_for: None,
         };
         cx.move_step(step, update)?;

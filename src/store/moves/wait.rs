@@ -174,6 +174,7 @@ impl Move for BeginWait {
                 to: StepState::Waiting,
                 starts: false,
                 result: None,
+                result_text: None,
                 waiting_for: None,
             },
         )?;
@@ -324,6 +325,7 @@ impl Move for ResumeWait {
                 to: StepState::Finished,
                 starts: false,
                 result: Some(&json),
+                result_text: None,
                 waiting_for: None,
             },
         )?;

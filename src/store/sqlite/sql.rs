@@ -1,6 +1,8 @@
 //! All of the SQLite backend's SQL: the primitives of the moves, the reads, and the lease's
 //! single-statement writes, on one connection (a transaction's, or one outside any).
 
+use std::borrow::Cow;
+
 use rusqlite::{Connection, OptionalExtension, Row, params};
 use serde_json::Value;
 
@@ -17,7 +19,7 @@ use crate::{
             Change, ChangeKind, LeaseWrites, NewRun, Purged, Reads, RunUpdate, StepUpdate, Tx,
         },
         listing::ListQuery,
-        model::{ApprovalRow, LeaseRow, ScheduleRow, StepRow, WaitRow, from_millis},
+        model::{ApprovalRow, LeaseRow, Rendered, ScheduleRow, StepRow, WaitRow, from_millis},
         moves::FIRST_TOKEN,
     },
     types::{
@@ -1273,7 +1275,10 @@ impl Tx for Sql<'_> {
     }
 
     fn update_step(&mut self, run_id: &RunId, step: u32, m: &StepUpdate<'_>) -> Result<bool> {
-        let result = m.result.map(Value::to_string);
+        let result = match (m.result_text, m.result) {
+            (Some(text), _) => Some(Cow::Borrowed(text)),
+            (None, result) => result.map(|result| Cow::Owned(result.to_string())),
+        };
         if let Some(held) = self.held() {
             let moved = HeldMove {
                 from: m.from,
@@ -1434,52 +1439,18 @@ impl Tx for Sql<'_> {
         step: Option<u32>,
         payload: &Value,
     ) -> Result<()> {
-        let key = match self.1.as_deref().and_then(|keys| keys.get(run_id)) {
-            Some(key) => Some(key),
-            None => {
-                let key = self
-                    .0
-                    .prepare_cached("SELECT key FROM runs WHERE id = ?1")
-                    .db()?
-                    .query_row([run_id.as_str()], |row| row.get::<_, i64>(0))
-                    .optional()
-                    .db()?;
-                if let (Some(key), Some(keys)) = (key, self.1.as_deref_mut()) {
-                    keys.note(run_id, key);
-                }
-                key
-            }
-        };
-        self.0
-            .prepare_cached(
-                // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
-                // into would make SQLite stage the row in a temporary table. A run that does not
-                // exist has no key, which the column refuses.
-                "INSERT INTO events (run_key, seq, kind, at, step, payload)
-                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_key = ?1),
-                         ?2, ?3, ?4, ?5)",
-            )
-            .db()?
-            .execute(params![key, kind.as_str(), at, step, payload.to_string()])
-            .db()?;
-        if kind == EventKind::RunFinished
-            && let Some(keys) = self.1.as_deref_mut()
-        {
-            // A finished run moves no more.
-            keys.forget(run_id);
-        }
-        if kind == EventKind::RunReleased {
-            // The change feed's: a replica with the run's agent takes it up.
-            self.0
-                .prepare_cached(
-                    "INSERT INTO run_changes (run_id, agent, kind)
-                     SELECT id, agent, 'released' FROM runs WHERE id = ?1",
-                )
-                .db()?
-                .execute([run_id.as_str()])
-                .db()?;
-        }
-        Ok(())
+        self.append_text(run_id, kind, at, step, &payload.to_string())
+    }
+
+    fn append_rendered(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &Rendered,
+    ) -> Result<()> {
+        self.append_text(run_id, kind, at, step, &payload.text)
     }
 
     fn savepoint(&mut self, name: &str) -> Result<()> {
@@ -1509,6 +1480,65 @@ impl Tx for Sql<'_> {
             .db()?
             .execute([])
             .db()?;
+        Ok(())
+    }
+}
+
+impl Sql<'_> {
+    /// Appends an event whose payload is the JSON text `payload`.
+    fn append_text(
+        &mut self,
+        run_id: &RunId,
+        kind: EventKind,
+        at: i64,
+        step: Option<u32>,
+        payload: &str,
+    ) -> Result<()> {
+        let key = match self.1.as_deref().and_then(|keys| keys.get(run_id)) {
+            Some(key) => Some(key),
+            None => {
+                let key = self
+                    .0
+                    .prepare_cached("SELECT key FROM runs WHERE id = ?1")
+                    .db()?
+                    .query_row([run_id.as_str()], |row| row.get::<_, i64>(0))
+                    .optional()
+                    .db()?;
+                if let (Some(key), Some(keys)) = (key, self.1.as_deref_mut()) {
+                    keys.note(run_id, key);
+                }
+                key
+            }
+        };
+        self.0
+            .prepare_cached(
+                // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
+                // into would make SQLite stage the row in a temporary table. A run that does not
+                // exist has no key, which the column refuses.
+                "INSERT INTO events (run_key, seq, kind, at, step, payload)
+                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_key = ?1),
+                         ?2, ?3, ?4, ?5)",
+            )
+            .db()?
+            .execute(params![key, kind.as_str(), at, step, payload])
+            .db()?;
+        if kind == EventKind::RunFinished
+            && let Some(keys) = self.1.as_deref_mut()
+        {
+            // A finished run moves no more.
+            keys.forget(run_id);
+        }
+        if kind == EventKind::RunReleased {
+            // The change feed's: a replica with the run's agent takes it up.
+            self.0
+                .prepare_cached(
+                    "INSERT INTO run_changes (run_id, agent, kind)
+                     SELECT id, agent, 'released' FROM runs WHERE id = ?1",
+                )
+                .db()?
+                .execute([run_id.as_str()])
+                .db()?;
+        }
         Ok(())
     }
 }

@@ -207,7 +207,9 @@ pub(crate) trait Tx: LeaseWrites {
     fn insert_run(&mut self, run: &NewRun<'_>) -> Result<()>;
     /// Stamps a RUNNING run under `owner`'s lease of fencing token `token` as moved at `at`;
     /// with `unexpired_at`, only if the lease expires after it. False when the guard did not
-    /// match.
+    /// match. A backend may put the guard off to the end of the move (or pair), answering true,
+    /// and then fail the whole transaction if it does not match: a move must give the same
+    /// result when applied again, and its answer is that of the last application.
     fn touch_run(
         &mut self,
         run_id: &RunId,

@@ -58,6 +58,7 @@ macro_rules! conformance_suite {
                 a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
                 a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs,
                 a_step_inserted_and_started_in_one_pair_is_stored_started,
+                a_pairs_insert_refused_by_a_constraint_is_refused_alone,
                 the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
                 a_failed_model_call_fails_the_run_and_releases_the_lease,
                 an_allowed_call_starts_with_its_idempotency_key,
@@ -426,7 +427,7 @@ pub(crate) fn model_answered_by(
 
 /// Model step 1 answered with `calls` under `holder`'s lease, and the first of them (step 2)
 /// started.
-fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Grant, calls: Vec<ToolCall>) {
+pub(crate) fn tool_in_flight(store: &Store, run_id: &RunId, holder: &Grant, calls: Vec<ToolCall>) {
     let first = calls[0].clone();
     model_answered_by(store, run_id, holder, calls);
     on(store, run_id, |m| {
@@ -758,27 +759,25 @@ pub(crate) fn a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused
     );
 }
 
-/// `first` then `then` as the loop pairs them, in one move of a group; answers whether each
-/// committed (`then` not attempted counts as not).
-fn queued_pair<A: moves::Move, B: moves::Move>(
-    first: A,
-    then: B,
-) -> (Queued, std::sync::mpsc::Receiver<bool>) {
+/// What a pair's second move was answered: `None` when it was not attempted.
+pub(crate) type Then = std::sync::mpsc::Receiver<Option<Result<()>>>;
+
+/// `first` then `then` as the loop pairs them, in one move of a group: whether `first`
+/// committed, and what `then` was answered.
+pub(crate) fn queued_pair<A: moves::Move, B: moves::Move>(first: A, then: B) -> (Queued, Then) {
     let (pending, answer) =
         super::queue::pending_pair(first, then, |_| true, super::backend::Durability::Durable);
     let (second, seconds) = std::sync::mpsc::channel();
-    let committed = move || match actix_rt::Runtime::new()
-        .expect("a runtime")
-        .block_on(answer)
-    {
-        Ok((_, then)) => {
-            let _ = second.send(matches!(then, Some(Ok(_))));
-            true
-        }
-        Err(_) => {
-            let _ = second.send(false);
-            false
-        }
+    let committed = move || {
+        let answer = actix_rt::Runtime::new()
+            .expect("a runtime")
+            .block_on(answer);
+        let (committed, then) = match answer {
+            Ok((_, then)) => (true, then.map(|then| then.map(drop))),
+            Err(_) => (false, None),
+        };
+        let _ = second.send(then);
+        committed
     };
     ((pending, Box::new(committed)), seconds)
 }
@@ -808,10 +807,17 @@ pub(crate) fn a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_
     let (s_pair, s_then) = queued_pair(finish(&run("s")), begin(&run("s")));
     let committed = in_one_group(&store, vec![r_pair, s_pair]);
     assert_eq!(committed, [true, true], "both outcomes");
-    assert_eq!(
-        (r_then.recv().unwrap(), s_then.recv().unwrap()),
-        (false, true)
+    assert!(
+        matches!(
+            r_then.recv().unwrap(),
+            Some(Err(Error::LeaseLost {
+                reason: crate::LeaseLostReason::Expired,
+                ..
+            }))
+        ),
+        "the start's own refusal"
     );
+    assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
     assert_eq!(
         kinds(&store, &run("r")).last(),
         Some(&EventKind::ToolFinished),
@@ -864,7 +870,7 @@ pub(crate) fn a_step_inserted_and_started_in_one_pair_is_stored_started(f: &dyn 
     let decided = decide_tool(&run("r"), &grant, 2, &call("c1"), &allow());
     let (pair, then) = queued_pair(answered, decided);
     assert_eq!(in_one_group(&store, vec![pair]), [true]);
-    assert!(then.recv().unwrap());
+    assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
     let snapshot = store.read(|reads| moves::load(reads, &run("r"))).unwrap();
     let steps: Vec<_> = snapshot
         .steps
@@ -888,6 +894,37 @@ pub(crate) fn a_step_inserted_and_started_in_one_pair_is_stored_started(f: &dyn 
             EventKind::PolicyDecided,
             EventKind::ToolStarted
         ]
+    );
+}
+
+/// A pair whose second move inserts a step that exists (the steps' key refuses it) is refused
+/// alone: its first move, and another run's pair in the group, commit.
+pub(crate) fn a_pairs_insert_refused_by_a_constraint_is_refused_alone(f: &dyn Fixture) {
+    let store = f.store();
+    let grant = me();
+    let done = ToolResult::Ok(json!({"sent": true}));
+    let finish = |n: &str| moves::FinishTool::new(Leased::new(&run(n), &grant), 2, 1, "c1", &done);
+    let begin = |n: &str, step| moves::BeginModelStep {
+        by: Leased::new(&run(n), &grant),
+        step,
+    };
+    for n in ["r", "s"] {
+        create(&store, &run(n), &grant);
+        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
+    }
+    // Step 2 of `r` exists: a reservation numbered 2 is refused.
+    let (r_pair, r_then) = queued_pair(finish("r"), begin("r", 2));
+    let (s_pair, s_then) = queued_pair(finish("s"), begin("s", 3));
+    assert_eq!(in_one_group(&store, vec![r_pair, s_pair]), [true, true]);
+    assert!(matches!(r_then.recv().unwrap(), Some(Err(_))));
+    assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
+    assert_eq!(
+        kinds(&store, &run("r")).last(),
+        Some(&EventKind::ToolFinished)
+    );
+    assert_eq!(
+        kinds(&store, &run("s")).last(),
+        Some(&EventKind::ModelStarted)
     );
 }
 

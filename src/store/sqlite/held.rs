@@ -5,9 +5,13 @@
 //! Only the writes of steps and events go out while writes are held: they do not read the runs
 //! table's lease or stamp (an event's insert reads only its run's key), nor the rows of the
 //! steps held. Any other statement sends what is held first, as does the end of each move or
-//! pair. A held write that does not stand when it is sent (a touch whose guard no longer
-//! matches, an insert a constraint refuses) fails the whole group, which is then applied again
+//! pair. A held write that does not stand when it is sent (a touch whose guard does not
+//! match, an insert a constraint refuses) fails the whole group, which is then applied again
 //! move by move without holding anything: the refusal is then the move's own.
+//!
+//! A move therefore learns of a refusal by its touch only in that second pass: the first goes
+//! on as if the touch stood. Moves that act on such a refusal (an outcome recorded late, on a
+//! run an operator cancelled) are rare, and cost their group a second pass.
 
 use crate::types::{ApprovalReason, RunId, StepKind, StepState};
 
@@ -37,8 +41,9 @@ pub(crate) struct HeldStep {
     pub waiting_for: Option<ApprovalReason>,
 }
 
-/// What a step's move asks of a step held: from state `from` at attempt `attempt`, to `to`,
-/// one attempt more if `starts`, with `result` (JSON) if given.
+/// What a move of step `step` of run `run_id` asks of it, when its insert is held: from state
+/// `from` at attempt `attempt`, to `to`, one attempt more if `starts`, with `result` (JSON) if
+/// given.
 pub(crate) struct HeldMove<'a> {
     pub from: StepState,
     pub attempt: u32,
@@ -61,7 +66,7 @@ pub(crate) struct Held {
 
 impl Held {
     /// Holds `touch` back; a touch of the same run under the same lease is made one with the
-    /// touch held (the stricter bound, the later stamp). Answers the touch held before, of
+    /// touch held (the stricter bound, the stamp of the later move). Answers the touch held before, of
     /// another run or lease, which is to be sent first.
     pub(crate) fn touch(&mut self, touch: HeldTouch) -> Option<HeldTouch> {
         if let Some(held) = &mut self.touch
@@ -69,7 +74,7 @@ impl Held {
             && held.owner == touch.owner
             && held.token == touch.token
         {
-            held.at = held.at.max(touch.at);
+            held.at = touch.at;
             held.unexpired_at = match (held.unexpired_at, touch.unexpired_at) {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
@@ -79,6 +84,7 @@ impl Held {
         self.touch.replace(touch)
     }
 
+    /// Holds the insert of `step`.
     pub(crate) fn insert_step(&mut self, step: HeldStep) {
         self.steps.push(step);
     }

@@ -30,7 +30,8 @@ use crate::{
 
 /// A connection seen through the backend's primitives. A transaction derefs to its
 /// connection, so the same statements serve inside a move and outside. A group's transaction
-/// on the writer, as first applied, also has the writer's memo of the runs' keys.
+/// on the writer, as first applied, also has the writer's memo: the runs' keys, and the writes
+/// its moves hold back.
 pub(crate) struct Sql<'c>(pub &'c Connection, pub Option<&'c mut RunKeys>);
 
 impl<'c> Sql<'c> {
@@ -44,30 +45,37 @@ impl<'c> Sql<'c> {
         self.1.as_deref_mut().map(|memo| &mut memo.held)
     }
 
-    /// Sends the writes held back, if any (see [`Held`]).
-    pub(crate) fn flush_held(&mut self) -> Result<()> {
+    /// Sends the writes held back, if any (see [`Held`]). Unless all of them stand, the group
+    /// is marked refused, so that it cannot commit as applied even if the error is caught.
+    fn flush_held(&mut self) -> Result<()> {
         let (touch_held, steps) = match self.held() {
             Some(held) if held.any() => held.take(),
             _ => return Ok(()),
         };
-        let mut stood = true;
-        if let Some(HeldTouch {
-            run_id,
-            at,
-            owner,
-            token,
-            unexpired_at,
-        }) = touch_held
+        let conn = self.0;
+        let sent = (|| {
+            let mut stood = true;
+            if let Some(HeldTouch {
+                run_id,
+                at,
+                owner,
+                token,
+                unexpired_at,
+            }) = touch_held
+            {
+                stood = touch(conn, &run_id, at, &owner, token, unexpired_at)?;
+            }
+            for step in steps {
+                insert_step_row(conn, &step)?;
+            }
+            Ok(stood)
+        })();
+        if !matches!(sent, Ok(true))
+            && let Some(held) = self.held()
         {
-            stood = touch(self.0, &run_id, at, &owner, token, unexpired_at)?;
-        }
-        for step in steps {
-            insert_step_row(self.0, &step)?;
-        }
-        if !stood && let Some(held) = self.held() {
             held.refused();
         }
-        Ok(())
+        sent.map(drop)
     }
 
     /// Sends the writes held back, if any; whether every write the group held stood.
@@ -1137,7 +1145,7 @@ impl Tx for Sql<'_> {
             unexpired_at,
         };
         if let Some(before) = held.touch(held_touch) {
-            // Of another run: sent first, its refusal the group's.
+            // Of another run or lease: sent first, its refusal the group's.
             let HeldTouch {
                 run_id,
                 at,

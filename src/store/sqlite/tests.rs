@@ -781,3 +781,71 @@ fn a_read_sees_one_snapshot_while_another_connection_commits() {
     );
     assert_eq!(store.run(&id).unwrap().state, crate::RunState::Cancelled);
 }
+
+/// An outcome and the reservation after it, paired, write their run's row once; so do a
+/// model's answer and the start of the call it asks for, which also insert that call's step
+/// already started instead of inserting it and then moving it.
+#[test]
+fn a_pair_writes_its_runs_row_once_and_a_step_it_inserts_and_starts_once() {
+    use crate::{
+        store::{
+            conformance::{
+                allow, call, create, in_one_group, me, queued_pair, run, tool_in_flight,
+            },
+            model::{ModelOutcome, Rendered},
+            moves::{self, Leased},
+        },
+        types::{ModelResponse, ToolResult},
+    };
+    let file = File::new();
+    let path = file.fresh_path();
+    let store = Store::open(&path).unwrap();
+    let grant = me();
+    create(&store, &run("r"), &grant);
+    tool_in_flight(&store, &run("r"), &grant, vec![call("c1")]);
+    // Counted by triggers, which the writer's statements fire too.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE writes (of TEXT PRIMARY KEY, n INTEGER NOT NULL);
+         INSERT INTO writes VALUES ('runs', 0), ('steps', 0);
+         CREATE TRIGGER runs_written AFTER UPDATE ON runs
+         BEGIN UPDATE writes SET n = n + 1 WHERE of = 'runs'; END;
+         CREATE TRIGGER steps_written AFTER UPDATE ON steps
+         BEGIN UPDATE writes SET n = n + 1 WHERE of = 'steps'; END;",
+    )
+    .unwrap();
+    let writes = || -> (i64, i64) {
+        conn.query_row(
+            "SELECT (SELECT n FROM writes WHERE of = 'runs'), (SELECT n FROM writes WHERE of = 'steps')",
+            [],
+            |row| Ok((row.get(0)?, row.get(1)?)),
+        )
+        .unwrap()
+    };
+    let by = || Leased::new(&run("r"), &grant);
+    let done = ToolResult::Ok(serde_json::json!({"sent": true}));
+    let outcome = moves::FinishTool::new(by(), 2, 1, "c1", &done);
+    let reservation = moves::BeginModelStep { by: by(), step: 3 };
+    let (pair, then) = queued_pair(outcome, reservation);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
+    // The run's touch once; step 2 finished (step 3 is inserted, not moved).
+    assert_eq!(writes(), (1, 1));
+
+    let response = ModelResponse::calls(vec![call("c2")]);
+    let answer = moves::FinishModelStep {
+        by: by(),
+        step: 3,
+        attempt: 1,
+        outcome: ModelOutcome::Answered {
+            recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
+            response,
+        },
+    };
+    let start = crate::store::conformance::decide_tool(&run("r"), &grant, 4, &call("c2"), &allow());
+    let (pair, then) = queued_pair(answer, start);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
+    // The run's touch once; step 3 finished; step 4 inserted started, not moved.
+    assert_eq!(writes(), (2, 2));
+}

@@ -103,8 +103,8 @@ impl Sqlite {
 
     /// Runs `moves` as one group commit: one `BEGIN IMMEDIATE` transaction and one commit
     /// for all, each move all-or-nothing. They are first applied straight into the transaction,
-    /// which is all it takes when none is refused (the usual case); if one is, the transaction
-    /// is rolled back and the group applied again with each move in a savepoint of its own, so
+    /// which is all it takes when none is refused (the usual case); if one is, or a write one
+    /// held back does not stand when it is sent, the transaction is rolled back and the group applied again with each move in a savepoint of its own, so
     /// that a refused move is rolled back alone. `apply` must therefore give the same result
     /// when called again on the same state. An error means nothing was committed, except
     /// [`Error::CommitUnknown`]: an I/O error once the commit may have reached the disk. An
@@ -158,7 +158,11 @@ impl Sqlite {
                 // What the move (or pair) held back is sent once it is applied; a write that
                 // does not stand, or fails, has the group applied again move by move.
                 let applied = apply(group_move, &mut sql, Isolation::Shared);
-                let stands = applied && sql.held_stood().unwrap_or(false);
+                let stands = applied
+                    && sql.held_stood().unwrap_or_else(|err| {
+                        tracing::debug!(%err, "a held write failed: the group is applied again");
+                        false
+                    });
                 stopped = stopped_at_io(&tx);
                 stands && stopped.is_none()
             }) {

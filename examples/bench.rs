@@ -227,8 +227,8 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineComm
             .execute(rusqlite::params![run, ms()])
             .unwrap();
     };
+    // A reservation paired with the outcome before it shares that move's touch of the run.
     let begin_model = |tx: &rusqlite::Connection, event: &mut EventFn<'_>, step: u32| {
-        touch(tx);
         tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt) VALUES (?1, ?2, 'model', 'in_flight', 1)").unwrap().execute(rusqlite::params![run, step]).unwrap();
         event(tx, "step.model_started", Some(step), r#"{"attempt":1}"#);
     };
@@ -257,6 +257,7 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineComm
     )
     .unwrap();
     event(tx, "run.started", None, "{}");
+    touch(tx);
     begin_model(tx, &mut event, 1);
     commit(tx);
     let mut open = false;
@@ -265,9 +266,11 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineComm
         if !open {
             begin(tx);
         }
+        // The answer and the decision with its start share one touch of the run, and the
+        // call's step is inserted started.
         touch(tx);
         let response = format!(r#"{{"tool_calls":[{{"id":"c{i}","name":"noop","args":{{}}}}]}}"#);
-        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args) VALUES (?1, ?2, 'tool', 'pending', 0, ?3, 'noop', '{}')").unwrap().execute(rusqlite::params![run, tool_step, format!("c{i}")]).unwrap();
+        tx.prepare_cached("INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args) VALUES (?1, ?2, 'tool', 'in_flight', 1, ?3, 'noop', '{}')").unwrap().execute(rusqlite::params![run, tool_step, format!("c{i}")]).unwrap();
         tx.prepare_cached(
             "UPDATE steps SET state = 'finished', result = ?3 WHERE run_id = ?1 AND step = ?2",
         )
@@ -275,19 +278,12 @@ fn baseline_run(dir: &Path, sync: Synchronous, steps: u32, commits: BaselineComm
         .execute(rusqlite::params![run, model_step, response])
         .unwrap();
         event(tx, "step.model_finished", Some(model_step), &response);
-        touch(tx);
         event(
             tx,
             "policy.decided",
             Some(tool_step),
             r#"{"decision":"allow"}"#,
         );
-        tx.prepare_cached(
-            "UPDATE steps SET state = 'in_flight', attempt = 1 WHERE run_id = ?1 AND step = ?2",
-        )
-        .unwrap()
-        .execute(rusqlite::params![run, tool_step])
-        .unwrap();
         event(tx, "step.tool_started", Some(tool_step), r#"{"attempt":1}"#);
         // The tool's start is durable before its call.
         commit(tx);

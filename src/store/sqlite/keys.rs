@@ -1,6 +1,7 @@
-//! The writer's memo of the runs it moves: their integer keys, remembered from one group commit
-//! to the next, so that appending a run's event needs no lookup of its key by its text id; and,
-//! within a group, the writes held back ([`Held`]).
+//! The writer's memo of the runs it moves: their integer keys and the number of their last
+//! events, remembered from one group commit to the next, so that appending a run's event needs
+//! no lookup of its key by its text id nor of its last number; and, within a group, the writes
+//! held back ([`Held`]).
 //!
 //! A key is never given to two runs (the runs table's keys are AUTOINCREMENT), so a remembered
 //! key can only be stale by naming a run that is gone (purged, perhaps made again under a new
@@ -10,6 +11,10 @@
 //! key it learnt there may be of a run whose insert was rolled back, and a rolled-back insert's
 //! key is given again, when another connection committed (another process
 //! may have purged a run), and before the writer writes outside a group (a purge of its own).
+//!
+//! Only the writer appends events through the memo, and every other connection's commit clears
+//! it, so a remembered number is the run's last. Were it not, the event log's unique index
+//! would refuse the append, and the group would be applied again without the memo.
 
 use std::collections::HashMap;
 
@@ -22,7 +27,8 @@ const MAX_RUNS: usize = 100_000;
 /// See the module's documentation.
 #[derive(Debug, Default)]
 pub(crate) struct RunKeys {
-    keys: HashMap<RunId, i64>,
+    /// Each run's key, and the number of its last event when known.
+    keys: HashMap<RunId, (i64, Option<i64>)>,
     /// The writes held back in the group in progress.
     pub(crate) held: Held,
     /// The database's `data_version` when a group last began: another connection's commit
@@ -58,7 +64,20 @@ impl RunKeys {
 
     /// The key of `run_id`, as last seen.
     pub(crate) fn get(&self, run_id: &RunId) -> Option<i64> {
-        self.keys.get(run_id).copied()
+        self.keys.get(run_id).map(|(key, _)| *key)
+    }
+
+    /// The number of `run_id`'s last event, as last appended.
+    pub(crate) fn last_event(&self, run_id: &RunId) -> Option<i64> {
+        self.keys.get(run_id).and_then(|(_, last)| *last)
+    }
+
+    /// `run_id`, of key `key`, has appended its event numbered `seq`.
+    pub(crate) fn appended(&mut self, run_id: &RunId, key: i64, seq: i64) {
+        if self.keys.len() >= MAX_RUNS {
+            self.keys.clear();
+        }
+        self.keys.insert(run_id.clone(), (key, Some(seq)));
     }
 
     /// `run_id`'s key is `key`.
@@ -66,7 +85,7 @@ impl RunKeys {
         if self.keys.len() >= MAX_RUNS {
             self.keys.clear();
         }
-        self.keys.insert(run_id.clone(), key);
+        self.keys.insert(run_id.clone(), (key, None));
     }
 
     /// `run_id` left RUNNING: it is unlikely to move again soon.
@@ -103,5 +122,23 @@ mod tests {
         assert_eq!(keys.get(&run), Some(7));
         keys.begin(2);
         assert_eq!(keys.get(&run), None);
+    }
+
+    #[test]
+    fn an_event_number_is_remembered_with_its_key_and_forgotten_with_it() {
+        let (mut keys, run) = (RunKeys::default(), RunId::from("a"));
+        keys.begin(1);
+        keys.note(&run, 7);
+        assert_eq!(keys.last_event(&run), None);
+        keys.appended(&run, 7, 3);
+        keys.committed();
+        keys.begin(1);
+        assert_eq!((keys.get(&run), keys.last_event(&run)), (Some(7), Some(3)));
+        keys.forget(&run);
+        assert_eq!(keys.last_event(&run), None);
+        keys.appended(&run, 7, 4);
+        keys.committed();
+        keys.begin(2);
+        assert_eq!(keys.last_event(&run), None);
     }
 }

@@ -126,6 +126,14 @@ fn touch(
     Ok(changed == 1)
 }
 
+/// The number of the last event of the run of key `key`; 0 when it has none.
+fn last_event(conn: &Connection, key: i64) -> Result<i64> {
+    conn.prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run_key = ?1")
+        .db()?
+        .query_row([key], |row| row.get(0))
+        .db()
+}
+
 /// Inserts `step`, as it is held.
 fn insert_step_row(conn: &Connection, step: &HeldStep) -> Result<()> {
     let call = step.call.as_ref();
@@ -1518,18 +1526,40 @@ impl Sql<'_> {
                 key
             }
         };
-        self.0
-            .prepare_cached(
-                // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
-                // into would make SQLite stage the row in a temporary table. A run that does not
-                // exist has no key, which the column refuses.
-                "INSERT INTO events (run_key, seq, kind, at, step, payload)
-                 VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_key = ?1),
-                         ?2, ?3, ?4, ?5)",
-            )
-            .db()?
-            .execute(params![key, kind.as_str(), at, step, payload])
-            .db()?;
+        // With the memo, the run's next number is known, or read once.
+        let next = match (key, self.1.as_deref()) {
+            (Some(key), Some(memo)) => match memo.last_event(run_id) {
+                Some(last) => Some((key, last + 1)),
+                None => Some((key, last_event(self.0, key)? + 1)),
+            },
+            _ => None,
+        };
+        if let Some((key, seq)) = next {
+            self.0
+                .prepare_cached(
+                    "INSERT INTO events (run_key, seq, kind, at, step, payload)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .db()?
+                .execute(params![key, seq, kind.as_str(), at, step, payload])
+                .db()?;
+            if let Some(memo) = self.1.as_deref_mut() {
+                memo.appended(run_id, key, seq);
+            }
+        } else {
+            self.0
+                .prepare_cached(
+                    // A scalar subquery, not INSERT ... SELECT: reading the table being inserted
+                    // into would make SQLite stage the row in a temporary table. A run that does
+                    // not exist has no key, which the column refuses.
+                    "INSERT INTO events (run_key, seq, kind, at, step, payload)
+                     VALUES (?1, (SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_key = ?1),
+                             ?2, ?3, ?4, ?5)",
+                )
+                .db()?
+                .execute(params![key, kind.as_str(), at, step, payload])
+                .db()?;
+        }
         if kind == EventKind::RunFinished
             && let Some(keys) = self.1.as_deref_mut()
         {

@@ -849,3 +849,42 @@ fn a_pair_writes_its_runs_row_once_and_a_step_it_inserts_and_starts_once() {
     // The run's touch once; step 3 finished; step 4 inserted started, not moved.
     assert_eq!(writes(), (2, 2));
 }
+
+/// The writer numbers a run's events from what it remembers; an event another connection
+/// appended meanwhile is numbered in, and the next is numbered after it, the log without gaps.
+#[test]
+fn an_event_appended_by_another_connection_is_numbered_after_without_a_gap() {
+    use crate::store::{
+        conformance::{call, create, in_one_group, me, queued_pair, run, tool_in_flight},
+        moves::{self, Leased},
+    };
+    let file = File::new();
+    let path = file.fresh_path();
+    let store = Store::open(&path).unwrap();
+    let grant = me();
+    create(&store, &run("r"), &grant);
+    tool_in_flight(&store, &run("r"), &grant, vec![call("c1")]);
+    let before = store.events(&run("r")).unwrap().len() as i64;
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "INSERT INTO events (run_key, seq, kind, at, step, payload)
+         SELECT key, ?2, 'operator.note', 0, NULL, '{}' FROM runs WHERE id = ?1",
+        rusqlite::params!["r", before + 1],
+    )
+    .unwrap();
+    let by = || Leased::new(&run("r"), &grant);
+    let done = crate::types::ToolResult::Ok(serde_json::json!({"sent": true}));
+    let outcome = moves::FinishTool::new(by(), 2, 1, "c1", &done);
+    let reservation = moves::BeginModelStep { by: by(), step: 3 };
+    let (pair, then) = queued_pair(outcome, reservation);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
+    let numbers: Vec<i64> = conn
+        .prepare("SELECT seq FROM events JOIN runs ON runs.key = events.run_key WHERE runs.id = 'r' ORDER BY seq")
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(numbers, (1..=before + 3).collect::<Vec<_>>());
+}

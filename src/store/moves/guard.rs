@@ -240,16 +240,7 @@ impl<'a, 'c> Cx<'a, 'c> {
         attempt: u32,
         result: Option<&Value>,
     ) -> Result<()> {
-        let update = StepUpdate {
-            from,
-            attempt,
-            to: StepState::Finished,
-            starts: false,
-            result,
-            result_text: None,
-            waiting_for: None,
-        };
-        self.move_step(step, update)
+        self.finish_step(step, from, attempt, result, None)
     }
 
     /// Finishes a step as [`Cx::close_step`] does, with a result whose text is made already.
@@ -260,13 +251,24 @@ impl<'a, 'c> Cx<'a, 'c> {
         attempt: u32,
         result: &Rendered,
     ) -> Result<()> {
+        self.finish_step(step, from, attempt, Some(&result.value), Some(&result.text))
+    }
+
+    fn finish_step(
+        &mut self,
+        step: u32,
+        from: StepState,
+        attempt: u32,
+        result: Option<&Value>,
+        result_text: Option<&str>,
+    ) -> Result<()> {
         let update = StepUpdate {
             from,
             attempt,
             to: StepState::Finished,
             starts: false,
-            result: Some(&result.value),
-            result_text: Some(&result.text),
+            result,
+            result_text,
             waiting_for: None,
         };
         self.move_step(step, update)

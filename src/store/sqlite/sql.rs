@@ -1480,7 +1480,10 @@ impl Tx for Sql<'_> {
     }
 
     fn rollback_to(&mut self, name: &str) -> Result<()> {
-        self.flush_held()?;
+        // What is held was written after the savepoint: rolled back with the rest.
+        if let Some(held) = self.held() {
+            held.take();
+        }
         self.0
             .prepare_cached(&format!("ROLLBACK TO {name}"))
             .db()?

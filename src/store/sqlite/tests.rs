@@ -782,6 +782,17 @@ fn a_read_sees_one_snapshot_while_another_connection_commits() {
     assert_eq!(store.run(&id).unwrap().state, crate::RunState::Cancelled);
 }
 
+/// A store on a new file of `file`'s, with run `r` started under `grant` and its call `c1`'s
+/// tool in flight.
+fn with_tool_in_flight(file: &File, grant: &crate::store::model::Grant) -> (Store, PathBuf) {
+    use crate::store::conformance::{call, create, run, tool_in_flight};
+    let path = file.fresh_path();
+    let store = Store::open(&path).unwrap();
+    create(&store, &run("r"), grant);
+    tool_in_flight(&store, &run("r"), grant, vec![call("c1")]);
+    (store, path)
+}
+
 /// An outcome and the reservation after it, paired, write their run's row once; so do a
 /// model's answer and the start of the call it asks for, which also insert that call's step
 /// already started instead of inserting it and then moving it.
@@ -789,20 +800,14 @@ fn a_read_sees_one_snapshot_while_another_connection_commits() {
 fn a_pair_writes_its_runs_row_once_and_a_step_it_inserts_and_starts_once() {
     use crate::{
         store::{
-            conformance::{
-                allow, call, create, in_one_group, me, queued_pair, run, tool_in_flight,
-            },
+            conformance::{allow, call, in_one_group, me, queued_pair, run},
             model::{ModelOutcome, Rendered},
             moves::{self, Leased},
         },
         types::{ModelResponse, ToolResult},
     };
-    let file = File::new();
-    let path = file.fresh_path();
-    let store = Store::open(&path).unwrap();
-    let grant = me();
-    create(&store, &run("r"), &grant);
-    tool_in_flight(&store, &run("r"), &grant, vec![call("c1")]);
+    let (file, grant) = (File::new(), me());
+    let (store, path) = with_tool_in_flight(&file, &grant);
     // Counted by triggers, which the writer's statements fire too.
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(
@@ -855,15 +860,11 @@ fn a_pair_writes_its_runs_row_once_and_a_step_it_inserts_and_starts_once() {
 #[test]
 fn an_event_appended_by_another_connection_is_numbered_after_without_a_gap() {
     use crate::store::{
-        conformance::{call, create, in_one_group, me, queued_pair, run, tool_in_flight},
+        conformance::{in_one_group, me, queued_pair, run},
         moves::{self, Leased},
     };
-    let file = File::new();
-    let path = file.fresh_path();
-    let store = Store::open(&path).unwrap();
-    let grant = me();
-    create(&store, &run("r"), &grant);
-    tool_in_flight(&store, &run("r"), &grant, vec![call("c1")]);
+    let (file, grant) = (File::new(), me());
+    let (store, path) = with_tool_in_flight(&file, &grant);
     let before = store.events(&run("r")).unwrap().len() as i64;
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute(

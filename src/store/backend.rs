@@ -181,7 +181,8 @@ pub(crate) struct StepUpdate<'a> {
     pub starts: bool,
     /// Replaces the stored result when given.
     pub result: Option<&'a Value>,
-    /// `result`'s JSON text, when it was made already.
+    /// `result`'s JSON text, when it was made already (for a backend that stores the text).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub result_text: Option<&'a str>,
     pub waiting_for: Option<ApprovalReason>,
 }

@@ -315,7 +315,7 @@ pub(crate) trait Tx: LeaseWrites {
         step: Option<u32>,
         payload: &Rendered,
     ) -> Result<()> {
-        self.append_event(run_id, kind, at, step, &payload.value)
+        self.append_event(run_id, kind, at, step, payload.value())
     }
     /// Inserts the wait of the run's waiting step `wait.step` (the run's agent is read from
     /// its row).

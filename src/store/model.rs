@@ -292,14 +292,23 @@ impl LeaseRow {
 /// the value goes to.
 #[derive(Debug, Clone)]
 pub(crate) struct Rendered {
-    pub value: Value,
-    pub text: String,
+    value: Value,
+    text: String,
 }
 
 impl Rendered {
     pub(crate) fn new(value: Value) -> Self {
         let text = value.to_string();
         Rendered { value, text }
+    }
+
+    pub(crate) fn value(&self) -> &Value {
+        &self.value
+    }
+
+    /// The value's JSON text.
+    pub(crate) fn text(&self) -> &str {
+        &self.text
     }
 }
 

@@ -127,7 +127,7 @@ impl RunLoop {
             }
         };
         let first = FinishTool::new(self.leased(), number, attempt, &call.id, &result);
-        let result_json = first.result.value.clone();
+        let result_json = first.result.value().clone();
         self.set_step(number, StepState::Finished, attempt, Some(result_json));
         // A lost lease or an operator's cancel (both fire the signal) plans nothing more: the
         // outcome alone is offered. So does a drain, which then hands the run over.

@@ -251,7 +251,13 @@ impl<'a, 'c> Cx<'a, 'c> {
         attempt: u32,
         result: &Rendered,
     ) -> Result<()> {
-        self.finish_step(step, from, attempt, Some(&result.value), Some(&result.text))
+        self.finish_step(
+            step,
+            from,
+            attempt,
+            Some(result.value()),
+            Some(result.text()),
+        )
     }
 
     fn finish_step(

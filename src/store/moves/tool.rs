@@ -152,7 +152,7 @@ impl Move for FinishTool {
         let (step, attempt) = (self.step, self.attempt);
         cx.close_step_rendered(step, StepState::InFlight, attempt, &self.result)?;
         if late {
-            let mut payload = self.finished.value.clone();
+            let mut payload = self.finished.value().clone();
             payload["late"] = json!(true);
             cx.append(EventKind::ToolFinished, Some(step), &payload)?;
         } else {

@@ -74,10 +74,15 @@ impl RunKeys {
 
     /// `run_id`, of key `key`, has appended its event numbered `seq`.
     pub(crate) fn appended(&mut self, run_id: &RunId, key: i64, seq: i64) {
-        if self.keys.len() >= MAX_RUNS {
-            self.keys.clear();
+        match self.keys.get_mut(run_id) {
+            Some(known) => *known = (key, Some(seq)),
+            None => {
+                if self.keys.len() >= MAX_RUNS {
+                    self.keys.clear();
+                }
+                self.keys.insert(run_id.clone(), (key, Some(seq)));
+            }
         }
-        self.keys.insert(run_id.clone(), (key, Some(seq)));
     }
 
     /// `run_id`'s key is `key`.
@@ -120,6 +125,7 @@ mod tests {
         keys.committed();
         keys.begin(1);
         assert_eq!(keys.get(&run), Some(7));
+        keys.committed();
         keys.begin(2);
         assert_eq!(keys.get(&run), None);
     }

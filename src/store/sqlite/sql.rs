@@ -1466,7 +1466,7 @@ impl Tx for Sql<'_> {
         step: Option<u32>,
         payload: &Rendered,
     ) -> Result<()> {
-        self.append_text(run_id, kind, at, step, &payload.text)
+        self.append_text(run_id, kind, at, step, payload.text())
     }
 
     fn savepoint(&mut self, name: &str) -> Result<()> {

@@ -855,8 +855,9 @@ fn a_pair_writes_its_runs_row_once_and_a_step_it_inserts_and_starts_once() {
     assert_eq!(writes(), (2, 2));
 }
 
-/// The writer numbers a run's events from what it remembers; an event another connection
-/// appended meanwhile is numbered in, and the next is numbered after it, the log without gaps.
+/// The writer numbers a run's events from the number of its last it remembers from one group
+/// to the next; an event another connection appended meanwhile makes it forget, and the next is
+/// numbered after that event, the log without gaps.
 #[test]
 fn an_event_appended_by_another_connection_is_numbered_after_without_a_gap() {
     use crate::store::{
@@ -865,27 +866,88 @@ fn an_event_appended_by_another_connection_is_numbered_after_without_a_gap() {
     };
     let (file, grant) = (File::new(), me());
     let (store, path) = with_tool_in_flight(&file, &grant);
-    let before = store.events(&run("r")).unwrap().len() as i64;
+    let by = || Leased::new(&run("r"), &grant);
+    let remembered = || {
+        let sqlite = Sqlite::of(&store).unwrap();
+        let keys = sqlite.keys.lock().unwrap();
+        keys.last_event(&run("r"))
+    };
+    let done = crate::types::ToolResult::Ok(serde_json::json!({"sent": true}));
+    let outcome = moves::FinishTool::new(by(), 2, 1, "c1", &done);
+    let reservation = moves::BeginModelStep { by: by(), step: 3 };
+    let (pair, _) = queued_pair(outcome, reservation);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    let known = store.events(&run("r")).unwrap().len() as i64;
+    assert_eq!(remembered(), Some(known), "remembered from the group");
+
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute(
         "INSERT INTO events (run_key, seq, kind, at, step, payload)
          SELECT key, ?2, 'operator.note', 0, NULL, '{}' FROM runs WHERE id = ?1",
-        rusqlite::params!["r", before + 1],
+        rusqlite::params!["r", known + 1],
     )
     .unwrap();
+    let failed = moves::FailModelAttempt {
+        by: by(),
+        step: 3,
+        attempt: 1,
+        error: "overloaded".into(),
+        retry_in: Duration::from_millis(10),
+    };
+    let (pending, answer) =
+        crate::store::queue::pending(failed, crate::store::backend::Durability::Durable);
+    let committed = move || matches!(answer.blocking_recv(), Ok(Ok(())));
+    assert_eq!(
+        in_one_group(&store, vec![(pending, Box::new(committed))]),
+        [true]
+    );
+    // Numbered after the other connection's event, not in its place: no second attempt.
+    assert_eq!(remembered(), Some(known + 2));
+    assert_eq!(event_numbers(&conn), (1..=known + 2).collect::<Vec<_>>());
+}
+
+/// A move refused after it appended an event, in a group the writer applies again, leaves no
+/// number behind it: the next event is numbered after the last one kept.
+#[test]
+fn a_refused_moves_event_leaves_no_gap_in_the_numbers() {
+    use crate::store::{
+        conformance::{allow, call, decide_tool, in_one_group, me, queued_pair, run},
+        moves::{self, Leased},
+    };
+    let (file, grant) = (File::new(), me());
+    let (store, path) = with_tool_in_flight(&file, &grant);
     let by = || Leased::new(&run("r"), &grant);
     let done = crate::types::ToolResult::Ok(serde_json::json!({"sent": true}));
     let outcome = moves::FinishTool::new(by(), 2, 1, "c1", &done);
-    let reservation = moves::BeginModelStep { by: by(), step: 3 };
-    let (pair, then) = queued_pair(outcome, reservation);
+    // Step 9 does not exist: the decision appends `policy.decided`, then its step's guard
+    // refuses it.
+    let decision = decide_tool(&run("r"), &grant, 9, &call("c9"), &allow());
+    let (pair, then) = queued_pair(outcome, decision);
+    assert_eq!(in_one_group(&store, vec![pair]), [true]);
+    assert!(matches!(then.recv().unwrap(), Some(Err(_))));
+    let (pair, then) = queued_pair(
+        moves::BeginModelStep { by: by(), step: 3 },
+        moves::FailRun {
+            by: by(),
+            error: "stop".into(),
+        },
+    );
     assert_eq!(in_one_group(&store, vec![pair]), [true]);
     assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
-    let numbers: Vec<i64> = conn
-        .prepare("SELECT seq FROM events JOIN runs ON runs.key = events.run_key WHERE runs.id = 'r' ORDER BY seq")
-        .unwrap()
-        .query_map([], |row| row.get(0))
-        .unwrap()
-        .collect::<rusqlite::Result<_>>()
-        .unwrap();
-    assert_eq!(numbers, (1..=before + 3).collect::<Vec<_>>());
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let numbers = event_numbers(&conn);
+    assert_eq!(numbers, (1..=numbers.len() as i64).collect::<Vec<_>>());
+}
+
+/// The numbers of run `r`'s events, in order.
+fn event_numbers(conn: &rusqlite::Connection) -> Vec<i64> {
+    conn.prepare(
+        "SELECT seq FROM events JOIN runs ON runs.key = events.run_key
+         WHERE runs.id = 'r' ORDER BY seq",
+    )
+    .unwrap()
+    .query_map([], |row| row.get(0))
+    .unwrap()
+    .collect::<rusqlite::Result<_>>()
+    .unwrap()
 }

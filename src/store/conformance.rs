@@ -58,7 +58,6 @@ macro_rules! conformance_suite {
                 a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
                 a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs,
                 a_step_inserted_and_started_in_one_pair_is_stored_started,
-                a_pairs_insert_refused_by_a_constraint_is_refused_alone,
                 the_models_answer_adds_pending_tool_steps_or_finishes_the_run,
                 a_failed_model_call_fails_the_run_and_releases_the_lease,
                 an_allowed_call_starts_with_its_idempotency_key,
@@ -894,37 +893,6 @@ pub(crate) fn a_step_inserted_and_started_in_one_pair_is_stored_started(f: &dyn 
             EventKind::PolicyDecided,
             EventKind::ToolStarted
         ]
-    );
-}
-
-/// A pair whose second move inserts a step that exists (the steps' key refuses it) is refused
-/// alone: its first move, and another run's pair in the group, commit.
-pub(crate) fn a_pairs_insert_refused_by_a_constraint_is_refused_alone(f: &dyn Fixture) {
-    let store = f.store();
-    let grant = me();
-    let done = ToolResult::Ok(json!({"sent": true}));
-    let finish = |n: &str| moves::FinishTool::new(Leased::new(&run(n), &grant), 2, 1, "c1", &done);
-    let begin = |n: &str, step| moves::BeginModelStep {
-        by: Leased::new(&run(n), &grant),
-        step,
-    };
-    for n in ["r", "s"] {
-        create(&store, &run(n), &grant);
-        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
-    }
-    // Step 2 of `r` exists: a reservation numbered 2 is refused.
-    let (r_pair, r_then) = queued_pair(finish("r"), begin("r", 2));
-    let (s_pair, s_then) = queued_pair(finish("s"), begin("s", 3));
-    assert_eq!(in_one_group(&store, vec![r_pair, s_pair]), [true, true]);
-    assert!(matches!(r_then.recv().unwrap(), Some(Err(_))));
-    assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
-    assert_eq!(
-        kinds(&store, &run("r")).last(),
-        Some(&EventKind::ToolFinished)
-    );
-    assert_eq!(
-        kinds(&store, &run("s")).last(),
-        Some(&EventKind::ModelStarted)
     );
 }
 

@@ -26,9 +26,9 @@ pub(crate) struct HeldTouch {
     pub unexpired_at: Option<i64>,
 }
 
-/// A step's insert held back, as any later move of the group left it.
+/// A step to insert: held back, as any later move of the group left it, or sent at once.
 #[derive(Debug)]
-pub(crate) struct HeldStep {
+pub(crate) struct StepInsert {
     pub run_id: RunId,
     pub step: u32,
     pub kind: StepKind,
@@ -59,7 +59,7 @@ pub(crate) struct HeldMove<'a> {
 #[derive(Debug, Default)]
 pub(crate) struct Held {
     touch: Option<HeldTouch>,
-    steps: Vec<HeldStep>,
+    steps: Vec<StepInsert>,
     /// A held write sent in this group did not stand.
     refused: bool,
 }
@@ -85,7 +85,7 @@ impl Held {
     }
 
     /// Holds the insert of `step`.
-    pub(crate) fn insert_step(&mut self, step: HeldStep) {
+    pub(crate) fn insert_step(&mut self, step: StepInsert) {
         self.steps.push(step);
     }
 
@@ -114,7 +114,7 @@ impl Held {
     }
 
     /// Everything held, to be sent now.
-    pub(crate) fn take(&mut self) -> (Option<HeldTouch>, Vec<HeldStep>) {
+    pub(crate) fn take(&mut self) -> (Option<HeldTouch>, Vec<StepInsert>) {
         (self.touch.take(), std::mem::take(&mut self.steps))
     }
 

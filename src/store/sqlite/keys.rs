@@ -74,23 +74,23 @@ impl RunKeys {
 
     /// `run_id`, of key `key`, has appended its event numbered `seq`.
     pub(crate) fn appended(&mut self, run_id: &RunId, key: i64, seq: i64) {
-        match self.keys.get_mut(run_id) {
-            Some(known) => *known = (key, Some(seq)),
-            None => {
-                if self.keys.len() >= MAX_RUNS {
-                    self.keys.clear();
-                }
-                self.keys.insert(run_id.clone(), (key, Some(seq)));
-            }
+        self.remember(run_id, (key, Some(seq)));
+    }
+
+    fn remember(&mut self, run_id: &RunId, known: (i64, Option<i64>)) {
+        if let Some(entry) = self.keys.get_mut(run_id) {
+            *entry = known;
+            return;
         }
+        if self.keys.len() >= MAX_RUNS {
+            self.keys.clear();
+        }
+        self.keys.insert(run_id.clone(), known);
     }
 
     /// `run_id`'s key is `key`.
     pub(crate) fn note(&mut self, run_id: &RunId, key: i64) {
-        if self.keys.len() >= MAX_RUNS {
-            self.keys.clear();
-        }
-        self.keys.insert(run_id.clone(), (key, None));
+        self.remember(run_id, (key, None));
     }
 
     /// `run_id` left RUNNING: it is unlikely to move again soon.

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::{
     error::Db,
-    held::{Held, HeldMove, HeldStep, HeldTouch},
+    held::{Held, HeldMove, HeldTouch, StepInsert},
     keys::RunKeys,
 };
 use crate::{
@@ -55,15 +55,8 @@ impl<'c> Sql<'c> {
         let conn = self.0;
         let sent = (|| {
             let mut stood = true;
-            if let Some(HeldTouch {
-                run_id,
-                at,
-                owner,
-                token,
-                unexpired_at,
-            }) = touch_held
-            {
-                stood = touch(conn, &run_id, at, &owner, token, unexpired_at)?;
+            if let Some(held) = touch_held {
+                stood = send_touch(conn, &held)?;
             }
             for step in steps {
                 insert_step_row(conn, &step)?;
@@ -126,6 +119,23 @@ fn touch(
     Ok(changed == 1)
 }
 
+/// Sends a touch that was held back; whether its guard matched.
+fn send_touch(conn: &Connection, held: &HeldTouch) -> Result<bool> {
+    touch(
+        conn,
+        &held.run_id,
+        held.at,
+        &held.owner,
+        held.token,
+        held.unexpired_at,
+    )
+}
+
+/// A tool call's columns of its step: its id, its tool, and its arguments' JSON.
+fn call_columns(call: &ToolCall) -> (String, String, String) {
+    (call.id.clone(), call.name.clone(), call.args.to_string())
+}
+
 /// The number of the last event of the run of key `key`; 0 when it has none.
 fn last_event(conn: &Connection, key: i64) -> Result<i64> {
     conn.prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run_key = ?1")
@@ -135,7 +145,7 @@ fn last_event(conn: &Connection, key: i64) -> Result<i64> {
 }
 
 /// Inserts `step`, as it is held.
-fn insert_step_row(conn: &Connection, step: &HeldStep) -> Result<()> {
+fn insert_step_row(conn: &Connection, step: &StepInsert) -> Result<()> {
     let call = step.call.as_ref();
     conn.prepare_cached(
         "INSERT INTO steps (run_id, step, kind, state, attempt, call_id, tool, args, result,
@@ -1154,14 +1164,7 @@ impl Tx for Sql<'_> {
         };
         if let Some(before) = held.touch(held_touch) {
             // Of another run or lease: sent first, its refusal the group's.
-            let HeldTouch {
-                run_id,
-                at,
-                owner,
-                token,
-                unexpired_at,
-            } = before;
-            if !touch(conn, &run_id, at, &owner, token, unexpired_at)? {
+            if !send_touch(conn, &before)? {
                 held.refused();
             }
         }
@@ -1255,13 +1258,13 @@ impl Tx for Sql<'_> {
         attempt: u32,
         call: Option<&ToolCall>,
     ) -> Result<()> {
-        let held_step = HeldStep {
+        let held_step = StepInsert {
             run_id: run_id.clone(),
             step,
             kind,
             state,
             attempt,
-            call: call.map(|call| (call.id.clone(), call.name.clone(), call.args.to_string())),
+            call: call.map(call_columns),
             result: None,
             waiting_for: None,
         };
@@ -1277,13 +1280,13 @@ impl Tx for Sql<'_> {
     fn insert_step_row(&mut self, run_id: &RunId, step: &StepRow) -> Result<()> {
         self.flush_held()?;
         let call = step.call.as_ref();
-        let row = HeldStep {
+        let row = StepInsert {
             run_id: run_id.clone(),
             step: step.step,
             kind: step.kind,
             state: step.state,
             attempt: step.attempt,
-            call: call.map(|call| (call.id.clone(), call.name.clone(), call.args.to_string())),
+            call: call.map(call_columns),
             result: step.result.as_ref().map(Value::to_string),
             waiting_for: step.waiting_for,
         };

@@ -41,6 +41,10 @@ const MIGRATIONS: &[(u32, &str)] = &[
         15,
         include_str!("../../../migrations/postgres/0015_run_keys.sql"),
     ),
+    (
+        16,
+        include_str!("../../../migrations/postgres/0016_json_unchecked.sql"),
+    ),
 ];
 
 /// How many migrations opening a schema at version `found` applies: an empty schema (0) goes

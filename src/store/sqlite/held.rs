@@ -1,19 +1,22 @@
 //! Writes a group's moves hold back on the writer, so that two writes of one row in a pair of
-//! moves become one: the second move's touch of the run is made one with the first's, and a
-//! step inserted and then moved is inserted as moved.
+//! moves become one, and rows of one table go out together: the second move's touch of the run
+//! is made one with the first's, a step inserted and then moved is inserted as moved, and the
+//! events of the whole group are appended by a few multi-row statements.
 //!
 //! Only the writes of steps and events go out while writes are held: they do not read the runs
 //! table's lease or stamp (an event's insert reads only its run's key), nor the rows of the
 //! steps held. Any other statement sends what is held first, as does the end of each move or
-//! pair. A held write that does not stand when it is sent (a touch whose guard does not
-//! match, an insert a constraint refuses) fails the whole group, which is then applied again
-//! move by move without holding anything: the refusal is then the move's own.
+//! pair for its touch and steps, and the end of the group for its events (no move reads
+//! another's events; a statement that reads events sends them first). A held write that does
+//! not stand when it is sent (a touch whose guard does not match, an insert a constraint
+//! refuses) fails the whole group, which is then applied again move by move without holding
+//! anything: the refusal is then the move's own.
 //!
 //! A move therefore learns of a refusal by its touch only in that second pass: the first goes
 //! on as if the touch stood. Moves that act on such a refusal (an outcome recorded late, on a
 //! run an operator cancelled) are rare, and cost their group a second pass.
 
-use crate::types::{ApprovalReason, RunId, StepKind, StepState};
+use crate::types::{ApprovalReason, EventKind, RunId, StepKind, StepState};
 
 /// A touch held back: the guard of a move that holds run `run_id` under `owner`'s lease of
 /// token `token` (unexpired at `unexpired_at`, if given), and its stamp `at`.
@@ -55,11 +58,24 @@ pub(crate) struct HeldMove<'a> {
     pub step: u32,
 }
 
+/// An event to append, held back: of the run of key `key`, numbered `seq`, its payload JSON.
+#[derive(Debug)]
+pub(crate) struct EventInsert {
+    pub key: i64,
+    pub seq: i64,
+    pub kind: EventKind,
+    pub at: i64,
+    pub step: Option<u32>,
+    pub payload: String,
+}
+
 /// The writes held back in a group's transaction.
 #[derive(Debug, Default)]
 pub(crate) struct Held {
     touch: Option<HeldTouch>,
     steps: Vec<StepInsert>,
+    /// Held to the end of the group, not of the move: nothing a later move writes reads them.
+    events: Vec<EventInsert>,
     /// A held write sent in this group did not stand.
     refused: bool,
 }
@@ -108,14 +124,37 @@ impl Held {
         Some(true)
     }
 
+    /// Holds the append of `event`; answers the events held once there are `batch` of them,
+    /// to be sent now (so that what a group holds stays small whatever its size).
+    pub(crate) fn append(&mut self, event: EventInsert, batch: usize) -> Option<Vec<EventInsert>> {
+        self.events.push(event);
+        (self.events.len() >= batch).then(|| self.take_events())
+    }
+
     /// Whether anything is held.
     pub(crate) fn any(&self) -> bool {
+        self.any_of_moves() || !self.events.is_empty()
+    }
+
+    /// Whether any write held to the end of its move is held.
+    pub(crate) fn any_of_moves(&self) -> bool {
         self.touch.is_some() || !self.steps.is_empty()
     }
 
-    /// Everything held, to be sent now.
-    pub(crate) fn take(&mut self) -> (Option<HeldTouch>, Vec<StepInsert>) {
+    /// The writes held to the end of their move, to be sent now.
+    pub(crate) fn take_of_moves(&mut self) -> (Option<HeldTouch>, Vec<StepInsert>) {
         (self.touch.take(), std::mem::take(&mut self.steps))
+    }
+
+    /// The events held, to be sent now.
+    pub(crate) fn take_events(&mut self) -> Vec<EventInsert> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Drops everything held: it was rolled back.
+    pub(crate) fn drop_all(&mut self) {
+        self.take_of_moves();
+        self.take_events();
     }
 
     /// A held write, sent, did not stand: the group must not commit as applied.

@@ -44,6 +44,10 @@ const REBUILDS: &[(&str, &[&str])] = &[
         "0015_run_keys.sql",
         &["runs", "events", "steps", "approvals", "waits", "inbox"],
     ),
+    (
+        "0016_json_unchecked.sql",
+        &["events", "steps", "approvals", "waits"],
+    ),
 ];
 
 /// Fails the migration if a row of `tables` refers to nothing.

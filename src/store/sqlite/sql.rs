@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::{
     error::Db,
-    held::{Held, HeldMove, HeldTouch, StepInsert},
+    held::{EventInsert, Held, HeldMove, HeldTouch, StepInsert},
     keys::RunKeys,
 };
 use crate::{
@@ -48,8 +48,21 @@ impl<'c> Sql<'c> {
     /// Sends the writes held back, if any (see [`Held`]). Unless all of them stand, the group
     /// is marked refused, so that it cannot commit as applied even if the error is caught.
     fn flush_held(&mut self) -> Result<()> {
-        let (touch_held, steps) = match self.held() {
-            Some(held) if held.any() => held.take(),
+        self.flush(true)
+    }
+
+    /// Sends what is held (the events too if `events`), noting a refusal as `flush_held` does.
+    fn flush(&mut self, events: bool) -> Result<()> {
+        let (touch_held, steps, events) = match self.held() {
+            Some(held) if held.any_of_moves() || (events && held.any()) => {
+                let (touch, steps) = held.take_of_moves();
+                let events = if events {
+                    held.take_events()
+                } else {
+                    Vec::new()
+                };
+                (touch, steps, events)
+            }
             _ => return Ok(()),
         };
         let conn = self.0;
@@ -61,6 +74,7 @@ impl<'c> Sql<'c> {
             for step in steps {
                 insert_step_row(conn, &step)?;
             }
+            insert_events(conn, &events)?;
             Ok(stood)
         })();
         if !matches!(sent, Ok(true))
@@ -71,7 +85,25 @@ impl<'c> Sql<'c> {
         sent.map(drop)
     }
 
-    /// Sends the writes held back, if any; whether every write the group held stood.
+    /// Sends `events`, taken from those held, noting a refusal as `flush_held` does.
+    fn send_events(&mut self, events: &[EventInsert]) -> Result<()> {
+        let sent = insert_events(self.0, events);
+        if sent.is_err()
+            && let Some(held) = self.held()
+        {
+            held.refused();
+        }
+        sent
+    }
+
+    /// Sends the writes a move (or pair) held to its end; whether every write the group held
+    /// so far stood.
+    pub(crate) fn move_stood(&mut self) -> Result<bool> {
+        self.flush(false)?;
+        Ok(self.held().is_none_or(|held| held.stood()))
+    }
+
+    /// Sends every write held back, the events too; whether every write the group held stood.
     pub(crate) fn held_stood(&mut self) -> Result<bool> {
         self.flush_held()?;
         Ok(self.held().is_none_or(|held| held.stood()))
@@ -166,6 +198,44 @@ fn insert_step_row(conn: &Connection, step: &StepInsert) -> Result<()> {
         step.waiting_for.map(ApprovalReason::as_str),
     ])
     .db()?;
+    Ok(())
+}
+
+/// How many events one statement appends at most, and the sizes it cuts a batch into: each
+/// size is one prepared statement, so that a batch of any length takes a few.
+const EVENT_ROWS: [usize; 4] = [64, 16, 4, 1];
+
+/// The statements that append `EVENT_ROWS[i]` events each.
+static EVENT_INSERTS: std::sync::LazyLock<[String; 4]> = std::sync::LazyLock::new(|| {
+    EVENT_ROWS.map(|rows| {
+        let values = vec!["(?, ?, ?, ?, ?, ?)"; rows].join(", ");
+        format!("INSERT INTO events (run_key, seq, kind, at, step, payload) VALUES {values}")
+    })
+});
+
+/// Appends `events`, as they are held, a statement for up to 64 of them.
+fn insert_events(conn: &Connection, mut events: &[EventInsert]) -> Result<()> {
+    while !events.is_empty() {
+        let size = EVENT_ROWS
+            .iter()
+            .position(|&rows| rows <= events.len())
+            .unwrap_or(EVENT_ROWS.len() - 1);
+        let (batch, rest) = events.split_at(EVENT_ROWS[size]);
+        let mut insert = conn.prepare_cached(&EVENT_INSERTS[size]).db()?;
+        for (i, event) in batch.iter().enumerate() {
+            let first = 6 * i + 1;
+            insert.raw_bind_parameter(first, event.key).db()?;
+            insert.raw_bind_parameter(first + 1, event.seq).db()?;
+            insert
+                .raw_bind_parameter(first + 2, event.kind.as_str())
+                .db()?;
+            insert.raw_bind_parameter(first + 3, event.at).db()?;
+            insert.raw_bind_parameter(first + 4, event.step).db()?;
+            insert.raw_bind_parameter(first + 5, &event.payload).db()?;
+        }
+        insert.raw_execute().db()?;
+        events = rest;
+    }
     Ok(())
 }
 
@@ -1485,7 +1555,7 @@ impl Tx for Sql<'_> {
     fn rollback_to(&mut self, name: &str) -> Result<()> {
         // What is held was written after the savepoint: rolled back with the rest.
         if let Some(held) = self.held() {
-            held.take();
+            held.drop_all();
         }
         self.0
             .prepare_cached(&format!("ROLLBACK TO {name}"))
@@ -1536,21 +1606,32 @@ impl Sql<'_> {
         let next = match (key, self.1.as_deref()) {
             (Some(key), Some(memo)) => match memo.last_event(run_id) {
                 Some(last) => Some((key, last + 1)),
-                None => Some((key, last_event(self.0, key)? + 1)),
+                None => {
+                    // The run's events held (appended before the memo forgot it) are read too.
+                    if let Some(events) = self.held().map(Held::take_events) {
+                        self.send_events(&events)?;
+                    }
+                    Some((key, last_event(self.0, key)? + 1))
+                }
             },
             _ => None,
         };
         if let Some((key, seq)) = next {
-            self.0
-                .prepare_cached(
-                    "INSERT INTO events (run_key, seq, kind, at, step, payload)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                )
-                .db()?
-                .execute(params![key, seq, kind.as_str(), at, step, payload])
-                .db()?;
+            // Only a group's transaction, as first applied, has the memo, and so holds.
             if let Some(memo) = self.1.as_deref_mut() {
+                let event = EventInsert {
+                    key,
+                    seq,
+                    kind,
+                    at,
+                    step,
+                    payload: payload.to_owned(),
+                };
+                let full = memo.held.append(event, EVENT_ROWS[0]);
                 memo.appended(run_id, key, seq);
+                if let Some(events) = full {
+                    self.send_events(&events)?;
+                }
             }
         } else {
             self.0

@@ -95,7 +95,7 @@ conformance_suite!(sqlite_memory, Memory);
 #[test]
 fn migrations_are_valid() {
     migrations().validate().unwrap();
-    assert_eq!(SCHEMA_VERSION, 15);
+    assert_eq!(SCHEMA_VERSION, 16);
 }
 
 #[test]
@@ -992,4 +992,126 @@ fn a_pairs_insert_refused_by_a_constraint_is_refused_alone() {
 fn last_kind(store: &Store, n: &str) -> Option<crate::types::EventKind> {
     let events = store.events(&RunId::from(n)).unwrap();
     events.last().map(|event| event.kind)
+}
+
+/// A group of many runs' moves appends each run's events numbered from 1 without a gap, in
+/// the order its moves made them, across the batches the writer sends them in.
+#[test]
+fn a_group_of_many_runs_numbers_each_runs_events_in_order_across_its_batches() {
+    use crate::{
+        store::{
+            conformance::{call, create, in_one_group, me, queued_pair, run, tool_in_flight},
+            moves::{self, Leased},
+        },
+        types::{EventKind, ToolResult},
+    };
+    let file = File::new();
+    let path = file.fresh_path();
+    let store = Store::open(&path).unwrap();
+    let grant = me();
+    let done = ToolResult::Ok(serde_json::json!({"sent": true}));
+    // 45 pairs of two events each: more than one statement's worth of rows.
+    let names: Vec<String> = (0..45).map(|i| format!("r{i}")).collect();
+    for n in &names {
+        create(&store, &run(n), &grant);
+        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
+    }
+    let before = store.events(&run("r0")).unwrap().len();
+    let (pairs, thens): (Vec<_>, Vec<_>) = names
+        .iter()
+        .map(|n| {
+            let by = || Leased::new(&run(n), &grant);
+            let outcome = moves::FinishTool::new(by(), 2, 1, "c1", &done);
+            queued_pair(outcome, moves::BeginModelStep { by: by(), step: 3 })
+        })
+        .unzip();
+    assert!(
+        in_one_group(&store, pairs)
+            .into_iter()
+            .all(|committed| committed)
+    );
+    for then in thens {
+        assert!(matches!(then.recv().unwrap(), Some(Ok(()))));
+    }
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    for n in &names {
+        let events = store.events(&run(n)).unwrap();
+        let numbers: Vec<u64> = events.iter().map(|event| event.seq).collect();
+        assert_eq!(numbers, (1..=before as u64 + 2).collect::<Vec<_>>(), "{n}");
+        let kinds: Vec<EventKind> = events[before..].iter().map(|event| event.kind).collect();
+        assert_eq!(
+            kinds,
+            [EventKind::ToolFinished, EventKind::ModelStarted],
+            "{n}"
+        );
+        // Appended in the order made: the log's own order agrees with the numbers.
+        let ids: Vec<i64> = conn
+            .prepare(
+                "SELECT events.id FROM events JOIN runs ON runs.key = events.run_key
+                 WHERE runs.id = ?1 ORDER BY seq",
+            )
+            .unwrap()
+            .query_map([n], |row| row.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert!(ids.is_sorted(), "{n}: {ids:?}");
+    }
+}
+
+/// An event the database refuses only when the writer sends it, at the end of the group,
+/// fails its own move alone: the other runs' moves of the group commit, and the refused run's
+/// numbers go on without a gap.
+#[test]
+fn an_event_refused_when_its_group_sends_it_fails_its_move_alone() {
+    use crate::{
+        store::{
+            conformance::{call, create, in_one_group, me, queued, run, tool_in_flight},
+            moves::{self, Leased},
+        },
+        types::{EventKind, ToolResult},
+    };
+    let file = File::new();
+    let path = file.fresh_path();
+    let store = Store::open(&path).unwrap();
+    let grant = me();
+    for n in ["r", "s", "t"] {
+        create(&store, &run(n), &grant);
+        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
+    }
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "CREATE TRIGGER refused BEFORE INSERT ON events WHEN NEW.payload LIKE '%refuse me%'
+         BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+    )
+    .unwrap();
+    let finish = |n: &str, output: &str| {
+        let done = ToolResult::Ok(serde_json::json!({ "note": output }));
+        queued(moves::FinishTool::new(
+            Leased::new(&run(n), &grant),
+            2,
+            1,
+            "c1",
+            &done,
+        ))
+    };
+    let group = vec![
+        finish("r", "sent"),
+        finish("s", "refuse me"),
+        finish("t", "sent"),
+    ];
+    assert_eq!(in_one_group(&store, group), [true, false, true]);
+    assert_eq!(last_kind(&store, "r"), Some(EventKind::ToolFinished));
+    assert_eq!(last_kind(&store, "s"), Some(EventKind::ToolStarted));
+    assert_eq!(last_kind(&store, "t"), Some(EventKind::ToolFinished));
+    conn.execute_batch("DROP TRIGGER refused").unwrap();
+    assert_eq!(
+        in_one_group(&store, vec![finish("s", "sent")]),
+        [true],
+        "the step was left in flight"
+    );
+    let numbers: Vec<u64> = (store.events(&run("s")).unwrap().iter())
+        .map(|event| event.seq)
+        .collect();
+    assert_eq!(numbers, (1..=numbers.len() as u64).collect::<Vec<_>>());
 }

@@ -158,14 +158,15 @@ impl Sqlite {
                 // What the move (or pair) held back is sent once it is applied; a write that
                 // does not stand, or fails, has the group applied again move by move.
                 let applied = apply(group_move, &mut sql, Isolation::Shared);
-                let stands = applied
-                    && sql.held_stood().unwrap_or_else(|err| {
-                        tracing::debug!(%err, "a held write failed: the group is applied again");
-                        false
-                    });
+                let stands = applied && stood(sql.move_stood());
                 stopped = stopped_at_io(&tx);
                 stands && stopped.is_none()
-            }) {
+            }) && stood(sql.held_stood())
+                && {
+                    stopped = stopped_at_io(&tx);
+                    stopped.is_none()
+                }
+            {
                 let committed = commit(tx);
                 match &committed {
                     Ok(()) => keys.committed(),
@@ -293,6 +294,15 @@ impl Sqlite {
 /// Commits `tx`. An I/O error at the commit leaves its fate unknown: the frames may have
 /// reached the log whole, and a failed sync says nothing of what the disk kept. Any other
 /// error rolls it back.
+/// Whether the writes held back and sent stood; an error sending them is a refusal, which
+/// has the group applied again move by move.
+fn stood(sent: Result<bool>) -> bool {
+    sent.unwrap_or_else(|err| {
+        tracing::debug!(%err, "a held write failed: the group is applied again");
+        false
+    })
+}
+
 fn commit(tx: Transaction<'_>) -> Result<()> {
     tx.commit().map_err(|err| {
         let unknown = is_io(&err);

@@ -1,8 +1,9 @@
 //! Migration 13 rebuilds the event log as a table appended at its end, with no trigger on an
-//! insert, and migration 15 names each event's run by the run's integer key: every event keeps
-//! its run, place, kind, time and payload, the log's rules still hold (append-only, kept while
-//! the run has not finished, one event per place, none of a run that does not exist), and a
-//! run's next event follows its last.
+//! insert, migration 15 names each event's run by the run's integer key, and migration 16
+//! drops the check of its payloads' JSON: every event keeps its run, place, kind, time and
+//! payload, the log's rules still hold (append-only, kept while the run has not finished, one
+//! event per place, none of a run that does not exist), a payload that is not JSON is refused
+//! when read, and a run's next event follows its last.
 
 use agentrt::{Approval, EventKind, RunId, RunState, SCHEMA_VERSION, Store, testkit::TempStore};
 
@@ -95,7 +96,7 @@ fn every_event_keeps_its_run_place_and_payload_and_the_next_follows_the_last() {
 }
 
 #[test]
-fn the_rebuilt_log_refuses_what_the_old_one_refused() {
+fn the_rebuilt_log_keeps_the_rules_of_the_old_one() {
     let db = TempStore::sqlite();
     schema_12_with_two_logs(&db);
     drop(Store::open(db.path()).unwrap());

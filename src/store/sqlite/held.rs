@@ -7,7 +7,8 @@
 //! table's lease or stamp (an event's insert reads only its run's key), nor the rows of the
 //! steps held. Any other statement sends what is held first, as does the end of each move or
 //! pair for its touch and steps, and the end of the group for its events (no move reads
-//! another's events; a statement that reads events sends them first). A held write that does
+//! another's events; a statement that reads events sends them first), which also go out as
+//! soon as 64 are held. A held write that does
 //! not stand when it is sent (a touch whose guard does not match, an insert a constraint
 //! refuses) fails the whole group, which is then applied again move by move without holding
 //! anything: the refusal is then the move's own.
@@ -127,8 +128,18 @@ impl Held {
     /// Holds the append of `event`; answers the events held once there are `batch` of them,
     /// to be sent now (so that what a group holds stays small whatever its size).
     pub(crate) fn append(&mut self, event: EventInsert, batch: usize) -> Option<Vec<EventInsert>> {
+        if self.events.capacity() == 0 {
+            self.events.reserve_exact(batch);
+        }
         self.events.push(event);
         (self.events.len() >= batch).then(|| self.take_events())
+    }
+
+    /// The number of the last event held of the run of key `key`, if any is.
+    pub(crate) fn last_event(&self, key: i64) -> Option<i64> {
+        (self.events.iter().rev())
+            .find(|event| event.key == key)
+            .map(|event| event.seq)
     }
 
     /// Whether anything is held.

@@ -24,8 +24,7 @@ use std::{
 use actix::{Actor, Context, Handler};
 use agentrt::{
     Agent, ChatMessage, Config, Model, ModelError, ModelRequest, ModelResponse, RunSettled,
-    SpawnRun, Store, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError,
-    async_trait,
+    SpawnRun, SubscribeRuns, Supervisor, Tool, ToolCall, ToolContext, ToolError, async_trait,
 };
 use clap::Parser;
 use memory::status_kib;
@@ -56,6 +55,9 @@ struct Args {
     /// Rounds; each measures both sides once.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// The most moves one group commit holds (`sqlite::Options::max_group`).
+    #[arg(long, default_value_t = agentrt::sqlite::DEFAULT_MAX_GROUP)]
+    max_group: usize,
     /// Measures one side in this process: `durable` (a SQLite file) or `memory` (used by the
     /// parent process).
     #[arg(long, hide = true)]
@@ -88,6 +90,8 @@ fn compare(args: &Args) {
                     &args.model_ms.to_string(),
                     "--tool-ms",
                     &args.tool_ms.to_string(),
+                    "--max-group",
+                    &args.max_group.to_string(),
                 ])
                 .output()
                 .expect("the child process runs");
@@ -238,9 +242,10 @@ impl Handler<RunSettled> for Countdown {
 /// One side, in this process: its figures as a JSON line.
 fn measure(args: &Args, side: &str) -> Value {
     let dir = tempfile::tempdir().expect("a temporary directory");
+    let options = agentrt::sqlite::Options::new().max_group(args.max_group);
     let store = match side {
-        "durable" => Store::open(dir.path().join("scale.db")),
-        "memory" => Store::open(":memory:"),
+        "durable" => options.open(dir.path().join("scale.db")),
+        "memory" => options.open(":memory:"),
         other => panic!("no side {other:?}"),
     }
     .expect("the store opens");

@@ -431,6 +431,50 @@ mod tests {
         assert_eq!(clock.0.load(Ordering::SeqCst), 5);
     }
 
+    /// Moves queued together beyond `max_group` are committed in groups of at most that many,
+    /// in the order they were queued, and each is answered once its own group has committed.
+    #[test]
+    fn moves_queued_together_beyond_the_group_bound_commit_in_bounded_groups_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Options::new()
+            .commit_spin(Duration::ZERO)
+            .max_group(2)
+            .open(dir.path().join("db.sqlite"))
+            .unwrap();
+        let groups = Arc::new(Groups::default());
+        let committed = actix::System::new().block_on({
+            let (store, groups) = (store.clone(), groups.clone());
+            async move {
+                let clock = Arc::new(Counting::default());
+                let (handle, _) =
+                    StoreActor::start(&store, clock, Some(groups), Duration::ZERO).unwrap();
+                // Hold the store thread until every move is queued: they arrive together.
+                let (release, gate) = std::sync::mpsc::channel::<()>();
+                handle.addr().do_send(ReadState::new(move |_| {
+                    gate.recv().ok();
+                    Ok(())
+                }));
+                let moves: Vec<_> = (1..=5)
+                    .map(|n| actix_rt::spawn(handle.apply(create(n, false), Durability::Durable)))
+                    .collect();
+                actix_rt::task::yield_now().await;
+                release.send(()).unwrap();
+                let mut committed = Vec::new();
+                for mv in moves {
+                    committed.push(mv.await.unwrap().is_ok());
+                }
+                committed
+            }
+        });
+        assert_eq!(committed, [true; 5]);
+        assert_eq!(run_ids(&store), ["r1", "r2", "r3", "r4", "r5"]);
+        assert_eq!(
+            *groups.0.lock().unwrap(),
+            [vec!["r1", "r2"], vec!["r3", "r4"], vec!["r5"]],
+            "three groups of at most two, in order"
+        );
+    }
+
     #[test]
     fn a_refusal_is_answered_after_a_sync_when_the_log_may_hold_an_unsynced_commit_and_an_accepted_lone_move_needs_none()
      {

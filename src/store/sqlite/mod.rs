@@ -45,7 +45,7 @@ mod writer;
 pub(crate) use self::open::migrations;
 pub use self::{
     database::{Connection, Sqlite},
-    options::{DEFAULT_COMMIT_SPIN, Options, Synchronous},
+    options::{DEFAULT_COMMIT_SPIN, DEFAULT_MAX_GROUP, Options, Synchronous},
     read_only::{quick_check, schema_status},
 };
 /// The schema version this build writes (the same on either backend).

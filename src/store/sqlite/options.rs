@@ -30,6 +30,9 @@ impl Synchronous {
 /// The watch for the next move after a commit when [`Options::commit_spin`] is not set: 50 µs.
 pub const DEFAULT_COMMIT_SPIN: Duration = Duration::from_micros(50);
 
+/// The most moves a group commit holds when [`Options::max_group`] is not set.
+pub const DEFAULT_MAX_GROUP: usize = 200;
+
 /// How a store opens an SQLite database, and how its supervisors write to it.
 ///
 /// ```no_run
@@ -47,6 +50,7 @@ pub struct Options {
     pub(super) create: bool,
     pub(super) migrate: bool,
     pub(super) group_commit: bool,
+    pub(super) max_group: usize,
     pub(super) commit_spin: Duration,
     pub(super) log_vfs: bool,
 }
@@ -59,6 +63,7 @@ impl Default for Options {
             create: true,
             migrate: true,
             group_commit: true,
+            max_group: DEFAULT_MAX_GROUP,
             commit_spin: DEFAULT_COMMIT_SPIN,
             log_vfs: true,
         }
@@ -109,6 +114,16 @@ impl Options {
     /// every move is a transaction and a commit of its own.
     pub fn group_commit(mut self, on: bool) -> Self {
         self.group_commit = on;
+        self
+    }
+
+    /// The most moves one group commit holds (default [`DEFAULT_MAX_GROUP`]; at least 1): more
+    /// that wait are committed in the groups after it. A group's moves are answered together,
+    /// after its sync, so their runs' next moves arrive together too; groups of bounded size
+    /// answer the first runs of a crowd while the writer applies the rest, and the runs that
+    /// started together spread out instead of moving in one wave.
+    pub fn max_group(mut self, moves: usize) -> Self {
+        self.max_group = moves.max(1);
         self
     }
 

@@ -154,19 +154,20 @@ impl Sqlite {
             keys.begin(version);
             let mut sql = Sql(&tx, Some(&mut keys));
             let mut stopped = None;
-            if moves.iter_mut().all(|group_move| {
-                // What the move (or pair) held back is sent once it is applied; a write that
-                // does not stand, or fails, has the group applied again move by move.
+            let applied = moves.iter_mut().all(|group_move| {
+                // The touch and steps a move (or pair) held back are sent once it is applied,
+                // the events at the end of the group; a write that does not stand, or fails,
+                // has the group applied again move by move.
                 let applied = apply(group_move, &mut sql, Isolation::Shared);
                 let stands = applied && stood(sql.move_stood());
                 stopped = stopped_at_io(&tx);
                 stands && stopped.is_none()
-            }) && stood(sql.held_stood())
-                && {
-                    stopped = stopped_at_io(&tx);
-                    stopped.is_none()
-                }
-            {
+            });
+            let stands = applied && stood(sql.held_stood());
+            if applied {
+                stopped = stopped_at_io(&tx);
+            }
+            if stands && stopped.is_none() {
                 let committed = commit(tx);
                 match &committed {
                     Ok(()) => keys.committed(),
@@ -291,9 +292,6 @@ impl Sqlite {
     }
 }
 
-/// Commits `tx`. An I/O error at the commit leaves its fate unknown: the frames may have
-/// reached the log whole, and a failed sync says nothing of what the disk kept. Any other
-/// error rolls it back.
 /// Whether the writes held back and sent stood; an error sending them is a refusal, which
 /// has the group applied again move by move.
 fn stood(sent: Result<bool>) -> bool {
@@ -303,6 +301,9 @@ fn stood(sent: Result<bool>) -> bool {
     })
 }
 
+/// Commits `tx`. An I/O error at the commit leaves its fate unknown: the frames may have
+/// reached the log whole, and a failed sync says nothing of what the disk kept. Any other
+/// error rolls it back.
 fn commit(tx: Transaction<'_>) -> Result<()> {
     tx.commit().map_err(|err| {
         let unknown = is_io(&err);
@@ -464,19 +465,14 @@ impl Writer for SqliteWriter {
                 self.commit_as(vec![pending], LogSync::InCommit);
             }
         } else {
-            let defer = self.syncer.is_some()
-                && (batch.len() > 1
-                    || !self.unsynced.is_empty()
-                    || more_queued
-                    || batch
-                        .iter()
-                        .all(|pending| pending.durability() == Durability::Written));
-            let sync = if defer {
-                LogSync::Deferred
-            } else {
-                LogSync::InCommit
-            };
-            self.commit_as(batch, sync);
+            let max_group = self.store.options.max_group;
+            let mut batch = batch;
+            while batch.len() > max_group {
+                let rest = batch.split_off(max_group);
+                self.commit_group(batch, true);
+                batch = rest;
+            }
+            self.commit_group(batch, more_queued);
         }
         self.checkpoint_if_due();
     }
@@ -515,6 +511,25 @@ impl Writer for SqliteWriter {
 }
 
 impl SqliteWriter {
+    /// Commits `batch` as one group, its sync left to the syncer thread when other moves wait
+    /// (`more_queued`, or more than one move in it) and when its callers all asked to be
+    /// answered once written.
+    fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>, more_queued: bool) {
+        let defer = self.syncer.is_some()
+            && (batch.len() > 1
+                || !self.unsynced.is_empty()
+                || more_queued
+                || batch
+                    .iter()
+                    .all(|pending| pending.durability() == Durability::Written));
+        let sync = if defer {
+            LogSync::Deferred
+        } else {
+            LogSync::InCommit
+        };
+        self.commit_as(batch, sync);
+    }
+
     /// Syncs the log for the groups answered before their sync, if any, and tells the observer,
     /// after the groups the log-sync thread holds (committed before them) were told.
     fn sync_written(&mut self) {

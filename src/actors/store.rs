@@ -157,6 +157,11 @@ impl Handler<Drain> for StoreActor {
                 }
                 return;
             }
+            let max_batch = self.writer().max_batch();
+            if batch.len() > max_batch {
+                // The rest goes first in the next batch, after the slice check.
+                self.queue.requeue(batch.split_off(max_batch));
+            }
             let more_queued = !self.queue.is_empty();
             self.writer().commit(batch, more_queued);
             self.bell.ring();
@@ -431,8 +436,8 @@ mod tests {
         assert_eq!(clock.0.load(Ordering::SeqCst), 5);
     }
 
-    /// Moves queued together beyond `max_group` are committed in groups of at most that many,
-    /// in the order they were queued, and each is answered once its own group has committed.
+    /// Moves queued together beyond `max_group` are committed in groups of at most that many
+    /// (a pair of one run's moves counting as one), in the order they were queued.
     #[test]
     fn moves_queued_together_beyond_the_group_bound_commit_in_bounded_groups_in_order() {
         let dir = tempfile::tempdir().unwrap();
@@ -454,12 +459,19 @@ mod tests {
                     gate.recv().ok();
                     Ok(())
                 }));
-                let moves: Vec<_> = (1..=5)
+                let pair = actix_rt::spawn(handle.apply_then(
+                    create(1, false),
+                    create(2, false),
+                    |_| true,
+                    Durability::Durable,
+                ));
+                let moves: Vec<_> = (3..=6)
                     .map(|n| actix_rt::spawn(handle.apply(create(n, false), Durability::Durable)))
                     .collect();
                 actix_rt::task::yield_now().await;
                 release.send(()).unwrap();
-                let mut committed = Vec::new();
+                let (_, then) = pair.await.unwrap().unwrap();
+                let mut committed = vec![then.unwrap().is_ok()];
                 for mv in moves {
                     committed.push(mv.await.unwrap().is_ok());
                 }
@@ -467,11 +479,11 @@ mod tests {
             }
         });
         assert_eq!(committed, [true; 5]);
-        assert_eq!(run_ids(&store), ["r1", "r2", "r3", "r4", "r5"]);
+        assert_eq!(run_ids(&store), ["r1", "r2", "r3", "r4", "r5", "r6"]);
         assert_eq!(
             *groups.0.lock().unwrap(),
-            [vec!["r1", "r2"], vec!["r3", "r4"], vec!["r5"]],
-            "three groups of at most two, in order"
+            [vec!["r1", "r2", "r3"], vec!["r4", "r5"], vec!["r6"]],
+            "groups of at most two entries, the pair one of them, in order"
         );
     }
 

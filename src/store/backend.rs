@@ -646,6 +646,11 @@ pub(crate) trait Writer: Send {
     /// `more_queued`: other moves wait behind it. The answers may come from another thread,
     /// after this returns.
     fn commit(&mut self, batch: Vec<Box<dyn Pending>>, more_queued: bool);
+    /// The most entries of the queue (a move, or a pair of one run's moves) one batch holds:
+    /// the store actor leaves the rest queued for the next. Unbounded by default.
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
     /// How long the store actor watches for the next move after a commit before it parks.
     fn watch(&self) -> Duration;
     /// The queue is empty: make durable what was answered once written.

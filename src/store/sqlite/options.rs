@@ -30,7 +30,7 @@ impl Synchronous {
 /// The watch for the next move after a commit when [`Options::commit_spin`] is not set: 50 µs.
 pub const DEFAULT_COMMIT_SPIN: Duration = Duration::from_micros(50);
 
-/// The most moves a group commit holds when [`Options::max_group`] is not set.
+/// The most moves (or pairs) a group commit holds when [`Options::max_group`] is not set.
 pub const DEFAULT_MAX_GROUP: usize = 200;
 
 /// How a store opens an SQLite database, and how its supervisors write to it.
@@ -109,19 +109,24 @@ impl Options {
         self
     }
 
-    /// Commit the moves that arrive together (from different runs) in one transaction, each in
-    /// a savepoint of its own and each caller answered after the commit (default true). Off,
-    /// every move is a transaction and a commit of its own.
+    /// Commit the moves that arrive together (from different runs) in one transaction, up to
+    /// [`max_group`](Self::max_group) of them, each in a savepoint of its own and each caller
+    /// answered after the commit (default true). Off, every move is a transaction and a commit
+    /// of its own.
     pub fn group_commit(mut self, on: bool) -> Self {
         self.group_commit = on;
         self
     }
 
-    /// The most moves one group commit holds (default [`DEFAULT_MAX_GROUP`]; at least 1): more
-    /// that wait are committed in the groups after it. A group's moves are answered together,
+    /// The most moves one group commit holds, a pair of one run's moves committed together
+    /// counting as one (default [`DEFAULT_MAX_GROUP`]; at least 1): more that wait are
+    /// committed in the groups after it, in order. A group's moves are answered together,
     /// after its sync, so their runs' next moves arrive together too; groups of bounded size
     /// answer the first runs of a crowd while the writer applies the rest, and the runs that
-    /// started together spread out instead of moving in one wave.
+    /// started together spread out instead of moving in one wave. Applied where a group's sync
+    /// is left to the log-sync thread (`FULL`, on Unix) or not made (`NORMAL`); at `EXTRA`,
+    /// where each group syncs in its commit, groups stay unbounded. No effect without
+    /// [`group_commit`](Self::group_commit).
     pub fn max_group(mut self, moves: usize) -> Self {
         self.max_group = moves.max(1);
         self

@@ -2,7 +2,8 @@
 //! thread of its own while the next group is applied, the answer once written, and
 //! checkpoints between groups.
 //!
-//! Moves that arrive while a commit is syncing are committed together: one `BEGIN IMMEDIATE`
+//! Moves that arrive while a commit is syncing are committed together, up to
+//! [`Options::max_group`](super::Options::max_group) of them: one `BEGIN IMMEDIATE`
 //! transaction, each move all-or-nothing, each caller answered only after the commit and its
 //! log sync. The exception: a caller that asked to be answered once written (a run's model
 //! reservation) is answered after the commit, before its sync; the next commit's sync, or the
@@ -465,16 +466,23 @@ impl Writer for SqliteWriter {
                 self.commit_as(vec![pending], LogSync::InCommit);
             }
         } else {
-            let max_group = self.store.options.max_group;
-            let mut batch = batch;
-            while batch.len() > max_group {
-                let rest = batch.split_off(max_group);
-                self.commit_group(batch, true);
-                batch = rest;
-            }
             self.commit_group(batch, more_queued);
         }
         self.checkpoint_if_due();
+    }
+
+    /// [`Options::max_group`](super::Options::max_group) where a group's sync is left to the
+    /// syncer thread or is not made at all: there the bound costs a commit, not a sync, per
+    /// group. Where each group would sync in its commit (`EXTRA`; `FULL` with no syncer
+    /// thread), one large group, one sync.
+    fn max_batch(&self) -> usize {
+        let syncs_apart =
+            self.syncer.is_some() || self.store.options.synchronous == Synchronous::Normal;
+        if syncs_apart {
+            self.store.options.max_group
+        } else {
+            usize::MAX
+        }
     }
 
     fn watch(&self) -> Duration {
@@ -512,8 +520,8 @@ impl Writer for SqliteWriter {
 
 impl SqliteWriter {
     /// Commits `batch` as one group, its sync left to the syncer thread when other moves wait
-    /// (`more_queued`, or more than one move in it) and when its callers all asked to be
-    /// answered once written.
+    /// (`more_queued`, more than one in the batch, a group still syncing) or when its callers
+    /// all asked to be answered once written.
     fn commit_group(&mut self, batch: Vec<Box<dyn Pending>>, more_queued: bool) {
         let defer = self.syncer.is_some()
             && (batch.len() > 1

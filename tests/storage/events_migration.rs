@@ -238,3 +238,50 @@ fn an_event_of_a_run_that_does_not_exist_stops_migration_15_and_leaves_the_file_
         "INSERT INTO events (run_id, seq, kind, at, payload) VALUES ('ghost', 1, 'x', 1, '{}')",
     );
 }
+
+/// Migration 16 copies the steps and the event log without their JSON checks: every row stays,
+/// and so do the rules the tables' triggers keep.
+#[test]
+fn migration_16_keeps_every_step_and_event_and_the_rules_of_both() {
+    let db = TempStore::sqlite();
+    migrations::waiting_run_at_schema(&db.path(), 15, "");
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    let rows = |conn: &rusqlite::Connection| -> (String, i64) {
+        conn.query_row(
+            "SELECT (SELECT result FROM steps WHERE run_id = 'r1' AND step = 1),
+                    (SELECT count(*) FROM events)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
+    };
+    let before = rows(&conn);
+    drop(conn);
+    let store = Store::open(db.path()).unwrap();
+    assert_eq!(store.schema_version().unwrap(), SCHEMA_VERSION);
+    let conn = rusqlite::Connection::open(db.path()).unwrap();
+    conn.pragma_update(None, "foreign_keys", true).unwrap();
+    assert_eq!(rows(&conn), before);
+    assert_eq!(migrations::foreign_key_violations(&conn), 0);
+    let err = conn
+        .execute("DELETE FROM steps WHERE run_id = 'r1'", [])
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot be deleted"), "{err}");
+    let err = conn
+        .execute("UPDATE events SET payload = '{}'", [])
+        .unwrap_err();
+    assert!(err.to_string().contains("append-only"), "{err}");
+}
+
+#[test]
+fn a_wait_of_a_step_that_does_not_exist_stops_migration_16_and_leaves_the_file_at_15() {
+    let db = TempStore::sqlite();
+    migrations::waiting_run_at_schema(&db.path(), 15, "");
+    migrations::a_dangling_row_stops_the_migration(
+        &db.path(),
+        15,
+        "waits",
+        "INSERT INTO waits (run_id, step, agent, kind, key, detail, since)
+         VALUES ('r1', 9, 'a', 'timer', 't', '{}', 1)",
+    );
+}

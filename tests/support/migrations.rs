@@ -56,6 +56,12 @@ pub fn foreign_key_violations(conn: &rusqlite::Connection) -> i64 {
 pub fn waiting_run_at_schema(path: &Path, version: u32, rows: &str) {
     database_at_schema(path, version);
     let conn = rusqlite::Connection::open(path).unwrap();
+    // From schema 15 an event names its run by the run's integer key.
+    let run = if version >= 15 {
+        "run_key, seq, kind, at, payload) VALUES ((SELECT key FROM runs WHERE id = 'r1')"
+    } else {
+        "run_id, seq, kind, at, payload) VALUES ('r1'"
+    };
     conn.execute_batch(&format!(
         r#"
         INSERT INTO runs (id, agent, input, state, created_at, updated_at)
@@ -63,8 +69,7 @@ pub fn waiting_run_at_schema(path: &Path, version: u32, rows: &str) {
         INSERT INTO steps (run_id, step, kind, state, attempt, result)
         VALUES ('r1', 1, 'model', 'finished', 1, '{{"tool_calls":[]}}');
         {rows}
-        INSERT INTO events (run_id, seq, kind, at, payload)
-        VALUES ('r1', 1, 'run.started', 1, '{{}}');
+        INSERT INTO events ({run}, 1, 'run.started', 1, '{{}}');
         "#
     ))
     .unwrap();

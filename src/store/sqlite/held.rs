@@ -162,12 +162,6 @@ impl Held {
         std::mem::take(&mut self.events)
     }
 
-    /// Drops everything held: it was rolled back.
-    pub(crate) fn drop_all(&mut self) {
-        self.take_of_moves();
-        self.take_events();
-    }
-
     /// A held write, sent, did not stand: the group must not commit as applied.
     pub(crate) fn refused(&mut self) {
         self.refused = true;

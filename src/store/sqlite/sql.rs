@@ -1553,13 +1553,9 @@ impl Tx for Sql<'_> {
     }
 
     fn rollback_to(&mut self, name: &str) -> Result<()> {
-        // What is held was written after the savepoint: rolled back with the rest.
-        // Only the second attempt of a group, which holds nothing, rolls back to a savepoint:
-        // the memo's numbers would not be rolled back with what is held.
+        // Only the second attempt of a group, which holds nothing, uses savepoints: writes held
+        // and the memo's numbers would not be rolled back with the rest.
         debug_assert!(self.1.is_none(), "a savepoint rolled back with writes held");
-        if let Some(held) = self.held() {
-            held.drop_all();
-        }
         self.0
             .prepare_cached(&format!("ROLLBACK TO {name}"))
             .db()?

@@ -785,11 +785,23 @@ fn a_read_sees_one_snapshot_while_another_connection_commits() {
 /// A store on a new file of `file`'s, with run `r` started under `grant` and its call `c1`'s
 /// tool in flight.
 fn with_tool_in_flight(file: &File, grant: &crate::store::model::Grant) -> (Store, PathBuf) {
+    with_tools_in_flight(file, grant, &["r"])
+}
+
+/// A store on a new file of `file`'s, with each of the runs `names` started under `grant` and
+/// its call `c1`'s tool in flight.
+fn with_tools_in_flight(
+    file: &File,
+    grant: &crate::store::model::Grant,
+    names: &[&str],
+) -> (Store, PathBuf) {
     use crate::store::conformance::{call, create, run, tool_in_flight};
     let path = file.fresh_path();
     let store = Store::open(&path).unwrap();
-    create(&store, &run("r"), grant);
-    tool_in_flight(&store, &run("r"), grant, vec![call("c1")]);
+    for n in names {
+        create(&store, &run(n), grant);
+        tool_in_flight(&store, &run(n), grant, vec![call("c1")]);
+    }
     (store, path)
 }
 
@@ -1001,22 +1013,17 @@ fn last_kind(store: &Store, n: &str) -> Option<crate::types::EventKind> {
 fn a_group_of_many_runs_numbers_each_runs_events_in_order_across_its_batches() {
     use crate::{
         store::{
-            conformance::{call, create, in_one_group, me, queued_pair, run, tool_in_flight},
+            conformance::{in_one_group, me, queued_pair, run},
             moves::{self, Leased},
         },
         types::{EventKind, ToolResult},
     };
-    let file = File::new();
-    let path = file.fresh_path();
-    let store = Store::open(&path).unwrap();
-    let grant = me();
+    let (file, grant) = (File::new(), me());
     let done = ToolResult::Ok(serde_json::json!({"sent": true}));
     // 45 pairs of two events each: more than one statement's worth of rows.
     let names: Vec<String> = (0..45).map(|i| format!("r{i}")).collect();
-    for n in &names {
-        create(&store, &run(n), &grant);
-        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
-    }
+    let named: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (store, path) = with_tools_in_flight(&file, &grant, &named);
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(
         "CREATE TABLE touches (n INTEGER NOT NULL); INSERT INTO touches VALUES (0);
@@ -1079,19 +1086,13 @@ fn a_group_of_many_runs_numbers_each_runs_events_in_order_across_its_batches() {
 fn an_event_refused_when_its_group_sends_it_fails_its_move_alone() {
     use crate::{
         store::{
-            conformance::{call, create, in_one_group, me, queued, run, tool_in_flight},
+            conformance::{in_one_group, me, queued, run},
             moves::{self, Leased},
         },
         types::{EventKind, ToolResult},
     };
-    let file = File::new();
-    let path = file.fresh_path();
-    let store = Store::open(&path).unwrap();
-    let grant = me();
-    for n in ["r", "s", "t"] {
-        create(&store, &run(n), &grant);
-        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
-    }
+    let (file, grant) = (File::new(), me());
+    let (store, path) = with_tools_in_flight(&file, &grant, &["r", "s", "t"]);
     let conn = rusqlite::Connection::open(&path).unwrap();
     conn.execute_batch(
         "CREATE TRIGGER refused BEFORE INSERT ON events WHEN NEW.payload LIKE '%refuse me%'

@@ -62,6 +62,10 @@ struct Args {
     /// Writer connections of each PostgreSQL process.
     #[arg(long, default_value_t = postgres::DEFAULT_WRITERS)]
     writers: usize,
+    /// Moves unanswered on a process's first writer connection from which new runs go to the
+    /// others (`postgres::Options::spill_at`).
+    #[arg(long, default_value_t = postgres::DEFAULT_SPILL_AT)]
+    spill_at: usize,
     /// The sides to measure.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Side::Group, Side::Single, Side::Sqlite])]
     sides: Vec<Side>,
@@ -132,7 +136,7 @@ impl Place {
         } else {
             Place::Postgres(Schema::new(url))
         };
-        drop(open(side, &place.location(), 1));
+        drop(open(side, &place.location(), 1, postgres::DEFAULT_SPILL_AT));
         place
     }
 
@@ -144,16 +148,21 @@ impl Place {
     }
 }
 
-fn open(side: Side, location: &str, writers: usize) -> Store {
+fn open(side: Side, location: &str, writers: usize, spill_at: usize) -> Store {
     match side {
-        Side::Group => postgres::Options::new().writers(writers).open(location),
+        Side::Group => postgres::Options::new()
+            .writers(writers)
+            .spill_at(spill_at)
+            .open(location),
         Side::Single => postgres::Options::new()
             .writers(writers)
+            .spill_at(spill_at)
             .group_commit(false)
             .pipeline(false)
             .open(location),
         Side::Pipelined => postgres::Options::new()
             .writers(writers)
+            .spill_at(spill_at)
             .group_commit(false)
             .open(location),
         Side::Sqlite => sqlite::Options::new()
@@ -204,7 +213,7 @@ fn summarize(args: &Args, runs: usize, processes: usize, seen: &[(Side, Vec<Valu
             "failed_runs": lines.iter().map(|l| l["failed_runs"].as_f64().unwrap()).sum::<f64>(),
         })
     };
-    let shape = json!({ "runs": runs, "processes": processes, "steps": args.steps, "writers": args.writers });
+    let shape = json!({ "runs": runs, "processes": processes, "steps": args.steps, "writers": args.writers, "spill_at": args.spill_at });
     let Some(group) = lines(Side::Group) else {
         return;
     };
@@ -242,6 +251,7 @@ fn measure(args: &Args, side: Side, runs: usize, processes: usize) -> Value {
                 .args(["--runs", &share.to_string()])
                 .args(["--steps", &args.steps.to_string()])
                 .args(["--writers", &args.writers.to_string()])
+                .args(["--spill-at", &args.spill_at.to_string()])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .spawn()
@@ -308,7 +318,7 @@ fn measure(args: &Args, side: Side, runs: usize, processes: usize) -> Value {
 /// starts its runs at once and waits for them all; prints its figures as one JSON line.
 fn child(args: &Args, side: Side, location: &str) {
     let runs = args.runs[0];
-    let store = open(side, location, args.writers);
+    let store = open(side, location, args.writers, args.spill_at);
     let commits = Commits::default();
     let effects = Arc::new(AtomicUsize::new(0));
     let model = LoopModel::new(args.steps, "effect");

@@ -55,6 +55,7 @@ macro_rules! conformance_suite {
                 a_model_call_starts_only_under_an_unexpired_lease_of_its_own,
                 a_refused_move_writes_nothing,
                 a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
+                groups_of_every_size_commit_each_runs_moves_in_order,
                 a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
                 a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs,
                 a_step_inserted_and_started_in_one_pair_is_stored_started,
@@ -679,6 +680,69 @@ pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &d
     );
     assert_eq!(store.run(&run("r1")).unwrap().state, RunState::Running);
     assert_eq!(store.run(&run("r3")).unwrap().state, RunState::Running);
+}
+
+/// Groups of a few moves, of a few dozen and of a hundred (a writer may plan them apart) each
+/// commit every run's moves, each run's events numbered in order.
+pub(crate) fn groups_of_every_size_commit_each_runs_moves_in_order(f: &dyn Fixture) {
+    let store = f.store();
+    let mine = me();
+    for size in [5, 40, 100] {
+        let ids: Vec<RunId> = (0..size).map(|n| run(&format!("g{size}-{n}"))).collect();
+        let creates = ids
+            .iter()
+            .map(|id| {
+                queued(moves::CreateRun {
+                    by: Leased::new(id, &mine),
+                    agent: "agent".into(),
+                    input: json!({"n": size}),
+                    trace: None,
+                })
+            })
+            .collect();
+        assert!(in_one_group(&store, creates).into_iter().all(|c| c));
+        let begins = ids
+            .iter()
+            .map(|id| {
+                queued(moves::BeginModelStep {
+                    by: Leased::new(id, &mine),
+                    step: 1,
+                })
+            })
+            .collect();
+        assert!(in_one_group(&store, begins).into_iter().all(|c| c));
+        let answers = ids
+            .iter()
+            .map(|id| {
+                let response = ModelResponse::calls(vec![call("c1")]);
+                queued(moves::FinishModelStep {
+                    by: Leased::new(id, &mine),
+                    step: 1,
+                    attempt: 1,
+                    outcome: ModelOutcome::Answered {
+                        recorded: Rendered::new(serde_json::to_value(&response).unwrap()),
+                        response,
+                    },
+                })
+            })
+            .collect();
+        assert!(in_one_group(&store, answers).into_iter().all(|c| c));
+        for id in &ids {
+            let events = store.events(id).unwrap();
+            let seqs: Vec<u64> = events.iter().map(|event| event.seq).collect();
+            assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>(), "{id}");
+            assert_eq!(events[0].kind, EventKind::RunStarted, "{id}");
+            assert!(
+                events
+                    .iter()
+                    .any(|event| event.kind == EventKind::ModelFinished),
+                "{id}: {events:?}"
+            );
+            let steps = store.read(|reads| reads.steps(id)).unwrap();
+            assert_eq!(steps.len(), 2, "{id}: the model's step and its call's");
+            assert_eq!(steps[1].state, StepState::Pending, "{id}");
+        }
+    }
 }
 
 /// A group of loop steps (which a writer may commit without waiting for its writes' answers)

@@ -37,7 +37,7 @@ mod writer;
 
 pub use self::{
     open::{SCHEMA_VERSION, migrations_pending, schema_status},
-    options::{DEFAULT_WRITERS, Options},
+    options::{DEFAULT_SPILL_AT, DEFAULT_WRITERS, Options},
 };
 
 /// Whether `location` names a PostgreSQL database (a `postgres://` or `postgresql://` URL)

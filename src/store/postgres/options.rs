@@ -8,6 +8,10 @@ use crate::store::Store;
 /// The writer connections a supervisor commits through, unless told otherwise.
 pub const DEFAULT_WRITERS: usize = 2;
 
+/// The moves unanswered on a supervisor's first writer connection from which new runs go to
+/// the others, unless told otherwise ([`Options::spill_at`]).
+pub const DEFAULT_SPILL_AT: usize = super::lanes::SPILL_AT;
+
 /// How to open a PostgreSQL store: `Options::new().open(url)`.
 ///
 /// The URL is libpq's (`postgres://user:password@host:port/database?options`), as the
@@ -39,7 +43,7 @@ impl Default for Options {
             connect_timeout: Duration::from_secs(5),
             network_timeout: Duration::from_secs(10),
             idle_in_transaction: Duration::from_secs(10),
-            spill_at: super::lanes::SPILL_AT,
+            spill_at: DEFAULT_SPILL_AT,
         }
     }
 }
@@ -60,11 +64,15 @@ impl Options {
         self
     }
 
-    /// Spills new runs from the first lane to the others from `moves` unanswered on it: a
-    /// test's way to put two runs on different lanes.
-    #[cfg(test)]
-    pub(crate) fn spill_at(mut self, moves: usize) -> Self {
-        self.spill_at = moves;
+    /// From how many moves unanswered on the first writer connection a run with none of its own
+    /// unanswered goes to the least loaded connection instead ([`DEFAULT_SPILL_AT`] unless told
+    /// otherwise; at least 1). One connection gathers larger groups, and replicas sharing a
+    /// server commit most together when each uses one; a process alone on its server commits
+    /// more with a lower bound, since its connections' groups then run on the server's cores at
+    /// once. At 50 runs of 20 steps on the same host, 25 made one process commit about 1.45
+    /// times as many moves a second as the default, and four replicas about as many.
+    pub fn spill_at(mut self, moves: usize) -> Self {
+        self.spill_at = moves.max(1);
         self
     }
 

@@ -577,8 +577,12 @@ fn attempt_on(
     }
 }
 
-/// Groups of at most this many moves run on plans made once per statement.
-const SMALL_GROUP: usize = 8;
+/// Groups of at most this many moves run on plans made once per statement: the groups of a
+/// process with up to a few dozen runs at once. Planning each such group's statements for its
+/// own values cost more than running them, and hashing a growing table is slower than a few
+/// dozen index lookups; a process with hundreds of runs makes groups of hundreds, where
+/// hashing pays.
+const SMALL_GROUP: usize = 64;
 
 /// How the server plans a group's statements. A lane sends the same few statements, each with
 /// arrays of the group's rows. Planned anew for each group's values, the statements of a small

@@ -441,11 +441,13 @@ mod tests {
     #[test]
     fn moves_queued_together_beyond_the_group_bound_commit_in_bounded_groups_in_order() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Options::new()
-            .commit_spin(Duration::ZERO)
-            .max_group(2)
-            .open(dir.path().join("db.sqlite"))
-            .unwrap();
+        let options = Options::new().commit_spin(Duration::ZERO).max_group(2);
+        bounded_groups_in_order(options.clone().open(dir.path().join("db.sqlite")).unwrap());
+        // In memory, where no group syncs, too.
+        bounded_groups_in_order(options.in_memory().unwrap());
+    }
+
+    fn bounded_groups_in_order(store: Store) {
         let groups = Arc::new(Groups::default());
         let committed = actix::System::new().block_on({
             let (store, groups) = (store.clone(), groups.clone());

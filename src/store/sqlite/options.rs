@@ -124,7 +124,8 @@ impl Options {
     /// after its sync, so their runs' next moves arrive together too; groups of bounded size
     /// answer the first runs of a crowd while the writer applies the rest, and the runs that
     /// started together spread out instead of moving in one wave. Applied where a group's sync
-    /// is left to the log-sync thread (`FULL`, on Unix) or not made (`NORMAL`); at `EXTRA`,
+    /// is left to the log-sync thread (`FULL`, on Unix) or not made (`NORMAL`, or a database
+    /// in memory); at `EXTRA`,
     /// where each group syncs in its commit, groups stay unbounded. No effect without
     /// [`group_commit`](Self::group_commit).
     pub fn max_group(mut self, moves: usize) -> Self {

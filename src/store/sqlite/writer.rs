@@ -472,12 +472,13 @@ impl Writer for SqliteWriter {
     }
 
     /// [`Options::max_group`](super::Options::max_group) where a group's sync is left to the
-    /// syncer thread or is not made at all: there the bound costs a commit, not a sync, per
-    /// group. Where each group would sync in its commit (`EXTRA`; `FULL` with no syncer
-    /// thread), one large group, one sync.
+    /// syncer thread or is not made at all (`NORMAL`, or a database in memory): there the bound
+    /// costs a commit, not a sync, per group. Where each group would sync in its commit
+    /// (`EXTRA`; `FULL` with no syncer thread), one large group, one sync.
     fn max_batch(&self) -> usize {
-        let syncs_apart =
-            self.syncer.is_some() || self.store.options.synchronous == Synchronous::Normal;
+        let syncs_apart = self.syncer.is_some()
+            || self.store.options.synchronous == Synchronous::Normal
+            || self.store.path().is_none();
         if syncs_apart {
             self.store.options.max_group
         } else {

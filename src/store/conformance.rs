@@ -56,6 +56,7 @@ macro_rules! conformance_suite {
                 a_refused_move_writes_nothing,
                 a_move_refused_after_writing_in_a_group_is_rolled_back_alone,
                 groups_of_every_size_commit_each_runs_moves_in_order,
+                a_pairs_insert_refused_by_a_key_is_refused_alone,
                 a_loop_steps_group_refused_by_a_guard_keeps_nothing_of_the_refused_move,
                 a_pair_whose_start_is_refused_keeps_its_first_move_and_the_others_pairs,
                 a_step_inserted_and_started_in_one_pair_is_stored_started,
@@ -680,6 +681,33 @@ pub(crate) fn a_move_refused_after_writing_in_a_group_is_rolled_back_alone(f: &d
     );
     assert_eq!(store.run(&run("r1")).unwrap().state, RunState::Running);
     assert_eq!(store.run(&run("r3")).unwrap().state, RunState::Running);
+}
+
+/// A pair whose second move inserts a step that exists (the steps' key refuses it) is refused
+/// alone, with its error: its first move, and another run's pair in the group, commit. (A key
+/// taken may also be a race with another writer, which a PostgreSQL lane first tries again.)
+pub(crate) fn a_pairs_insert_refused_by_a_key_is_refused_alone(f: &dyn Fixture) {
+    let store = f.store();
+    let grant = me();
+    let done = ToolResult::Ok(json!({"sent": true}));
+    let finish = |n: &str| moves::FinishTool::new(Leased::new(&run(n), &grant), 2, 1, "c1", &done);
+    let begin = |n: &str, step| moves::BeginModelStep {
+        by: Leased::new(&run(n), &grant),
+        step,
+    };
+    for n in ["r", "s"] {
+        create(&store, &run(n), &grant);
+        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
+    }
+    // Step 2 of `r` exists: a reservation numbered 2 is refused.
+    let (r_pair, r_then) = queued_pair(finish("r"), begin("r", 2));
+    let (s_pair, s_then) = queued_pair(finish("s"), begin("s", 3));
+    assert_eq!(in_one_group(&store, vec![r_pair, s_pair]), [true, true]);
+    assert!(matches!(r_then.recv().unwrap(), Some(Err(_))));
+    assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
+    let last = |n: &str| store.events(&run(n)).unwrap().pop().map(|event| event.kind);
+    assert_eq!(last("r"), Some(EventKind::ToolFinished));
+    assert_eq!(last("s"), Some(EventKind::ModelStarted));
 }
 
 /// Groups of a few moves, of a few dozen and of a hundred (a writer may plan them apart) each

@@ -30,6 +30,14 @@ pub(super) fn take_noted() -> Noted {
     NOTED.replace(Noted::Nothing)
 }
 
+/// Forgets a conflict noted since the last call (a broken connection stays noted): the move
+/// that met it was refused alone, and the transaction goes on without it.
+pub(super) fn forgive_conflict() {
+    if NOTED.get() == Noted::Conflict {
+        NOTED.set(Noted::Nothing);
+    }
+}
+
 /// agentrt's error for a driver's, noting what it asks of the transaction.
 pub(crate) fn pg_error(err: postgres::Error) -> Error {
     let code = err.code();

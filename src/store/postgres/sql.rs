@@ -41,6 +41,8 @@ pub(super) struct PgTx<'a> {
     group: Option<Group>,
     /// The reading the next `lease_wall` answers: the group's, for a run it locked.
     locked_at: Option<i64>,
+    /// A conflict met inside a savepoint rolled back is the refusal of what it held only.
+    conflicts_refuse: bool,
 }
 
 /// The rows a group locked, and what it read as it locked them.
@@ -80,7 +82,16 @@ impl<'a> PgTx<'a> {
             held,
             group: None,
             locked_at: None,
+            conflicts_refuse: false,
         }
+    }
+
+    /// Makes a conflict (a key taken, a deadlock) met inside a savepoint that is then rolled
+    /// back the refusal of what the savepoint held, not of the transaction: see
+    /// [`forgive_conflict`](super::conn::forgive_conflict).
+    pub(super) fn conflicts_refuse(mut self, on: bool) -> Self {
+        self.conflicts_refuse = on;
+        self
     }
 
     /// Locks the rows of `runs` (sorted, each once) in the order of their ids, as a renewal
@@ -1344,7 +1355,11 @@ impl Tx for PgTx<'_> {
     }
 
     fn rollback_to(&mut self, name: &str) -> Result<()> {
-        self.simple(&format!("ROLLBACK TO SAVEPOINT {name}"))
+        self.simple(&format!("ROLLBACK TO SAVEPOINT {name}"))?;
+        if self.conflicts_refuse {
+            super::conn::forgive_conflict();
+        }
+        Ok(())
     }
 
     fn release_savepoint(&mut self, name: &str) -> Result<()> {

@@ -43,6 +43,12 @@ use crate::{
 /// broken connection is applied again before its callers are told it failed.
 const TRIES: u32 = 20;
 
+/// From this try on, a group is applied move by move, each in a savepoint of its own, and a
+/// conflict met inside a move refuses that move alone: a key that is still taken after a group
+/// was applied again is the move's own (a step it inserts exists), not a race with another
+/// writer, which the tries before have let settle.
+const CONFLICTS_REFUSE_FROM: u32 = 3;
+
 impl Postgres {
     /// Stops the store's writes for good, as the death of its process would: waits until every
     /// write transaction it has open (a lane's group, a renewal, a release) has ended, committed
@@ -417,7 +423,7 @@ impl Lane {
         let mut tries = 0;
         let failure = loop {
             tries += 1;
-            match self.attempt(&mut batch) {
+            match self.attempt(&mut batch, tries >= CONFLICTS_REFUSE_FROM) {
                 Attempt::Committed => break None,
                 Attempt::Again(why) if tries < TRIES => {
                     tracing::debug!(why, tries, moves = batch.len(), "a group is applied again");
@@ -457,7 +463,8 @@ impl Lane {
         }
     }
 
-    fn attempt(&mut self, batch: &mut [Box<dyn Pending>]) -> Attempt {
+    /// One try at `batch`; `conflicts_refuse`: a conflict met inside a move refuses it alone.
+    fn attempt(&mut self, batch: &mut [Box<dyn Pending>], conflicts_refuse: bool) -> Attempt {
         let mut conn = match self.conn.take() {
             Some(conn) if conn.is_usable() => conn,
             _ => match self.store.pipe() {
@@ -466,7 +473,7 @@ impl Lane {
             },
         };
         let pipelined = self.store.options.pipeline;
-        let attempt = attempt_on(&mut conn, batch, &*self.clock, pipelined);
+        let attempt = attempt_on(&mut conn, batch, &*self.clock, pipelined, conflicts_refuse);
         if conn.is_usable() {
             self.conn = Some(conn);
         }
@@ -477,12 +484,14 @@ impl Lane {
 /// One attempt at committing `batch` in one transaction on `conn`: straight in, its writes
 /// pipelined when `pipelined`; then, should a move be refused (or a pipelined write be found
 /// to have been), again with each move in a savepoint of its own and every statement answered
-/// before the next.
+/// before the next. With `conflicts_refuse`, move by move from the start, and a conflict met
+/// inside a move refuses that move alone instead of the whole attempt.
 fn attempt_on(
     conn: &mut PipeConn,
     batch: &mut [Box<dyn Pending>],
     clock: &dyn Clock,
     pipelined: bool,
+    conflicts_refuse: bool,
 ) -> Attempt {
     let written = batch
         .iter()
@@ -495,15 +504,19 @@ fn attempt_on(
     begin.push_str(plans_for(small));
     conn.small_groups(small);
     take_noted();
-    conn.direct = !pipelined;
-    let mut isolation = Isolation::Shared;
+    conn.direct = !pipelined || conflicts_refuse;
+    let mut isolation = if conflicts_refuse {
+        Isolation::Savepoint
+    } else {
+        Isolation::Shared
+    };
     loop {
         conn.begin(&begin);
         if conn.direct {
             // Unpipelined, the BEGIN is answered before the first statement is sent.
             conn.settle();
         }
-        let (stands, failed) = apply_group(conn, batch, clock, isolation);
+        let (stands, failed) = apply_group(conn, batch, clock, isolation, conflicts_refuse);
         if stands && failed.is_none() && conn.may_commit_behind() {
             // Every write sent fails on the server should it not stand: the COMMIT goes
             // behind them, and one wait answers all.
@@ -602,15 +615,17 @@ fn plans_for(small: bool) -> &'static str {
 }
 
 /// Applies every move of `batch` in the open transaction: whether all stand, and the error of
-/// a statement that failed outside any move (a savepoint's).
+/// a statement that failed outside any move (a savepoint's). With `conflicts_refuse`, a
+/// conflict met inside a move in a savepoint of its own is that move's refusal only.
 fn apply_group(
     conn: &mut PipeConn,
     batch: &mut [Box<dyn Pending>],
     clock: &dyn Clock,
     isolation: Isolation,
+    conflicts_refuse: bool,
 ) -> (bool, Option<Error>) {
     let pipelined = conn.pipelines();
-    let mut pg = PgTx::new(conn, true);
+    let mut pg = PgTx::new(conn, true).conflicts_refuse(conflicts_refuse);
     match isolation {
         Isolation::Shared => {
             if pipelined {

@@ -964,42 +964,6 @@ fn event_numbers(conn: &rusqlite::Connection) -> Vec<i64> {
     .unwrap()
 }
 
-/// A pair whose second move inserts a step that exists (the steps' key refuses it) is refused
-/// alone: its first move, and another run's pair in the group, commit. (On PostgreSQL a unique
-/// violation is taken for a race with another writer, and the group is tried again.)
-#[test]
-fn a_pairs_insert_refused_by_a_constraint_is_refused_alone() {
-    use crate::{
-        store::{
-            conformance::{call, create, in_one_group, me, queued_pair, run, tool_in_flight},
-            moves::{self, Leased},
-        },
-        types::{EventKind, ToolResult},
-    };
-    use serde_json::json;
-    let file = File::new();
-    let store = Store::open(file.fresh_path()).unwrap();
-    let grant = me();
-    let done = ToolResult::Ok(json!({"sent": true}));
-    let finish = |n: &str| moves::FinishTool::new(Leased::new(&run(n), &grant), 2, 1, "c1", &done);
-    let begin = |n: &str, step| moves::BeginModelStep {
-        by: Leased::new(&run(n), &grant),
-        step,
-    };
-    for n in ["r", "s"] {
-        create(&store, &run(n), &grant);
-        tool_in_flight(&store, &run(n), &grant, vec![call("c1")]);
-    }
-    // Step 2 of `r` exists: a reservation numbered 2 is refused.
-    let (r_pair, r_then) = queued_pair(finish("r"), begin("r", 2));
-    let (s_pair, s_then) = queued_pair(finish("s"), begin("s", 3));
-    assert_eq!(in_one_group(&store, vec![r_pair, s_pair]), [true, true]);
-    assert!(matches!(r_then.recv().unwrap(), Some(Err(_))));
-    assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
-    assert_eq!(last_kind(&store, "r"), Some(EventKind::ToolFinished));
-    assert_eq!(last_kind(&store, "s"), Some(EventKind::ModelStarted));
-}
-
 /// The kind of run `n`'s last event.
 fn last_kind(store: &Store, n: &str) -> Option<crate::types::EventKind> {
     let events = store.events(&RunId::from(n)).unwrap();

@@ -703,7 +703,12 @@ pub(crate) fn a_pairs_insert_refused_by_a_key_is_refused_alone(f: &dyn Fixture) 
     let (r_pair, r_then) = queued_pair(finish("r"), begin("r", 2));
     let (s_pair, s_then) = queued_pair(finish("s"), begin("s", 3));
     assert_eq!(in_one_group(&store, vec![r_pair, s_pair]), [true, true]);
-    assert!(matches!(r_then.recv().unwrap(), Some(Err(_))));
+    // The refusal is the move's own error (the key's), not a failed commit.
+    let refused = r_then.recv().unwrap();
+    assert!(
+        matches!(refused, Some(Err(Error::Database(_)))),
+        "{refused:?}"
+    );
     assert!(matches!(s_then.recv().unwrap(), Some(Ok(()))));
     let last = |n: &str| store.events(&run(n)).unwrap().pop().map(|event| event.kind);
     assert_eq!(last("r"), Some(EventKind::ToolFinished));

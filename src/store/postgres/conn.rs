@@ -18,9 +18,12 @@ thread_local! {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Noted {
     Nothing,
-    /// Another transaction got in the way (a serialization failure, a deadlock, a key taken
-    /// meanwhile): nothing was committed, and applying it again may succeed.
+    /// Another transaction got in the way (a serialization failure, a deadlock): nothing was
+    /// committed, and applying it again may succeed.
     Conflict,
+    /// A write met a key that is taken: another writer's meanwhile (applying it again may
+    /// succeed), or one that the move itself should not have written (it will not).
+    KeyTaken,
     /// The connection broke: nothing more goes through it.
     Broken,
 }
@@ -30,10 +33,11 @@ pub(super) fn take_noted() -> Noted {
     NOTED.replace(Noted::Nothing)
 }
 
-/// Forgets a conflict noted since the last call (a broken connection stays noted): the move
-/// that met it was refused alone, and the transaction goes on without it.
-pub(super) fn forgive_conflict() {
-    if NOTED.get() == Noted::Conflict {
+/// Forgets a taken key noted since the last call (a deadlock, a serialization failure or a
+/// broken connection stays noted): the move that met it was refused alone, and the
+/// transaction goes on without it.
+pub(super) fn forgive_key_taken() {
+    if NOTED.get() == Noted::KeyTaken {
         NOTED.set(Noted::Nothing);
     }
 }
@@ -42,10 +46,9 @@ pub(super) fn forgive_conflict() {
 pub(crate) fn pg_error(err: postgres::Error) -> Error {
     let code = err.code();
     let conflict = code.is_some_and(|code| {
-        *code == SqlState::T_R_SERIALIZATION_FAILURE
-            || *code == SqlState::T_R_DEADLOCK_DETECTED
-            || *code == SqlState::UNIQUE_VIOLATION
+        *code == SqlState::T_R_SERIALIZATION_FAILURE || *code == SqlState::T_R_DEADLOCK_DETECTED
     });
+    let key_taken = code.is_some_and(|code| *code == SqlState::UNIQUE_VIOLATION);
     let broken = err.is_closed()
         || code.is_some_and(|code| {
             *code == SqlState::ADMIN_SHUTDOWN
@@ -55,7 +58,9 @@ pub(crate) fn pg_error(err: postgres::Error) -> Error {
             && std::error::Error::source(&err).is_some_and(|s| s.is::<std::io::Error>()));
     match (conflict, broken) {
         (_, true) => NOTED.set(Noted::Broken),
-        (true, false) if NOTED.get() == Noted::Nothing => NOTED.set(Noted::Conflict),
+        // A deadlock or serialization failure outranks a taken key: it is applied again.
+        (true, false) if NOTED.get() != Noted::Broken => NOTED.set(Noted::Conflict),
+        (false, false) if key_taken && NOTED.get() == Noted::Nothing => NOTED.set(Noted::KeyTaken),
         _ => {}
     }
     let busy = code.is_some_and(|code| *code == SqlState::LOCK_NOT_AVAILABLE);

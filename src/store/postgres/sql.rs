@@ -41,7 +41,7 @@ pub(super) struct PgTx<'a> {
     group: Option<Group>,
     /// The reading the next `lease_wall` answers: the group's, for a run it locked.
     locked_at: Option<i64>,
-    /// A conflict met inside a savepoint rolled back is the refusal of what it held only.
+    /// A key found taken inside a savepoint rolled back is the refusal of what it held only.
     conflicts_refuse: bool,
 }
 
@@ -86,9 +86,9 @@ impl<'a> PgTx<'a> {
         }
     }
 
-    /// Makes a conflict (a key taken, a deadlock) met inside a savepoint that is then rolled
-    /// back the refusal of what the savepoint held, not of the transaction: see
-    /// [`forgive_conflict`](super::conn::forgive_conflict).
+    /// Makes a key found taken inside a savepoint that is then rolled back the refusal of what
+    /// the savepoint held, not of the transaction: see
+    /// [`forgive_key_taken`](super::conn::forgive_key_taken).
     pub(super) fn conflicts_refuse(mut self, on: bool) -> Self {
         self.conflicts_refuse = on;
         self
@@ -1357,7 +1357,7 @@ impl Tx for PgTx<'_> {
     fn rollback_to(&mut self, name: &str) -> Result<()> {
         self.simple(&format!("ROLLBACK TO SAVEPOINT {name}"))?;
         if self.conflicts_refuse {
-            super::conn::forgive_conflict();
+            super::conn::forgive_key_taken();
         }
         Ok(())
     }

@@ -44,9 +44,10 @@ use crate::{
 const TRIES: u32 = 20;
 
 /// From this try on, a group is applied move by move, each in a savepoint of its own, and a
-/// conflict met inside a move refuses that move alone: a key that is still taken after a group
-/// was applied again is the move's own (a step it inserts exists), not a race with another
-/// writer, which the tries before have let settle.
+/// key found taken inside a move refuses that move alone: a key still taken after a group was
+/// applied again is the move's own (a step it inserts exists), not a race with another
+/// writer, which the tries before have let settle. A deadlock or a serialization failure is
+/// still applied again.
 const CONFLICTS_REFUSE_FROM: u32 = 3;
 
 impl Postgres {
@@ -463,7 +464,7 @@ impl Lane {
         }
     }
 
-    /// One try at `batch`; `conflicts_refuse`: a conflict met inside a move refuses it alone.
+    /// One try at `batch`; `conflicts_refuse`: a key found taken inside a move refuses it alone.
     fn attempt(&mut self, batch: &mut [Box<dyn Pending>], conflicts_refuse: bool) -> Attempt {
         let mut conn = match self.conn.take() {
             Some(conn) if conn.is_usable() => conn,
@@ -484,7 +485,7 @@ impl Lane {
 /// One attempt at committing `batch` in one transaction on `conn`: straight in, its writes
 /// pipelined when `pipelined`; then, should a move be refused (or a pipelined write be found
 /// to have been), again with each move in a savepoint of its own and every statement answered
-/// before the next. With `conflicts_refuse`, move by move from the start, and a conflict met
+/// before the next. With `conflicts_refuse`, move by move from the start, and a key found taken
 /// inside a move refuses that move alone instead of the whole attempt.
 fn attempt_on(
     conn: &mut PipeConn,
@@ -533,7 +534,7 @@ fn attempt_on(
                     return Attempt::Failed(GroupFailure::Unknown(why.into()));
                 }
                 Behind::RolledBack => match take_noted() {
-                    noted @ (Noted::Broken | Noted::Conflict) => {
+                    noted @ (Noted::Broken | Noted::Conflict | Noted::KeyTaken) => {
                         return Attempt::Again(format!("{noted:?} while applying the group"));
                     }
                     // A write was refused: each move in a savepoint of its own now, every
@@ -550,9 +551,9 @@ fn attempt_on(
         let settled = conn.settle();
         let noted = take_noted();
         let attempt = match (noted, failed) {
-            (Noted::Broken | Noted::Conflict, _) => Some(Attempt::Again(format!(
-                "{noted:?} while applying the group"
-            ))),
+            (Noted::Broken | Noted::Conflict | Noted::KeyTaken, _) => Some(Attempt::Again(
+                format!("{noted:?} while applying the group"),
+            )),
             // A pipelined write was refused (any statement after it fails saying only that),
             // or a move was: each move in a savepoint of its own now, every statement
             // answered at once.
@@ -615,8 +616,8 @@ fn plans_for(small: bool) -> &'static str {
 }
 
 /// Applies every move of `batch` in the open transaction: whether all stand, and the error of
-/// a statement that failed outside any move (a savepoint's). With `conflicts_refuse`, a
-/// conflict met inside a move in a savepoint of its own is that move's refusal only.
+/// a statement that failed outside any move (a savepoint's). With `conflicts_refuse`, a key
+/// found taken inside a move in a savepoint of its own is that move's refusal only.
 fn apply_group(
     conn: &mut PipeConn,
     batch: &mut [Box<dyn Pending>],

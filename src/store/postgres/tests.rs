@@ -243,3 +243,69 @@ fn a_start_whose_group_waited_for_the_runs_row_past_its_lease_is_refused() {
         "refused by the stored lease, not the loop's deadline"
     );
 }
+
+/// A group whose move meets a deadlock on each of its first tries, the move-by-move ones
+/// included, is applied again until it commits: only a taken key refuses a move alone. (The
+/// deadlocks are a trigger's, raised by the insert of one run's step the first four times.)
+#[test]
+fn a_move_that_meets_a_deadlock_on_a_groups_later_tries_is_applied_again_not_refused() {
+    use crate::store::{
+        conformance::{create, in_one_group, me, queued, run},
+        moves::{self, Leased},
+    };
+
+    let server = Server::with(|| crate::postgres::Options::new().writers(1));
+    if !server.available() {
+        return;
+    }
+    let store = server.store();
+    let grant = me();
+    for n in ["r1", "r2"] {
+        create(&store, &run(n), &grant);
+    }
+    let backend = store
+        .backend()
+        .as_any()
+        .downcast_ref::<super::Postgres>()
+        .unwrap();
+    let mut conn = backend.connection().unwrap();
+    conn.client()
+        .batch_execute(
+            "CREATE SEQUENCE deadlocks;
+             CREATE FUNCTION deadlock_first_four() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.run_id = 'r2' AND nextval('deadlocks') <= 4 THEN
+                     RAISE EXCEPTION 'a deadlock, for the test' USING ERRCODE = '40P01';
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER deadlocks BEFORE INSERT ON steps
+                 FOR EACH ROW EXECUTE FUNCTION deadlock_first_four();",
+        )
+        .unwrap();
+    let begin = |n: &str| {
+        queued(moves::BeginModelStep {
+            by: Leased::new(&run(n), &grant),
+            step: 1,
+        })
+    };
+    assert_eq!(
+        in_one_group(&store, vec![begin("r1"), begin("r2")]),
+        [true, true],
+        "both committed, on the fifth try"
+    );
+    let tries: i64 = conn
+        .client()
+        .query_one("SELECT last_value FROM deadlocks", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(tries, 5, "four deadlocks, then the insert that stood");
+    for n in ["r1", "r2"] {
+        let events = store.events(&run(n)).unwrap();
+        assert_eq!(
+            events.last().map(|event| event.kind),
+            Some(crate::EventKind::ModelStarted),
+            "{n}"
+        );
+    }
+}

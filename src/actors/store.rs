@@ -102,29 +102,25 @@ impl StoreActor {
     /// What arrived during the last commit, or within the writer's watch after it: a loop
     /// answered by that commit sends its next move within microseconds, and catching it here
     /// saves two thread wake-ups (ours, and the Drain's).
-    fn next_batch(&self, watch: Duration) -> Vec<Box<dyn Pending>> {
+    fn next_batch(&self, watch: Duration, max_batch: usize) -> Vec<Box<dyn Pending>> {
         // While this thread watches, a move submitted needs no Drain of its own: it is taken
         // here, and its caller saves the message (and its thread the wake-up it tries).
         self.queue.request_drain();
         let until = Instant::now() + watch;
         loop {
-            let batch = self.take_queue();
+            let batch = self.queue.take(max_batch);
             if !batch.is_empty() || Instant::now() >= until {
                 // A move submitted from here on requests a Drain again; one submitted before
-                // that did not, and is taken now.
+                // that did not, and is taken now (or by this Drain's next batches).
                 self.queue.drain_started();
                 return if batch.is_empty() {
-                    self.take_queue()
+                    self.queue.take(max_batch)
                 } else {
                     batch
                 };
             }
             std::hint::spin_loop();
         }
-    }
-
-    fn take_queue(&self) -> Vec<Box<dyn Pending>> {
-        self.queue.take()
     }
 }
 
@@ -143,8 +139,10 @@ impl Handler<Drain> for StoreActor {
     fn handle(&mut self, _: Drain, ctx: &mut SyncContext<Self>) {
         // From here on, a move submitted after the queue is taken sends a Drain of its own.
         self.queue.drain_started();
+        // At most the writer's bound: the rest stays queued, first for the next batch.
+        let max_batch = self.writer().max_batch();
         // Empty when an earlier Drain took these moves with its own.
-        let mut batch = self.take_queue();
+        let mut batch = self.queue.take(max_batch);
         let started = Instant::now();
         let watch = self.writer().watch();
         while !batch.is_empty() {
@@ -157,15 +155,10 @@ impl Handler<Drain> for StoreActor {
                 }
                 return;
             }
-            let max_batch = self.writer().max_batch();
-            if batch.len() > max_batch {
-                // The rest goes first in the next batch, after the slice check.
-                self.queue.requeue(batch.split_off(max_batch));
-            }
             let more_queued = !self.queue.is_empty();
             self.writer().commit(batch, more_queued);
             self.bell.ring();
-            batch = self.next_batch(watch);
+            batch = self.next_batch(watch, max_batch);
         }
         // Nothing more came: what was answered once written is made durable now.
         self.writer().idle();

@@ -4,6 +4,7 @@
 //! supervisor's moves without it).
 
 use std::{
+    collections::VecDeque,
     future::Future,
     sync::{
         Mutex, MutexGuard,
@@ -23,10 +24,12 @@ use crate::{
     error::{Error, Result},
 };
 
-/// Moves waiting for a writer, in the order they were submitted.
+/// Moves waiting for a writer, in the order they were submitted. A ring, so that a batch taken
+/// from its head leaves the rest in place, and its room is kept from one wave of moves to the
+/// next instead of grown again.
 #[derive(Default)]
 pub(crate) struct MoveQueue {
-    moves: Mutex<Vec<Box<dyn Pending>>>,
+    moves: Mutex<VecDeque<Box<dyn Pending>>>,
     /// A drain was requested and has not taken the queue yet: a move submitted meanwhile needs
     /// no request of its own. At most one request waits, so whatever else the drainer serves
     /// waits for at most one of them.
@@ -34,7 +37,7 @@ pub(crate) struct MoveQueue {
 }
 
 impl MoveQueue {
-    fn lock(&self) -> MutexGuard<'_, Vec<Box<dyn Pending>>> {
+    fn lock(&self) -> MutexGuard<'_, VecDeque<Box<dyn Pending>>> {
         self.moves
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -69,7 +72,7 @@ impl MoveQueue {
     }
 
     fn submit(&self, pending: Box<dyn Pending>) -> bool {
-        self.lock().push(pending);
+        self.lock().push_back(pending);
         self.request_drain()
     }
 
@@ -85,16 +88,19 @@ impl MoveQueue {
         self.drain_requested.store(false, Ordering::SeqCst);
     }
 
-    /// Everything queued, in order, leaving the queue empty.
-    pub(crate) fn take(&self) -> Vec<Box<dyn Pending>> {
-        std::mem::take(&mut *self.lock())
+    /// The first `max` entries queued (a move, or a pair), in order, or all of them if fewer.
+    pub(crate) fn take(&self, max: usize) -> Vec<Box<dyn Pending>> {
+        let mut queue = self.lock();
+        let taken = queue.len().min(max);
+        queue.drain(..taken).collect()
     }
 
-    /// Puts `batch` back at the head of the queue.
-    pub(crate) fn requeue(&self, mut batch: Vec<Box<dyn Pending>>) {
+    /// Puts `batch` back at the head of the queue, in its order.
+    pub(crate) fn requeue(&self, batch: Vec<Box<dyn Pending>>) {
         let mut queue = self.lock();
-        batch.append(&mut queue);
-        *queue = batch;
+        for pending in batch.into_iter().rev() {
+            queue.push_front(pending);
+        }
     }
 
     /// Whether nothing waits.
@@ -362,7 +368,11 @@ pub(crate) mod tests {
         let (_answer, drain) = queue.push(create_run("a"), Durability::Durable);
         assert!(!drain, "a move submitted during the watch sends no drain");
         queue.drain_started();
-        assert_eq!(queue.take().len(), 1, "the drainer's last take finds it");
+        assert_eq!(
+            queue.take(usize::MAX).len(),
+            1,
+            "the drainer's last take finds it"
+        );
         let (_answer, drain) = queue.push(create_run("b"), Durability::Durable);
         assert!(drain, "a move submitted after the watch requests a drain");
     }

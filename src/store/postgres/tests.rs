@@ -10,6 +10,17 @@ use crate::{
     store::conformance::{Fixture, conformance_suite},
 };
 
+/// A connection of `store`'s own to its server, outside any lane.
+fn connection(store: &Store) -> super::conn::Conn {
+    store
+        .backend()
+        .as_any()
+        .downcast_ref::<super::Postgres>()
+        .expect("a PostgreSQL store")
+        .connection()
+        .unwrap()
+}
+
 /// Stores in fresh schemas, kept until the fixture is dropped.
 struct Server {
     url: Option<String>,
@@ -48,12 +59,7 @@ impl Fixture for Server {
     }
 
     fn expire_lease(&self, store: &Store, run_id: &RunId) {
-        let backend = store
-            .backend()
-            .as_any()
-            .downcast_ref::<super::Postgres>()
-            .unwrap();
-        let mut conn = backend.connection().unwrap();
+        let mut conn = connection(store);
         let changed = conn
             .client()
             .execute(
@@ -122,12 +128,7 @@ fn a_start_that_waited_for_the_runs_row_past_its_lease_is_refused() {
     );
     create(&store, &run("r"), &grant);
     model_answered_by(&store, &run("r"), &grant, vec![call("c1")]);
-    let backend = store
-        .backend()
-        .as_any()
-        .downcast_ref::<super::Postgres>()
-        .unwrap();
-    let mut holder = backend.connection().unwrap();
+    let mut holder = connection(&store);
     let mut held = holder.client().transaction().unwrap();
     held.query("SELECT 1 FROM runs WHERE id = 'r' FOR UPDATE", &[])
         .unwrap();
@@ -189,12 +190,7 @@ fn a_start_whose_group_waited_for_the_runs_row_past_its_lease_is_refused() {
     );
     create(&store, &run("r"), &grant);
     model_answered_by(&store, &run("r"), &grant, vec![call("c1")]);
-    let backend = store
-        .backend()
-        .as_any()
-        .downcast_ref::<super::Postgres>()
-        .unwrap();
-    let mut holder = backend.connection().unwrap();
+    let mut holder = connection(&store);
     // The stored lease ends 600 ms from now by the server's clock; the loop's deadline is 30 s.
     holder
         .client()
@@ -263,12 +259,7 @@ fn a_move_that_meets_a_deadlock_on_a_groups_later_tries_is_applied_again_not_ref
     for n in ["r1", "r2"] {
         create(&store, &run(n), &grant);
     }
-    let backend = store
-        .backend()
-        .as_any()
-        .downcast_ref::<super::Postgres>()
-        .unwrap();
-    let mut conn = backend.connection().unwrap();
+    let mut conn = connection(&store);
     conn.client()
         .batch_execute(
             "CREATE SEQUENCE deadlocks;

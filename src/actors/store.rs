@@ -390,11 +390,7 @@ mod tests {
                 let (handle, _) =
                     StoreActor::start(&store, clock, Some(groups), Duration::ZERO).unwrap();
                 // Hold the store thread until every move is queued: they form one group.
-                let (release, gate) = std::sync::mpsc::channel::<()>();
-                handle.addr().do_send(ReadState::new(move |_| {
-                    gate.recv().ok();
-                    Ok(())
-                }));
+                let release = hold(&handle);
                 let moves = vec![
                     actix_rt::spawn(handle.apply(create(1, false), Durability::Durable)),
                     actix_rt::spawn(handle.apply(create(2, true), Durability::Durable)),
@@ -440,6 +436,16 @@ mod tests {
         bounded_groups_in_order(options.in_memory().unwrap());
     }
 
+    /// Holds the store actor's thread (in a read) until the returned sender sends or drops.
+    fn hold(handle: &StoreHandle) -> std::sync::mpsc::Sender<()> {
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        handle.addr().do_send(ReadState::new(move |_| {
+            gate.recv().ok();
+            Ok(())
+        }));
+        release
+    }
+
     fn bounded_groups_in_order(store: Store) {
         let groups = Arc::new(Groups::default());
         let committed = actix::System::new().block_on({
@@ -449,11 +455,7 @@ mod tests {
                 let (handle, _) =
                     StoreActor::start(&store, clock, Some(groups), Duration::ZERO).unwrap();
                 // Hold the store thread until every move is queued: they arrive together.
-                let (release, gate) = std::sync::mpsc::channel::<()>();
-                handle.addr().do_send(ReadState::new(move |_| {
-                    gate.recv().ok();
-                    Ok(())
-                }));
+                let release = hold(&handle);
                 let pair = actix_rt::spawn(handle.apply_then(
                     create(1, false),
                     create(2, false),
